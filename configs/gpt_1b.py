@@ -1,0 +1,31 @@
+"""GPT-1B (~1.3B parameters: 24 layers, d_model 2048, 16 heads, 50304 vocabulary, 2048 context).
+
+    python scripts/train.py --config=configs/gpt_1b.py --workdir=runs/gpt_1b
+
+For one H100/H200 or more; bfloat16 compute, cuDNN flash attention where it applies, activations
+rematerialised except the matmul outputs without batch dimensions.
+"""
+
+from jaxdist.config import base_config, locked
+
+
+def get_config():
+    c = base_config()
+    c.mesh.data = -1
+    c.model.num_layers = 24
+    c.model.d_model = 2048
+    c.model.num_heads = 16
+    c.model.vocab_size = 50304
+    c.model.seq_len = 2048
+    c.model.attention = "auto"
+    c.train.steps = 10000
+    c.train.batch_size = 16
+    c.train.learning_rate = 3e-4
+    c.train.warmup_steps = 500
+    c.train.weight_decay = 0.1
+    c.train.compute_dtype = "bfloat16"
+    c.train.remat = "dots_no_batch"
+    c.train.log_every = 20
+    c.train.eval_every = 1000
+    c.checkpoint.every = 1000
+    return locked(c)

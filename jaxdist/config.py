@@ -1,0 +1,324 @@
+"""The config schema: one small grouped tree, and its validation before anything compiles.
+
+Experiment files in `configs/` start from `base_config()` and override fields; the tree is locked so a
+misspelt key fails at parse time. `validate(config, num_devices)` checks every cross-field constraint a
+user can hit (mesh product, batch divisibility, head/width divisibility) and raises `ConfigError` with
+one line naming the field and what would be valid.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+from jaxdist.errors import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor", "pipeline")
+OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
+SCHEDULES = ("cosine", "linear", "constant")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+MODELS = ("gpt", "mlp", "resnet")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+COMPRESSIONS = ("none", "bf16", "int8", "topk", "powersgd", "sign")
+LR_SCALINGS = ("none", "linear", "sqrt")
+NONFINITE = ("stop", "skip")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every field jaxdist reads, with its default. Experiments override a handful."""
+    c = ml_collections.ConfigDict()
+
+    c.mesh = ml_collections.ConfigDict()
+    for axis in MESH_AXES:
+        c.mesh[axis] = 1
+        c.mesh[f"dcn_{axis}"] = 1
+    c.mesh.data = -1
+
+    c.model = ml_collections.ConfigDict()
+    c.model.name = "gpt"
+    c.model.num_layers = 2
+    c.model.d_model = 64
+    c.model.num_heads = 4
+    c.model.mlp_dim = 0  # 0 = 4 * d_model
+    c.model.vocab_size = 256
+    c.model.seq_len = 64
+    c.model.norm = "rmsnorm"  # or "layernorm"
+    c.model.attention = "xla"  # "xla", "cudnn" (flash attention on NVIDIA GPUs) or "auto"
+    c.model.hidden_dims = (256, 256)  # mlp
+    c.model.widths = (16, 32, 64)  # resnet stage widths
+    c.model.num_classes = 10  # mlp / resnet
+
+    c.runtime = ml_collections.ConfigDict()
+    c.runtime.cpu_devices = 0
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 100
+    c.train.batch_size = 16
+    c.train.seed = 0
+    c.train.log_every = 10
+    c.train.eval_every = 0  # 0 = only at the end
+    c.train.eval_batches = 4
+    c.train.learning_rate = 3e-3
+    c.train.warmup_steps = 10
+    c.train.schedule = "cosine"
+    c.train.min_lr_ratio = 0.1
+    c.train.optimizer = "adamw"
+    c.train.weight_decay = 0.01
+    c.train.b1 = 0.9
+    c.train.b2 = 0.95
+    c.train.momentum = 0.9
+    c.train.grad_clip = 1.0  # 0 = no clipping
+    c.train.grad_accum = 1
+    c.train.compute_dtype = "float32"
+    c.train.remat = "none"
+    c.train.on_nonfinite = "stop"
+    c.train.lr_scaling = "none"
+    c.train.base_batch_size = 0  # 0 = batch_size: lr_scaling is relative to this
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "stdlib"
+    c.data.val_fraction = 0.1
+    c.data.max_bytes = 16_000_000  # cap on the text corpus read into memory
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 0
+    c.checkpoint.keep = 3
+
+    c.pipeline = ml_collections.ConfigDict()
+    c.pipeline.microbatches = 1
+    c.pipeline.schedule = "gpipe"
+    c.pipeline.virtual_stages = 1
+
+    c.grad_sync = ml_collections.ConfigDict()
+    c.grad_sync.compression = "none"
+    c.grad_sync.rank = 2
+    c.grad_sync.topk_ratio = 0.01
+    c.grad_sync.error_feedback = True
+    c.grad_sync.local_steps = 1
+
+    c.profile = ml_collections.ConfigDict()
+    c.profile.steps = ()  # steps to trace with jax.profiler, e.g. (10, 11)
+    return c
+
+
+def locked(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    config.lock()
+    return config
+
+
+def _field(config, path: str):
+    node = config
+    for part in path.split("."):
+        node = node[part]
+    return node
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _choice(config, path: str, choices: tuple[str, ...]) -> None:
+    value = _field(config, path)
+    _need(value in choices, f"{path}={value!r} is not valid; choose one of {', '.join(choices)}")
+
+
+def _positive(config, path: str) -> None:
+    value = _field(config, path)
+    _need(isinstance(value, int) and value > 0, f"{path}={value!r} must be a positive integer")
+
+
+def resolve_mesh_shape(mesh_cfg: Mapping[str, Any], num_devices: int) -> dict[str, int]:
+    """Sizes for every mesh axis, with the one `-1` axis (if any) taking the remaining devices."""
+    sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
+    free = [a for a, s in sizes.items() if s == -1]
+    _need(len(free) <= 1, f"mesh: only one axis may be -1, got {', '.join(free)}")
+    for a, s in sizes.items():
+        _need(s == -1 or s >= 1, f"mesh.{a}={s} must be >= 1 or -1 (= all remaining devices)")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        _need(
+            num_devices % fixed == 0,
+            f"mesh: fixed axes multiply to {fixed}, which does not divide the {num_devices} "
+            f"devices, so mesh.{free[0]}=-1 has no valid size",
+        )
+        sizes[free[0]] = num_devices // fixed
+    total = math.prod(sizes.values())
+    _need(
+        total == num_devices,
+        "mesh: data×fsdp×tensor×pipeline = "
+        + "×".join(str(sizes[a]) for a in MESH_AXES)
+        + f" = {total} but there are {num_devices} devices; make the product {num_devices} "
+        "or set one axis to -1",
+    )
+    for a in MESH_AXES:
+        dcn = int(mesh_cfg[f"dcn_{a}"])
+        _need(
+            dcn >= 1 and sizes[a] % dcn == 0,
+            f"mesh.dcn_{a}={dcn} must be >= 1 and divide mesh.{a}={sizes[a]}",
+        )
+    return sizes
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+    """Checks every field a user can get wrong; returns the resolved mesh shape.
+
+    Raises:
+      ConfigError: one line naming the field and what would be valid.
+    """
+    _choice(config, "model.name", MODELS)
+    _choice(config, "train.optimizer", OPTIMIZERS)
+    _choice(config, "train.schedule", SCHEDULES)
+    _choice(config, "train.compute_dtype", COMPUTE_DTYPES)
+    _choice(config, "train.remat", REMAT_POLICIES)
+    _choice(config, "train.on_nonfinite", NONFINITE)
+    _choice(config, "train.lr_scaling", LR_SCALINGS)
+    _choice(config, "pipeline.schedule", PIPELINE_SCHEDULES)
+    _choice(config, "grad_sync.compression", COMPRESSIONS)
+    _choice(config, "model.norm", ("rmsnorm", "layernorm"))
+    _choice(config, "model.attention", ("xla", "cudnn", "auto"))
+    for path in ("train.steps", "train.batch_size", "train.grad_accum", "train.log_every"):
+        _positive(config, path)
+    for path in ("pipeline.microbatches", "pipeline.virtual_stages", "grad_sync.local_steps"):
+        _positive(config, path)
+    _need(config.train.learning_rate > 0, "train.learning_rate must be > 0")
+    _need(config.train.warmup_steps >= 0, "train.warmup_steps must be >= 0")
+    _need(config.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 = off)")
+    _need(config.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
+    _need(config.runtime.cpu_devices >= 0, "runtime.cpu_devices must be >= 0 (0 = JAX default)")
+
+    mesh = resolve_mesh_shape(config.mesh, num_devices)
+    m = config.model
+    t = mesh["tensor"]
+    if m.name == "gpt":
+        for path in ("model.num_layers", "model.d_model", "model.num_heads", "model.seq_len"):
+            _positive(config, path)
+        _positive(config, "model.vocab_size")
+        _need(
+            m.d_model % m.num_heads == 0,
+            f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads}",
+        )
+        _need(
+            m.num_heads % t == 0,
+            f"model.num_heads={m.num_heads} must be divisible by mesh.tensor={t}",
+        )
+        mlp_dim = m.mlp_dim or 4 * m.d_model
+        _need(mlp_dim % t == 0, f"model.mlp_dim={mlp_dim} must be divisible by mesh.tensor={t}")
+        _need(
+            m.vocab_size % t == 0,
+            f"model.vocab_size={m.vocab_size} must be divisible by mesh.tensor={t}",
+        )
+        _need(
+            m.d_model % mesh["fsdp"] == 0,
+            f"model.d_model={m.d_model} must be divisible by mesh.fsdp={mesh['fsdp']} "
+            "(parameters are sharded over fsdp along embed)",
+        )
+    elif m.name == "mlp":
+        for h in m.hidden_dims:
+            _need(
+                h % t == 0,
+                f"model.hidden_dims={tuple(m.hidden_dims)} must be divisible by mesh.tensor={t}",
+            )
+    elif m.name == "resnet":
+        for w in m.widths:
+            _need(
+                w % t == 0, f"model.widths={tuple(m.widths)} must be divisible by mesh.tensor={t}"
+            )
+
+    replicas = mesh["data"] * mesh["fsdp"]
+    per_step = replicas * config.train.grad_accum
+    _need(
+        config.train.batch_size % per_step == 0,
+        f"train.batch_size={config.train.batch_size} must be divisible by "
+        f"mesh.data×mesh.fsdp×train.grad_accum = {mesh['data']}×{mesh['fsdp']}×"
+        f"{config.train.grad_accum} = {per_step}",
+    )
+    if mesh["pipeline"] > 1 or config.pipeline.schedule != "gpipe":
+        p, v, mb = mesh["pipeline"], config.pipeline.virtual_stages, config.pipeline.microbatches
+        if m.name == "gpt":
+            _need(
+                m.num_layers % (p * v) == 0,
+                f"model.num_layers={m.num_layers} must be divisible by "
+                f"mesh.pipeline×pipeline.virtual_stages = {p}×{v} = {p * v}",
+            )
+        per_replica = config.train.batch_size // (replicas * config.train.grad_accum)
+        _need(
+            per_replica % mb == 0,
+            f"pipeline.microbatches={mb} must divide the per-replica batch "
+            f"{per_replica} (train.batch_size / (data×fsdp×grad_accum))",
+        )
+        if config.pipeline.schedule == "interleaved":
+            _need(
+                mb % p == 0,
+                f"pipeline.microbatches={mb} must be a multiple of mesh.pipeline={p} "
+                "for the interleaved schedule",
+            )
+    if config.grad_sync.compression != "none":
+        _need(config.grad_sync.rank > 0, f"grad_sync.rank={config.grad_sync.rank} must be > 0")
+        _need(
+            0 < config.grad_sync.topk_ratio <= 1,
+            f"grad_sync.topk_ratio={config.grad_sync.topk_ratio} must be in (0, 1]",
+        )
+    src = config.data.source
+    if src not in ("stdlib", "digits"):
+        _need(os.path.exists(src), f"data.source={src!r}: no such file or directory")
+        _need(os.access(src, os.R_OK), f"data.source={src!r}: not readable")
+    return mesh
+
+
+def to_json_dict(config: ml_collections.ConfigDict) -> dict:
+    """The resolved config as plain JSON types (tuples become lists)."""
+    return json.loads(config.to_json())
+
+
+def apply_gin(config: ml_collections.ConfigDict, files: list[str], params: list[str]) -> None:
+    """Applies gin bindings (`train.steps = 10`) to the same fields as `--config.train.steps=10`.
+
+    Each config section is a gin configurable of that name, so gin's own parser checks the syntax and
+    this function checks that every bound field exists.
+    """
+    if not files and not params:
+        return
+    import gin
+
+    gin.clear_config()
+    sections = _gin_sections(tuple(config.keys()))
+    for f in files:
+        if not os.path.isfile(f):
+            raise ConfigError(f"--gin_file={f!r}: no such file")
+    try:
+        gin.parse_config_files_and_bindings(files, params)
+    except (ValueError, SyntaxError) as e:
+        raise ConfigError(f"gin: {str(e).splitlines()[0]}") from None
+    for name, fn in sections.items():
+        for key, value in fn().items():
+            if key not in config[name]:
+                valid = ", ".join(sorted(config[name].keys()))
+                raise ConfigError(f"gin: unknown field {name}.{key}; {name} has {valid}")
+            if isinstance(config[name][key], tuple) and isinstance(value, list):
+                value = tuple(value)
+            config[name][key] = value
+
+
+_GIN_SECTIONS: dict = {}
+
+
+def _gin_sections(names: tuple[str, ...]) -> dict:
+    """One gin configurable per config section, registered once per process."""
+    import gin
+
+    for name in names:
+        if name not in _GIN_SECTIONS:
+
+            def section(**kwargs):
+                return kwargs
+
+            section.__name__ = name
+            _GIN_SECTIONS[name] = gin.external_configurable(section, name=name, module="jaxdist")
+    return {n: _GIN_SECTIONS[n] for n in names}

@@ -1,0 +1,216 @@
+"""Data: byte-level text, uint16 token files and image arrays, loaded per process into global arrays.
+
+Sources (`data.source`):
+* `stdlib`: the Python standard library's `.py` files, read in sorted order as bytes (vocabulary 256).
+  Real text on every machine, no download.
+* a text file or a directory of text files: the same byte-level tokenisation.
+* a `.bin` file of uint16 tokens (nanoGPT format), or a directory with `train.bin` (and `val.bin`).
+* a `.npz` with `images` [N, H, W(, C)] and integer `labels` [N].
+* `digits`: the 8×8 handwritten digits scikit-learn ships (extra `digits`).
+
+Order is a pure function of (seed, batch index): batch `i` is the same whatever the process count or
+restart history, so the iterator position is one integer saved with each checkpoint. Each process
+materialises only the rows its devices hold and builds the global array with
+`jax.make_array_from_process_local_data`.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxdist.errors import ConfigError
+
+_VAL_STREAM = 1_000_003  # separates validation RNG streams from training ones
+
+
+def _read_text_files(root: str, max_bytes: int, suffix: str | None) -> np.ndarray:
+    if os.path.isfile(root):
+        paths = [root]
+    else:
+        paths = []
+        for d, dirs, files in os.walk(root):
+            dirs.sort()
+            paths += [
+                os.path.join(d, f) for f in sorted(files) if suffix is None or f.endswith(suffix)
+            ]
+    chunks, total = [], 0
+    for p in paths:
+        try:
+            with open(p, "rb") as f:
+                b = f.read(max_bytes - total)
+        except OSError:
+            continue  # unreadable file inside a tree: skip it, as a user's `cat` would
+        chunks.append(b)
+        total += len(b)
+        if total >= max_bytes:
+            break
+    data = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+    if data.size == 0:
+        raise ConfigError(f"data.source={root!r}: no readable text found")
+    return data
+
+
+@dataclass
+class Dataset:
+    """Train/validation arrays plus what the model needs to know about them."""
+
+    kind: str  # "tokens" or "images"
+    train: np.ndarray
+    val: np.ndarray
+    train_labels: np.ndarray | None = None
+    val_labels: np.ndarray | None = None
+    vocab_size: int = 256
+
+    @property
+    def example_shape(self) -> tuple[int, ...]:
+        return tuple(self.train.shape[1:])
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.train_labels.max()) + 1 if self.train_labels is not None else 0
+
+
+def _split(x: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    n_val = max(1, int(len(x) * val_fraction))
+    return x[:-n_val], x[-n_val:]
+
+
+def load(data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
+    """Reads `data.source` into memory (or memory-maps it). Raises ConfigError on a bad path."""
+    src = data_cfg.source
+    vf = data_cfg.val_fraction
+    if src == "stdlib":
+        tokens = _read_text_files(sysconfig.get_paths()["stdlib"], data_cfg.max_bytes, ".py")
+        train, val = _split(tokens, vf)
+        return Dataset("tokens", train, val, vocab_size=256)
+    if src == "digits":
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError as e:
+            raise ConfigError(
+                "data.source='digits' needs scikit-learn: pip install -e '.[digits]'"
+            ) from e
+        d = load_digits()
+        images = (d.images / 16.0).astype(np.float32)
+        tr, va = _split(images, vf)
+        ltr, lva = _split(d.target.astype(np.int32), vf)
+        return Dataset("images", tr, va, ltr, lva)
+    if not os.path.exists(src):
+        raise ConfigError(f"data.source={src!r}: no such file or directory (or use 'stdlib')")
+    if src.endswith(".npz"):
+        try:
+            with np.load(src, allow_pickle=False) as f:
+                if "images" not in f or "labels" not in f:
+                    raise ConfigError(
+                        f"data.source={src!r}: an .npz needs arrays 'images' and 'labels', has {sorted(f.files)}"
+                    )
+                images, labels = f["images"], f["labels"].astype(np.int32)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"data.source={src!r}: not a readable .npz ({e})") from None
+        if images.dtype == np.uint8:
+            images = images.astype(np.float32) / 255.0
+        tr, va = _split(images.astype(np.float32), vf)
+        ltr, lva = _split(labels, vf)
+        return Dataset("images", tr, va, ltr, lva)
+    bin_train = src if src.endswith(".bin") else os.path.join(src, "train.bin")
+    if os.path.isfile(bin_train):
+        tokens = np.memmap(bin_train, dtype=np.uint16, mode="r")
+        val_path = os.path.join(os.path.dirname(bin_train), "val.bin")
+        if os.path.isfile(val_path) and val_path != bin_train:
+            train, val = tokens, np.memmap(val_path, dtype=np.uint16, mode="r")
+        else:
+            train, val = _split(tokens, vf)
+        top = int(np.max(train[: 1 << 20]))
+        if top >= vocab_size:
+            raise ConfigError(
+                f"data.source={src!r} has token id {top}; model.vocab_size={vocab_size} must exceed it"
+            )
+        return Dataset("tokens", train, val, vocab_size=vocab_size)
+    tokens = _read_text_files(src, data_cfg.max_bytes, None)
+    train, val = _split(tokens, vf)
+    if len(val) <= seq_len + 1 or len(train) <= seq_len + 1:
+        raise ConfigError(f"data.source={src!r} is too short for model.seq_len={seq_len}")
+    return Dataset("tokens", train, val, vocab_size=256)
+
+
+def process_row_range(sharding: NamedSharding, global_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The contiguous block of batch rows this process's devices hold."""
+    rows = set()
+    for idx in sharding.addressable_devices_indices_map(global_shape).values():
+        sl = idx[0]
+        start, stop, _ = sl.indices(global_shape[0])
+        rows.update(range(start, stop))
+    lo, hi = min(rows), max(rows) + 1
+    if len(rows) != hi - lo:
+        raise ConfigError("this process's devices hold non-contiguous batch rows; check mesh.dcn_*")
+    return lo, hi
+
+
+class Batches:
+    """Deterministic batches of a Dataset, built as global jax.Arrays with the given sharding."""
+
+    def __init__(self, ds: Dataset, *, batch_size: int, seq_len: int, seed: int, shardings: dict):
+        self.ds, self.batch_size, self.seq_len, self.seed = ds, batch_size, seq_len, seed
+        self.shardings = shardings
+        if ds.kind == "tokens":
+            for name, arr in (("train", ds.train), ("validation", ds.val)):
+                if len(arr) <= seq_len + 1:
+                    raise ConfigError(
+                        f"data: the {name} split has {len(arr)} tokens, fewer than model.seq_len+1={seq_len + 1}"
+                    )
+
+    def _indices(self, step: int, split: str) -> np.ndarray:
+        """Window starts (tokens) or example indices (images) for global batch `step`."""
+        B = self.batch_size
+        if self.ds.kind == "tokens":
+            arr = self.ds.train if split == "train" else self.ds.val
+            stream = 0 if split == "train" else _VAL_STREAM
+            rng = np.random.default_rng([self.seed, stream, step])
+            return rng.integers(0, len(arr) - self.seq_len - 1, size=B)
+        if split != "train":  # evaluation walks the validation set in order, wrapping
+            return (np.arange(B) + step * B) % len(self.ds.val)
+        n = len(self.ds.train)
+        pos = np.arange(step * B, (step + 1) * B)
+        out = np.empty(B, dtype=np.int64)
+        for epoch in np.unique(pos // n):  # a fresh permutation each epoch
+            perm = np.random.default_rng([self.seed, int(epoch)]).permutation(n)
+            sel = pos // n == epoch
+            out[sel] = perm[pos[sel] % n]
+        return out
+
+    def _rows(self, idx: np.ndarray, split: str) -> dict[str, np.ndarray]:
+        if self.ds.kind == "tokens":
+            arr = self.ds.train if split == "train" else self.ds.val
+            T = self.seq_len
+            win = np.stack([np.asarray(arr[s : s + T + 1], dtype=np.int32) for s in idx])
+            return {"inputs": win[:, :-1], "targets": win[:, 1:]}
+        x = self.ds.train if split == "train" else self.ds.val
+        y = self.ds.train_labels if split == "train" else self.ds.val_labels
+        return {"inputs": x[idx], "targets": y[idx]}
+
+    def global_shapes(self) -> dict[str, tuple[int, ...]]:
+        B = self.batch_size
+        if self.ds.kind == "tokens":
+            return {"inputs": (B, self.seq_len), "targets": (B, self.seq_len)}
+        return {"inputs": (B, *self.ds.example_shape), "targets": (B,)}
+
+    def get(self, step: int, split: str = "train") -> dict[str, jax.Array]:
+        """Global batch `step`; this process reads only its rows."""
+        idx = self._indices(step, split)
+        shapes = self.global_shapes()
+        lo, hi = process_row_range(self.shardings["inputs"], shapes["inputs"])
+        local = self._rows(idx[lo:hi], split)
+        return {
+            k: jax.make_array_from_process_local_data(self.shardings[k], v, shapes[k])
+            for k, v in local.items()
+        }
+
+    def get_host(self, step: int, split: str = "train") -> dict[str, np.ndarray]:
+        """The whole global batch on the host (for references and tests)."""
+        return self._rows(self._indices(step, split), split)

@@ -1,0 +1,282 @@
+"""The training loop: linear and short. Logging, evaluation, checkpoints and profiling on a cadence.
+
+`run(config, workdir)` validates the config, builds the mesh and the Engine, restores the newest
+checkpoint under `workdir/checkpoints` if there is one, compiles the step once (ahead of time, so the
+`layout` record describes the exact program that runs), and trains.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdist import checkpoint, data, metrics, train
+from jaxdist import config as config_lib
+from jaxdist import mesh as mesh_lib
+from jaxdist.errors import ConfigError
+
+log = logging.getLogger("jaxdist")
+
+
+def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
+    """What the compiled step costs per device: memory (memory_analysis) and collective bytes (HLO)."""
+    st = engine.abstract_state
+    mem = compiled.memory_analysis()
+    shard_bytes = lambda tree: sum(
+        int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        for x in jax.tree.leaves(tree)
+    )
+    record: dict[str, Any] = {
+        "mesh": mesh_lib.mesh_shape(engine.mesh),
+        "devices": jax.device_count(),
+        "device_kind": jax.devices()[0].device_kind,
+        "processes": jax.process_count(),
+        "model": config.model.name,
+        "params_total": engine.num_params,
+        "bytes_per_device": {
+            "params": shard_bytes(st["params"]),
+            "opt_state": shard_bytes(st["opt_state"]),
+            "temp": int(mem.temp_size_in_bytes) if mem is not None else None,
+            "arguments": int(mem.argument_size_in_bytes) if mem is not None else None,
+            "outputs": int(mem.output_size_in_bytes) if mem is not None else None,
+            "aliased": int(mem.alias_size_in_bytes) if mem is not None else None,
+        },
+        "collective_bytes_per_step": metrics.collective_bytes(compiled.as_text()),
+        "global_batch": config.train.batch_size,
+        "grad_accum": config.train.grad_accum,
+        "compute_dtype": config.train.compute_dtype,
+        "remat": config.train.remat,
+    }
+    if config.model.name == "gpt":
+        record["tokens_per_step"] = config.train.batch_size * config.model.seq_len
+        record["flops_per_token"] = flops_per_token(engine, config)
+    return record
+
+
+def flops_per_token(engine: train.Engine, config) -> float:
+    """6·N (N without the embedding table, whose lookup is no matmul) + 12·L·D·T attention."""
+    from models import gpt
+
+    embed = int(np.prod(engine.abstract_state["params"]["embed"].shape))
+    return gpt.flops_per_token(config.model, engine.num_params - embed)
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def summary(record: dict[str, Any]) -> str:
+    mesh = " × ".join(f"{k}={v}" for k, v in record["mesh"].items())
+    b = record["bytes_per_device"]
+    coll = record["collective_bytes_per_step"]
+    wire = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in coll.items()) or "none"
+    lines = [
+        f"jaxdist │ {record['model']} │ {record['params_total']:,} parameters │ "
+        f"{record['devices']} × {record['device_kind']} in {record['processes']} process(es)",
+        f"mesh    │ {mesh}",
+        f"memory  │ per device: params {_fmt_bytes(b['params'])}, optimizer {_fmt_bytes(b['opt_state'])}, "
+        f"temp {_fmt_bytes(b['temp'])}",
+        f"wire    │ per device per step: {wire} (total {_fmt_bytes(sum(coll.values()))})",
+    ]
+    if "bubble_fraction" in record:
+        lines.append(f"pipeline│ bubble fraction {record['bubble_fraction']:.3f}")
+    return "\n".join(lines)
+
+
+class _Preemption:
+    """Turns SIGTERM/SIGINT into a flag checked at step boundaries."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old = {}
+
+    def install(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        del frame
+        self.signum = signum
+
+    def restore(self):
+        for sig, h in self._old.items():
+            signal.signal(sig, h)
+
+    def requested(self) -> bool:
+        flag = self.signum is not None
+        if jax.process_count() > 1:  # every process must stop at the same step
+            from jax.experimental import multihost_utils
+
+            flag = bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+        return flag
+
+
+def run(config, workdir: str) -> dict[str, float]:
+    """Trains per `config`, writing metrics, config and checkpoints under `workdir`.
+
+    Returns the last logged metrics (and the final evaluation loss under "eval_loss").
+    """
+    num_devices = jax.device_count()
+    config_lib.validate(config, num_devices)
+    main = jax.process_index() == 0
+    ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    mesh = mesh_lib.make_mesh(config.mesh)
+    engine = train.build(config, mesh, ds)
+    t = config.train
+    batches = data.Batches(
+        ds,
+        batch_size=t.batch_size,
+        seq_len=config.model.seq_len,
+        seed=t.seed,
+        shardings=engine.batch_shardings,
+    )
+    shapes = batches.global_shapes()
+    dtypes = {"inputs": jnp.int32 if ds.kind == "tokens" else jnp.float32, "targets": jnp.int32}
+    abstract_batch = engine.abstract_batch(shapes, dtypes)
+
+    os.makedirs(workdir, exist_ok=True)
+    cfg_json = config_lib.to_json_dict(config)
+    ckpt = checkpoint.Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        every=config.checkpoint.every,
+        keep=config.checkpoint.keep,
+        config_json=cfg_json,
+    )
+    start = 0
+    if ckpt.latest_step() is not None:
+        checkpoint.check_config_compatible(ckpt.saved_config(), cfg_json)
+        state, meta = ckpt.restore(engine.abstract_state)
+        start = int(meta["data_position"])
+        if main:
+            print(f"resumed from {ckpt.directory} at step {int(state['step'])}", flush=True)
+    else:
+        state = engine.init()
+
+    compiled = engine.train_step.lower(engine.abstract_state, abstract_batch).compile()
+    record = layout_record(engine, compiled, config)
+    writer = metrics.MetricsWriter(workdir, enabled=main)
+    if main:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(cfg_json, f, indent=2, sort_keys=True)
+        if start == 0 or not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+            writer.write_layout(record)
+        print(summary(record), flush=True)
+
+    peak = metrics.peak_flops(jax.devices()[0])
+    per_step_items = record.get("tokens_per_step", t.batch_size)
+    rate_key = "tokens_per_s" if "tokens_per_step" in record else "examples_per_s"
+
+    def evaluate(state) -> dict[str, float]:
+        out: dict[str, list[float]] = {}
+        for i in range(t.eval_batches):
+            for k, v in engine.eval_step(state, batches.get(i, "val")).items():
+                out.setdefault(k, []).append(float(v))
+        return {f"eval_{k}": float(np.mean(v)) for k, v in out.items()}
+
+    def check_finite(m, at_step: int) -> None:
+        if t.on_nonfinite == "stop" and not bool(m["finite"]):
+            good = ckpt.latest_step()
+            raise ConfigError(
+                f"non-finite loss or gradient at step {at_step}; last good checkpoint: "
+                + (f"step {good} in {ckpt.directory}" if good is not None else "none")
+                + " (set train.on_nonfinite=skip to drop such updates)"
+            )
+
+    pre = _Preemption()
+    pre.install()
+    bar = None
+    if main and sys.stdout.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=t.steps, initial=start, unit="step", dynamic_ncols=True)
+    profile_steps = set(config.profile.steps)
+    last: dict[str, float] = {}
+    prev_metrics = None
+    t_last, n_since = time.perf_counter(), 0
+    step = start
+    try:
+        while step < t.steps:
+            if step in profile_steps and step - 1 not in profile_steps:
+                jax.profiler.start_trace(os.path.join(workdir, "profile"))
+            state, m = compiled(state, batches.get(step))
+            step += 1
+            n_since += 1
+            if step - 1 in profile_steps and step not in profile_steps:
+                jax.block_until_ready(m)
+                jax.profiler.stop_trace()
+            # The previous step's finiteness is checked one step late, so the host never waits on
+            # the step it just dispatched.
+            if prev_metrics is not None:
+                check_finite(prev_metrics, step - 1)
+            prev_metrics = m
+            if step % t.log_every == 0 or step == t.steps:
+                m = jax.device_get(m)
+                check_finite(m, step)
+                now = time.perf_counter()
+                dt = (now - t_last) / n_since
+                t_last, n_since = now, 0
+                last = {k: float(v) for k, v in m.items() if k != "finite"}
+                last["step_time_s"] = dt
+                last[rate_key] = per_step_items / dt
+                if peak and "flops_per_token" in record:
+                    last["mfu"] = last[rate_key] * record["flops_per_token"] / (num_devices * peak)
+                if t.eval_every and step % t.eval_every == 0:
+                    last.update(evaluate(state))
+                writer.write_step(step, last)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{last['loss']:.4f}")
+                elif main:
+                    print(
+                        f"step {step:6d} │ loss {last['loss']:.4f} │ lr {last['learning_rate']:.2e} │ "
+                        f"{dt * 1e3:.1f} ms/step",
+                        flush=True,
+                    )
+            if bar is not None:
+                bar.update(1)
+            if ckpt.should_save(step) and step < t.steps:
+                ckpt.save(step, state, data_position=step)
+            if pre.requested():
+                ckpt.save(step, state, data_position=step, force=True)
+                ckpt.wait()
+                if main:
+                    print(
+                        f"preempted at step {step}: checkpoint saved in {ckpt.directory}",
+                        flush=True,
+                    )
+                return last
+        if prev_metrics is not None:
+            check_finite(prev_metrics, step)
+        final_eval = evaluate(state)
+        last.update(final_eval)
+        writer.write_step(step, {**final_eval, "kind": "eval"})
+        if main:
+            print(
+                f"done: step {step}, train loss {last.get('loss', float('nan')):.4f}, "
+                f"eval loss {final_eval['eval_loss']:.4f}",
+                flush=True,
+            )
+        if config.checkpoint.every > 0:
+            ckpt.save(step, state, data_position=step, force=True)
+        return last
+    finally:
+        pre.restore()
+        if bar is not None:
+            bar.close()
+        ckpt.wait()
+        ckpt.close()
+        writer.close()

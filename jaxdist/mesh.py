@@ -1,0 +1,91 @@
+"""The device mesh: four named axes sized from `config.mesh`.
+
+Axis order is (data, fsdp, tensor, pipeline) from slowest- to fastest-varying device index, so `tensor`,
+the axis with the most traffic per step, spans neighbouring devices (NVLink / ICI), and `data`, the axis
+with the least, spans hosts when `dcn_*` sizes are set.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from jaxdist.config import MESH_AXES, resolve_mesh_shape
+from jaxdist.errors import ConfigError
+
+
+def accelerator_present() -> bool:
+    """Whether this machine has a GPU or TPU JAX could use, checked without starting a backend.
+
+    Configs use it to choose between real devices and simulated CPU devices before JAX starts
+    (after a backend starts, the simulated device count can no longer change).
+    """
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return False
+    if (
+        glob.glob("/dev/nvidia[0-9]*")
+        or glob.glob("/dev/accel[0-9]*")
+        or glob.glob("/dev/vfio/[0-9]*")
+    ):
+        return any(
+            importlib.util.find_spec(m) is not None
+            for m in (
+                "jax_plugins.xla_cuda12",
+                "jax_plugins.xla_cuda13",
+                "libtpu",
+                "jax_cuda12_plugin",
+                "jax_cuda13_plugin",
+            )
+        )
+    return False
+
+
+def configure_cpu_devices(n: int) -> None:
+    """Simulates `n` CPU devices; must run before any JAX backend starts. 0 leaves JAX's default."""
+    n = int(os.environ.get("JAXDIST_CPU_DEVICES", n) or 0)
+    if n > 0:
+        jax.config.update("jax_num_cpu_devices", n)
+
+
+def make_mesh(mesh_cfg: Mapping[str, Any], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds the (data, fsdp, tensor, pipeline) mesh.
+
+    Args:
+      mesh_cfg: `config.mesh`: a size per axis (one may be -1) and optional `dcn_<axis>` sizes, the
+        part of each axis that spans hosts (processes) rather than devices within one.
+      devices: defaults to all devices.
+
+    Raises:
+      ConfigError: sizes that do not multiply to the device count, or dcn sizes that do not match the
+        number of processes.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = resolve_mesh_shape(mesh_cfg, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    dcn = tuple(int(mesh_cfg.get(f"dcn_{a}", 1)) for a in MESH_AXES)
+    if np.prod(dcn) > 1:
+        num_hosts = len({d.process_index for d in devices})
+        if np.prod(dcn) != num_hosts:
+            raise ConfigError(
+                "mesh.dcn_*: the dcn sizes multiply to "
+                f"{int(np.prod(dcn))} but the devices span {num_hosts} processes; make them equal"
+            )
+        ici = tuple(s // d for s, d in zip(shape, dcn))
+        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
+        return Mesh(grid, MESH_AXES, axis_types=axis_types)
+    if len(devices) == len(jax.devices()):
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=axis_types)
+
+
+def mesh_shape(mesh: Mesh) -> dict[str, int]:
+    return {name: int(size) for name, size in mesh.shape.items()}

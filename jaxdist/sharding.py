@@ -1,0 +1,159 @@
+"""Logical axis names → mesh axes (Mesh-TensorFlow style).
+
+Model code names dimensions only logically (`"embed"`, `"mlp"`, `"heads"`, ...). The tables below are
+the single place that decides where each lands on the mesh. Two tables, as in Levanter:
+
+* `STORAGE_RULES` say how parameters and optimizer state are *stored*: `embed` is split over `fsdp`,
+  so each device holds 1/fsdp of every weight (ZeRO-3 / FSDP).
+* `COMPUTE_RULES` say how they are *used*: `embed` is whole, so each layer's weights are all-gathered
+  over `fsdp` right before its matmul (and the gradient reduce-scattered back), while `heads` and
+  `mlp` stay split over `tensor` (Megatron: column-parallel QKV / up-projection, row-parallel output /
+  down-projection, one all-reduce after each).
+
+Resolution is ordered with first-free-mesh-axis semantics (as Flax Linen, unlike NNX's last-rule-wins):
+for each dimension in order, the first rule for its name whose mesh axes are still unused in this
+array wins; used axes are skipped, so one mesh axis never shards two dimensions of one array.
+
+| logical | storage            | compute            | why                                          |
+|---------|--------------------|--------------------|----------------------------------------------|
+| batch   | (data, fsdp)       | (data, fsdp)       | every replica and FSDP shard takes examples  |
+| vocab   | tensor             | tensor             | embedding / head split by vocabulary         |
+| heads   | tensor             | tensor             | attention heads split (Megatron)             |
+| mlp     | tensor             | tensor             | MLP hidden units split (Megatron)            |
+| embed   | fsdp               | —                  | ZeRO-3 storage; gathered for compute         |
+| layers  | pipeline           | pipeline           | stacked layers split into pipeline stages    |
+| stage   | pipeline           | pipeline           | pipeline activations buffer                  |
+| kv, length, conv | —         | —                  | never split                                  |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxdist.errors import ConfigError
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+LogicalAxes = tuple[str | None, ...]
+
+STORAGE_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("embed", "fsdp"),
+    ("layers", "pipeline"),
+    ("stage", "pipeline"),
+    ("kv", None),
+    ("length", None),
+)
+
+COMPUTE_RULES: Rules = tuple(
+    (name, None if name == "embed" else axes) for name, axes in STORAGE_RULES
+)
+
+
+def logical_to_spec(
+    names: Sequence[str | None],
+    rules: Rules,
+    mesh: Mesh,
+    shape: Sequence[int] | None = None,
+) -> PartitionSpec:
+    """Resolves logical dimension names to a PartitionSpec, first free mesh axis wins.
+
+    Mesh axes of size 1 are left out (they shard nothing). When `shape` is given, a dimension whose
+    size the chosen mesh axes do not divide raises ConfigError naming it.
+    """
+    used: set[str] = set()
+    spec: list[Any] = []
+    for dim, name in enumerate(names):
+        chosen: tuple[str, ...] = ()
+        if name is not None:
+            for rule_name, axes in rules:
+                if rule_name != name or axes is None:
+                    continue
+                cand = (axes,) if isinstance(axes, str) else tuple(axes)
+                free = tuple(a for a in cand if a not in used and mesh.shape.get(a, 1) > 1)
+                if free:
+                    chosen = free
+                    break
+        used.update(chosen)
+        if shape is not None and chosen:
+            n = int(np.prod([mesh.shape[a] for a in chosen]))
+            if shape[dim] % n:
+                raise ConfigError(
+                    f"dimension {name!r} of size {shape[dim]} is not divisible by mesh axes "
+                    f"{'×'.join(chosen)} = {n}; resize the model or the mesh"
+                )
+        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+    check_no_collision(spec)
+    return PartitionSpec(*spec)
+
+
+def check_no_collision(spec: Sequence[Any]) -> None:
+    """Raises if one mesh axis shards two dimensions of one array."""
+    seen: list[str] = []
+    for entry in spec:
+        for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+            if axis in seen:
+                raise ConfigError(f"mesh axis {axis!r} shards two dimensions of one array: {spec}")
+            seen.append(axis)
+
+
+def tree_shardings(
+    axes_tree: Any, shapes_tree: Any, mesh: Mesh, rules: Rules = STORAGE_RULES
+) -> Any:
+    """NamedShardings for a tree of logical-axis tuples (leaves) and matching shapes."""
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+    return jax.tree.map(
+        lambda names, sds: NamedSharding(mesh, logical_to_spec(names, rules, mesh, sds.shape)),
+        axes_tree,
+        shapes_tree,
+        is_leaf=is_axes,
+    )
+
+
+# The mesh and rules active while tracing a model, so model code can say `constrain(x, names)`
+# without being handed the mesh (as flax.linen's axis_rules context).
+_context = threading.local()
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh, rules: Rules = COMPUTE_RULES):
+    prev = getattr(_context, "value", None)
+    _context.value = (mesh, rules)
+    try:
+        yield
+    finally:
+        _context.value = prev
+
+
+def constrain(x: jax.Array, names: LogicalAxes) -> jax.Array:
+    """Pins `x` to the compute sharding of its logical axes; a no-op outside `activation_rules`."""
+    ctx = getattr(_context, "value", None)
+    if ctx is None:
+        return x
+    mesh, rules = ctx
+    if len(names) != x.ndim:
+        raise ValueError(f"logical axes {names} do not match array of rank {x.ndim}")
+    spec = logical_to_spec(names, rules, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def per_device_bytes(shardings: Any, shapes: Any) -> int:
+    """Bytes one device holds for a tree of arrays with these shardings (the largest shard)."""
+    total = 0
+    for sh, sds in zip(jax.tree.leaves(shardings), jax.tree.leaves(shapes)):
+        shard = sh.shard_shape(sds.shape)
+        total += int(np.prod(shard, dtype=np.int64)) * np.dtype(sds.dtype).itemsize
+    return total

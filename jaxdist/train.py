@@ -1,0 +1,285 @@
+"""The train step: abstract-first init, one pure `train_step(state, batch)`, compiled once.
+
+`Engine` holds everything derived from a config and a mesh: the model definition, the optimizer, the
+shardings of the state (storage rules) and of the batch, and the jitted init / train / eval functions.
+Parameters are born sharded: `jax.eval_shape` gives their shapes, the logical-axis table gives their
+shardings, and `jit(init, out_shardings=...)` creates each shard on its own device.
+
+The state is a plain dict, so checkpoints are standard orbax trees:
+  {"step": int32[], "params": {...}, "opt_state": optax state, "rng": uint32[2], "skipped": int32[]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxdist import optim, sharding
+from jaxdist.data import Dataset
+from jaxdist.errors import ConfigError
+
+State = dict[str, Any]
+Batch = dict[str, jax.Array]
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+
+
+def model_factory(config, ds: Dataset) -> tuple[Callable[[nnx.Rngs], nnx.Module], dict]:
+    """A constructor for the configured model and the logical axes of its batch."""
+    m = config.model
+    if m.name == "gpt":
+        from models import gpt
+
+        if ds.kind != "tokens":
+            raise ConfigError(
+                f"model.name='gpt' needs token data, but data.source={config.data.source!r} holds images"
+            )
+        if ds.vocab_size > m.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size={m.vocab_size} is smaller than the data's {ds.vocab_size} token ids"
+            )
+        return (lambda rngs: gpt.GPT(m, rngs=rngs)), gpt.batch_axes()
+    if ds.kind != "images":
+        raise ConfigError(
+            f"model.name={m.name!r} needs image data (an .npz or 'digits'), not {config.data.source!r}"
+        )
+    if ds.num_classes > m.num_classes:
+        raise ConfigError(
+            f"model.num_classes={m.num_classes} but the labels go up to {ds.num_classes - 1}"
+        )
+    from models import mlp, resnet
+
+    shape = ds.example_shape
+    axes = mlp.batch_axes(len(shape))
+    if m.name == "mlp":
+        return (lambda rngs: mlp.MLP(m, input_dim=int(np.prod(shape)), rngs=rngs)), axes
+    in_ch = shape[-1] if len(shape) == 3 else 1
+    return (lambda rngs: resnet.ResNet(m, in_channels=in_ch, rngs=rngs)), axes
+
+
+@dataclasses.dataclass
+class Engine:
+    """Compiled train/eval steps and state shardings for one config on one mesh."""
+
+    config: Any
+    mesh: Mesh
+    graphdef: Any
+    template: Any  # nnx.State with abstract leaves, to rebuild the module from a pure dict
+    param_axes: Any  # pure dict: path → logical axes tuple
+    abstract_state: State
+    state_shardings: State
+    batch_shardings: dict[str, NamedSharding]
+    batch_axes: dict[str, tuple]
+    tx: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    init_fn: Callable[[jax.Array], State]
+    train_step: Callable[[State, Batch], tuple[State, dict]]
+    eval_step: Callable[[State, Batch], dict]
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.abstract_state["params"]))
+
+    def init(self, seed: int | None = None) -> State:
+        seed = self.config.train.seed if seed is None else seed
+        return self.init_fn(jax.random.key(seed))
+
+    def merge(self, params: Any) -> nnx.Module:
+        return _merge(self.graphdef, self.template, params)
+
+    def abstract_batch(self, global_shapes: dict[str, tuple[int, ...]], dtypes: dict) -> dict:
+        return {
+            k: jax.ShapeDtypeStruct(global_shapes[k], dtypes[k], sharding=self.batch_shardings[k])
+            for k in global_shapes
+        }
+
+
+def _merge(graphdef, template, params) -> nnx.Module:
+    """Rebuilds the NNX module from its definition and a pure dict of parameter arrays."""
+    state = jax.tree.map(lambda v: v, template)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def _cast(tree: Any, dtype) -> Any:
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
+def build(config, mesh: Mesh, ds: Dataset) -> Engine:
+    """Builds the Engine: shapes and shardings first, nothing materialised."""
+    make_model, batch_axes = model_factory(config, ds)
+    abstract_model = jax.eval_shape(lambda: make_model(nnx.Rngs(0)))
+    graphdef, template = nnx.split(abstract_model, nnx.Param)
+    abstract_params = nnx.to_pure_dict(template)
+    variables = jax.tree.leaves(template, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    paths = jax.tree.structure(abstract_params)
+    param_axes = jax.tree.unflatten(
+        paths, [tuple(v.get_metadata()["logical_axes"]) for v in variables]
+    )
+
+    tx, lr_schedule = optim.build(config.train, param_axes)
+    param_shardings = sharding.tree_shardings(param_axes, abstract_params, mesh)
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    repl = sharding.replicated(mesh)
+    opt_shardings = optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        abstract_opt,
+        param_shardings,
+        transform_non_params=lambda _: repl,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    state_shardings = {
+        "step": repl,
+        "params": param_shardings,
+        "opt_state": opt_shardings,
+        "rng": repl,
+        "skipped": repl,
+    }
+    abstract_state = {
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+        "params": abstract_params,
+        "opt_state": abstract_opt,
+        "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
+        "skipped": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract_state,
+        state_shardings,
+    )
+    batch_shardings = {
+        k: NamedSharding(mesh, sharding.logical_to_spec(v, sharding.COMPUTE_RULES, mesh))
+        for k, v in batch_axes.items()
+    }
+
+    t = config.train
+    compute_dtype = jnp.dtype(t.compute_dtype)
+    accum = t.grad_accum
+    skip_nonfinite = t.on_nonfinite == "skip"
+
+    def init(key: jax.Array) -> State:
+        model = make_model(nnx.Rngs(key))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt_state": tx.init(params),
+            "rng": jax.random.key_data(jax.random.fold_in(key, 1)),
+            "skipped": jnp.zeros((), jnp.int32),
+        }
+
+    def loss_fn(params, batch):
+        with sharding.activation_rules(mesh):
+            model = _merge(graphdef, template, _cast(params, compute_dtype))
+            return model.loss(batch, remat=t.remat)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def constrain_params(tree):
+        return jax.tree.map(jax.lax.with_sharding_constraint, tree, param_shardings)
+
+    def gradients(params, batch):
+        if accum == 1:
+            (loss, aux), grads = grad_fn(params, batch)
+            return loss, aux, grads
+
+        # Microbatch a takes rows a, a+A, a+2A, ...: every device keeps its own rows, no reshuffle.
+        def split(x, axes):
+            x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+            spec = sharding.logical_to_spec((None, *axes), sharding.COMPUTE_RULES, mesh)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+        micro = {k: split(v, batch_axes[k]) for k, v in batch.items()}
+
+        def body(carry, mb):
+            g_sum, l_sum = carry
+            (loss, aux), g = grad_fn(params, mb)
+            g_sum = constrain_params(jax.tree.map(jnp.add, g_sum, g))
+            return (g_sum, l_sum + loss), aux
+
+        zeros = constrain_params(jax.tree.map(jnp.zeros_like, params))
+        (g_sum, l_sum), aux = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
+        grads = jax.tree.map(lambda g: g / accum, g_sum)
+        return l_sum / accum, jax.tree.map(jnp.mean, aux), grads
+
+    def train_step(state: State, batch: Batch) -> tuple[State, dict]:
+        params = state["params"]
+        loss, aux, grads = gradients(params, batch)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        skipped = state["skipped"]
+        if skip_nonfinite:  # drop the whole update; keep counting steps
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+            new_params, opt_state = keep(new_params, params), keep(opt_state, state["opt_state"])
+            skipped = skipped + (~finite).astype(jnp.int32)
+        new_state = {
+            "step": state["step"] + 1,
+            "params": new_params,
+            "opt_state": opt_state,
+            "rng": state["rng"],
+            "skipped": skipped,
+        }
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "learning_rate": lr_schedule(state["step"]),
+            "finite": finite,
+            "skipped": skipped,
+            **aux,
+        }
+        return new_state, metrics
+
+    def eval_step(state: State, batch: Batch) -> dict:
+        loss, aux = loss_fn(state["params"], batch)
+        return {"loss": loss, **aux}
+
+    init_fn = jax.jit(init, out_shardings=state_shardings)
+    step_fn = jax.jit(
+        train_step,
+        in_shardings=(state_shardings, batch_shardings),
+        out_shardings=(state_shardings, repl),
+        donate_argnums=0,
+    )
+    eval_fn = jax.jit(
+        eval_step, in_shardings=(state_shardings, batch_shardings), out_shardings=repl
+    )
+    return Engine(
+        config=config,
+        mesh=mesh,
+        graphdef=graphdef,
+        template=template,
+        param_axes=param_axes,
+        abstract_state=abstract_state,
+        state_shardings=state_shardings,
+        batch_shardings=batch_shardings,
+        batch_axes=batch_axes,
+        tx=tx,
+        lr_schedule=lr_schedule,
+        init_fn=init_fn,
+        train_step=step_fn,
+        eval_step=eval_fn,
+    )
+
+
+def param_spec_table(engine: Engine) -> list[tuple[str, tuple, PartitionSpec]]:
+    """(path, shape, storage PartitionSpec) per parameter, for summaries and tests."""
+    flat = jax.tree_util.tree_flatten_with_path(engine.abstract_state["params"])[0]
+    return [
+        ("/".join(str(getattr(k, "key", k)) for k in path), leaf.shape, leaf.sharding.spec)
+        for path, leaf in flat
+    ]
