@@ -322,3 +322,22 @@ def _gin_sections(names: tuple[str, ...]) -> dict:
             section.__name__ = name
             _GIN_SECTIONS[name] = gin.external_configurable(section, name=name, module="jaxdist")
     return {n: _GIN_SECTIONS[n] for n in names}
+
+
+def check_override_names(args: list[str]) -> None:
+    """Checks `--config.section.key=value` flags name existing fields, before any parsing."""
+    schema = base_config()
+    for arg in args:
+        dotted = arg[len("--config.") :].split("=", 1)[0]
+        node, seen = schema, []
+        for part in dotted.split("."):
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                where = ".".join(seen) or "config"
+                valid = (
+                    ", ".join(sorted(node.keys()))
+                    if isinstance(node, ml_collections.ConfigDict)
+                    else "nothing"
+                )
+                raise ConfigError(f"{arg}: unknown field {dotted!r}; {where} has {valid}")
+            node = node[part]
+            seen.append(part)
