@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist import checkpoint, data, metrics, train
+from jaxdist import checkpoint, data, distributed, metrics, train
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
 from jaxdist.errors import ConfigError
@@ -56,6 +56,9 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         "compute_dtype": config.train.compute_dtype,
         "remat": config.train.remat,
     }
+    if engine.schedule is not None:
+        record["pipeline"] = engine.schedule.describe()
+        record["bubble_fraction"] = engine.schedule.bubble_fraction
     if config.model.name == "gpt":
         record["tokens_per_step"] = config.train.batch_size * config.model.seq_len
         record["flops_per_token"] = flops_per_token(engine, config)
@@ -117,13 +120,12 @@ class _Preemption:
         for sig, h in self._old.items():
             signal.signal(sig, h)
 
-    def requested(self) -> bool:
-        flag = self.signum is not None
-        if jax.process_count() > 1:  # every process must stop at the same step
-            from jax.experimental import multihost_utils
-
-            flag = bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
-        return flag
+    def requested(self, step: int) -> bool:
+        """True on every process at the same step once a stop was asked for."""
+        if jax.process_count() == 1:
+            return self.signum is not None
+        # With several processes JAX's preemption service takes SIGTERM and agrees on a step.
+        return distributed.reached_preemption_point(step)
 
 
 def run(config, workdir: str) -> dict[str, float]:
@@ -250,7 +252,7 @@ def run(config, workdir: str) -> dict[str, float]:
                 bar.update(1)
             if ckpt.should_save(step) and step < t.steps:
                 ckpt.save(step, state, data_position=step)
-            if pre.requested():
+            if pre.requested(step):
                 ckpt.save(step, state, data_position=step, force=True)
                 ckpt.wait()
                 if main:

@@ -1,0 +1,189 @@
+"""Benchmarks: step time, throughput, MFU, memory and bytes on the wire. Prints a table, writes JSON.
+
+    python scripts/bench.py                                   # overhead vs a hand-written jit step
+    python scripts/bench.py --study=compile                   # compile time, 4 vs 48 layers
+    python scripts/bench.py --config=configs/gpt_small.py --config.train.batch_size=8
+
+Studies:
+  overhead  the framework's train step against a minimal hand-written `jax.jit` step of the same
+            model (same parameters, same shardings, same optimizer) on the same mesh; reports both
+            step times (median over --steps after --warmup) and their ratio (target ≤ 1.03).
+  compile   lower+compile time of the train step for 4 and 48 layers (layers are scanned, so it
+            should stay flat: target ≤ 1.5×).
+
+Timing: every step is synchronised with `block_until_ready`; medians with the 10th–90th percentile
+spread. The device's peak FLOP/s is looked up by device kind; no MFU is reported on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from jaxdist.errors import ConfigError  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Model/mesh config.", lock_config=True)
+_STUDY = flags.DEFINE_enum("study", "overhead", ["overhead", "compile"], "Which benchmark.")
+_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps first.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Alternating rounds of (framework, hand-written).")
+_OUT = flags.DEFINE_string("out", "runs/bench/bench.json", "JSON results file.")
+
+
+def _timed(fn, state, batch, steps: int, warmup: int):
+    import jax
+
+    for _ in range(warmup):
+        state, m = fn(state, batch)
+    jax.block_until_ready((state, m))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, m = fn(state, batch)
+        jax.block_until_ready((state, m))
+        times.append(time.perf_counter() - t0)
+    return state, times
+
+
+def _stats(times: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    return {"median_s": statistics.median(times), "p10_s": q[0], "p90_s": q[-1], "n": len(times)}
+
+
+def hand_written_step(engine):
+    """The same model and optimizer as plain JAX: value_and_grad, optax update, jit. No framework."""
+    import jax
+    import optax
+
+    from jaxdist import sharding
+
+    mesh, shardings = engine.mesh, engine.state_shardings
+
+    def loss_fn(params, batch):
+        with sharding.activation_rules(mesh):
+            model = engine.merge(params)
+            logits = model(batch["inputs"]).astype("float32")
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+        updates, opt_state = engine.tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss
+
+    return jax.jit(
+        step,
+        in_shardings=(shardings, engine.batch_shardings),
+        out_shardings=(shardings, sharding.replicated(mesh)),
+        donate_argnums=0,
+    )
+
+
+def study_overhead(config) -> dict:
+    import jax
+
+    from jaxdist import data, loop, mesh, metrics, train
+    from jaxdist import config as config_lib
+
+    config_lib.validate(config, jax.device_count())
+    ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    m = mesh.make_mesh(config.mesh)
+    engine = train.build(config, m, ds)
+    batches = data.Batches(ds, batch_size=config.train.batch_size, seq_len=config.model.seq_len,
+                           seed=0, shardings=engine.batch_shardings)
+    batch = batches.get(0)
+    hand = hand_written_step(engine)
+    framework_times, hand_times = [], []
+    state_f, state_h = engine.init(), engine.init()
+    # Alternate rounds so drift in machine load hits both alike.
+    for _ in range(_REPEATS.value):
+        state_f, t = _timed(engine.train_step, state_f, batch, _STEPS.value, _WARMUP.value)
+        framework_times += t
+        state_h, t = _timed(hand, state_h, batch, _STEPS.value, _WARMUP.value)
+        hand_times += t
+    f, h = _stats(framework_times), _stats(hand_times)
+    compiled = engine.train_step.lower(engine.abstract_state, batch).compile()
+    record = loop.layout_record(engine, compiled, config)
+    tokens = record.get("tokens_per_step", config.train.batch_size)
+    peak = metrics.peak_flops(jax.devices()[0])
+    result = {
+        "study": "overhead",
+        "device": jax.devices()[0].device_kind,
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+        "mesh": record["mesh"],
+        "params": record["params_total"],
+        "framework": f,
+        "hand_written": h,
+        "ratio": f["median_s"] / h["median_s"],
+        "tokens_per_s": tokens / f["median_s"],
+        "bytes_per_device": record["bytes_per_device"],
+        "collective_bytes_per_step": record["collective_bytes_per_step"],
+    }
+    if peak and "flops_per_token" in record:
+        result["mfu"] = metrics.mfu(result["tokens_per_s"], record["flops_per_token"], jax.device_count(), peak)
+    print(f"{'step':<14}{'median ms':>12}{'p10 ms':>10}{'p90 ms':>10}")
+    for name, s in (("framework", f), ("hand-written", h)):
+        print(f"{name:<14}{s['median_s'] * 1e3:>12.2f}{s['p10_s'] * 1e3:>10.2f}{s['p90_s'] * 1e3:>10.2f}")
+    print(f"ratio framework / hand-written: {result['ratio']:.3f}  (target ≤ 1.03)")
+    print(f"throughput: {result['tokens_per_s']:.0f} tokens/s"
+          + (f", MFU {result['mfu']:.1%}" if "mfu" in result else " (no MFU: device peak unknown)"))
+    return result
+
+
+def study_compile(config) -> dict:
+    import jax
+
+    from jaxdist import data, mesh, train
+    from jaxdist import config as config_lib
+
+    out = {"study": "compile", "device": jax.devices()[0].device_kind, "layers": {}}
+    ds = None
+    for layers in (4, 48):
+        cfg = config.copy_and_resolve_references()
+        with cfg.unlocked():
+            cfg.model.num_layers = layers
+        config_lib.validate(cfg, jax.device_count())
+        ds = ds or data.load(cfg.data, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size)
+        engine = train.build(cfg, mesh.make_mesh(cfg.mesh), ds)
+        batches = data.Batches(ds, batch_size=cfg.train.batch_size, seq_len=cfg.model.seq_len,
+                               seed=0, shardings=engine.batch_shardings)
+        abstract_batch = engine.abstract_batch(batches.global_shapes(), {"inputs": "int32", "targets": "int32"})
+        t0 = time.perf_counter()
+        engine.train_step.lower(engine.abstract_state, abstract_batch).compile()
+        out["layers"][layers] = time.perf_counter() - t0
+        print(f"{layers:>3} layers: compile {out['layers'][layers]:.2f} s")
+    out["ratio_48_vs_4"] = out["layers"][48] / out["layers"][4]
+    print(f"ratio 48 / 4 layers: {out['ratio_48_vs_4']:.2f}  (target ≤ 1.5)")
+    return out
+
+
+def main(argv):
+    del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    from jaxdist import mesh
+
+    config = _CONFIG.value
+    mesh.configure_cpu_devices(config.runtime.cpu_devices)
+    result = {"overhead": study_overhead, "compile": study_compile}[_STUDY.value](config)
+    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+    with open(_OUT.value, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+    try:
+        app.run(main)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
