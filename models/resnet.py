@@ -36,7 +36,8 @@ def _chan_norm(x, scale):
 class ResNet(nnx.Module):
     def __init__(self, cfg, *, in_channels: int, rngs: nnx.Rngs):
         widths = tuple(cfg.widths)
-        self.stem = _conv_param(rngs, in_channels, widths[0], ("embed", "mlp"))
+        # Image channels (1 or 3) are too few to split: the stem's input axis has no logical name.
+        self.stem = _conv_param(rngs, in_channels, widths[0], (None, "mlp"))
         self.convs_a, self.convs_b, self.norms_a, self.norms_b = (nnx.List() for _ in range(4))
         self.proj = nnx.List()
         cin = widths[0]
@@ -61,7 +62,7 @@ class ResNet(nnx.Module):
         if x.ndim == 3:  # [B, H, W] grayscale
             x = x[..., None]
         act = ("batch", None, None, "embed")
-        x = constrain(_conv(x, constrain(self.stem[...], (None, None, "embed", "mlp"))), act)
+        x = constrain(_conv(x, constrain(self.stem[...], (None, None, None, "mlp"))), act)
         for i in range(len(self.convs_a)):
             stride = 1 if i == 0 else 2
             h = jax.nn.relu(_chan_norm(x, self.norms_a[i][...]))
