@@ -8,6 +8,9 @@ Studies:
   overhead  the framework's train step against a minimal hand-written `jax.jit` step of the same
             model (same parameters, same shardings, same optimizer) on the same mesh; reports both
             step times (median over --steps after --warmup) and their ratio (target ≤ 1.03).
+  batch     statistical efficiency: steps and examples to reach --target_loss on `stdlib` validation
+            data for each global batch, adamw vs lamb, learning rate scaled by train.lr_scaling
+            (sqrt by default here) from the smallest batch, warmup on. Table, JSON and a PNG plot.
   compile   lower+compile time of the train step for 4 and 48 layers (layers are scanned, so it
             should stay flat: target ≤ 1.5×).
 
@@ -30,8 +33,26 @@ from ml_collections import config_flags  # noqa: E402
 
 from jaxdist.errors import ConfigError  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Model/mesh config.", lock_config=True)
-_STUDY = flags.DEFINE_enum("study", "overhead", ["overhead", "compile"], "Which benchmark.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/default.py", "Model/mesh config.", lock_config=True
+)
+_STUDY = flags.DEFINE_enum(
+    "study", "overhead", ["overhead", "compile", "batch"], "Which benchmark."
+)
+_BATCHES = flags.DEFINE_list(
+    "batch_sizes", ["16", "32", "64", "128", "256", "512"], "--study=batch: global batches."
+)
+_TARGET = flags.DEFINE_float("target_loss", 2.6, "--study=batch: validation loss to reach.")
+_MAX_STEPS = flags.DEFINE_integer("max_steps", 400, "--study=batch: give up after this many steps.")
+_LAMB_LR = flags.DEFINE_float(
+    "lamb_learning_rate",
+    2e-2,
+    "--study=batch: LAMB's base learning rate "
+    "(its trust ratio scales updates to ‖w‖, so it wants a larger one).",
+)
+_EVAL_EVERY = flags.DEFINE_integer(
+    "eval_every", 10, "--study=batch: steps between validation checks."
+)
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps first.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Alternating rounds of (framework, hand-written).")
@@ -90,15 +111,20 @@ def hand_written_step(engine):
 def study_overhead(config) -> dict:
     import jax
 
-    from jaxdist import data, loop, mesh, metrics, train
     from jaxdist import config as config_lib
+    from jaxdist import data, loop, mesh, metrics, train
 
     config_lib.validate(config, jax.device_count())
     ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
     m = mesh.make_mesh(config.mesh)
     engine = train.build(config, m, ds)
-    batches = data.Batches(ds, batch_size=config.train.batch_size, seq_len=config.model.seq_len,
-                           seed=0, shardings=engine.batch_shardings)
+    batches = data.Batches(
+        ds,
+        batch_size=config.train.batch_size,
+        seq_len=config.model.seq_len,
+        seed=0,
+        shardings=engine.batch_shardings,
+    )
     batch = batches.get(0)
     hand = hand_written_step(engine)
     framework_times, hand_times = [], []
@@ -129,21 +155,27 @@ def study_overhead(config) -> dict:
         "collective_bytes_per_step": record["collective_bytes_per_step"],
     }
     if peak and "flops_per_token" in record:
-        result["mfu"] = metrics.mfu(result["tokens_per_s"], record["flops_per_token"], jax.device_count(), peak)
+        result["mfu"] = metrics.mfu(
+            result["tokens_per_s"], record["flops_per_token"], jax.device_count(), peak
+        )
     print(f"{'step':<14}{'median ms':>12}{'p10 ms':>10}{'p90 ms':>10}")
     for name, s in (("framework", f), ("hand-written", h)):
-        print(f"{name:<14}{s['median_s'] * 1e3:>12.2f}{s['p10_s'] * 1e3:>10.2f}{s['p90_s'] * 1e3:>10.2f}")
+        print(
+            f"{name:<14}{s['median_s'] * 1e3:>12.2f}{s['p10_s'] * 1e3:>10.2f}{s['p90_s'] * 1e3:>10.2f}"
+        )
     print(f"ratio framework / hand-written: {result['ratio']:.3f}  (target ≤ 1.03)")
-    print(f"throughput: {result['tokens_per_s']:.0f} tokens/s"
-          + (f", MFU {result['mfu']:.1%}" if "mfu" in result else " (no MFU: device peak unknown)"))
+    print(
+        f"throughput: {result['tokens_per_s']:.0f} tokens/s"
+        + (f", MFU {result['mfu']:.1%}" if "mfu" in result else " (no MFU: device peak unknown)")
+    )
     return result
 
 
 def study_compile(config) -> dict:
     import jax
 
-    from jaxdist import data, mesh, train
     from jaxdist import config as config_lib
+    from jaxdist import data, mesh, train
 
     out = {"study": "compile", "device": jax.devices()[0].device_kind, "layers": {}}
     ds = None
@@ -154,15 +186,121 @@ def study_compile(config) -> dict:
         config_lib.validate(cfg, jax.device_count())
         ds = ds or data.load(cfg.data, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size)
         engine = train.build(cfg, mesh.make_mesh(cfg.mesh), ds)
-        batches = data.Batches(ds, batch_size=cfg.train.batch_size, seq_len=cfg.model.seq_len,
-                               seed=0, shardings=engine.batch_shardings)
-        abstract_batch = engine.abstract_batch(batches.global_shapes(), {"inputs": "int32", "targets": "int32"})
+        batches = data.Batches(
+            ds,
+            batch_size=cfg.train.batch_size,
+            seq_len=cfg.model.seq_len,
+            seed=0,
+            shardings=engine.batch_shardings,
+        )
+        abstract_batch = engine.abstract_batch(
+            batches.global_shapes(), {"inputs": "int32", "targets": "int32"}
+        )
         t0 = time.perf_counter()
         engine.train_step.lower(engine.abstract_state, abstract_batch).compile()
         out["layers"][layers] = time.perf_counter() - t0
         print(f"{layers:>3} layers: compile {out['layers'][layers]:.2f} s")
     out["ratio_48_vs_4"] = out["layers"][48] / out["layers"][4]
     print(f"ratio 48 / 4 layers: {out['ratio_48_vs_4']:.2f}  (target ≤ 1.5)")
+    return out
+
+
+def study_batch(config) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxdist import config as config_lib
+    from jaxdist import data, mesh, train
+
+    sizes = [int(b) for b in _BATCHES.value]
+    out = {
+        "study": "batch",
+        "device": jax.devices()[0].device_kind,
+        "target_loss": _TARGET.value,
+        "base_batch_size": sizes[0],
+        "runs": [],
+    }
+    ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    m = mesh.make_mesh(config.mesh)
+    print(f"{'optimizer':<10}{'batch':>7}{'lr':>10}{'steps':>8}{'examples':>10}{'final val':>11}")
+    for opt in ("adamw", "lamb"):
+        for b in sizes:
+            cfg = config.copy_and_resolve_references()
+            with cfg.unlocked():
+                cfg.train.optimizer = opt
+                if opt == "lamb":
+                    cfg.train.learning_rate = _LAMB_LR.value
+                cfg.train.batch_size = b
+                cfg.train.base_batch_size = sizes[0]
+                if cfg.train.lr_scaling == "none":
+                    cfg.train.lr_scaling = "sqrt"
+                cfg.train.steps = _MAX_STEPS.value
+                cfg.train.warmup_steps = min(cfg.train.warmup_steps, _MAX_STEPS.value // 10)
+            config_lib.validate(cfg, jax.device_count())
+            engine = train.build(cfg, m, ds)
+            batches = data.Batches(
+                ds,
+                batch_size=b,
+                seq_len=cfg.model.seq_len,
+                seed=0,
+                shardings=engine.batch_shardings,
+            )
+            val = [batches.get(i, "val") for i in range(cfg.train.eval_batches)]
+            state = engine.init()
+            reached, val_loss = None, float("nan")
+            for step in range(1, _MAX_STEPS.value + 1):
+                state, _ = engine.train_step(state, batches.get(step - 1))
+                if step % _EVAL_EVERY.value == 0:
+                    val_loss = float(
+                        np.mean([float(engine.eval_step(state, v)["loss"]) for v in val])
+                    )
+                    if val_loss <= _TARGET.value:
+                        reached = step
+                        break
+            from jaxdist import optim
+
+            run = {
+                "optimizer": opt,
+                "batch_size": b,
+                "learning_rate": optim.scaled_learning_rate(cfg.train),
+                "steps": reached,
+                "examples": reached * b if reached else None,
+                "final_val_loss": val_loss,
+            }
+            out["runs"].append(run)
+            print(
+                f"{opt:<10}{b:>7}{run['learning_rate']:>10.2e}{str(reached or '—'):>8}"
+                f"{str(run['examples'] or '—'):>10}{val_loss:>11.3f}",
+                flush=True,
+            )
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for opt in ("adamw", "lamb"):
+            rs = [r for r in out["runs"] if r["optimizer"] == opt and r["steps"]]
+            axes[0].plot([r["batch_size"] for r in rs], [r["steps"] for r in rs], "o-", label=opt)
+            axes[1].plot(
+                [r["batch_size"] for r in rs], [r["examples"] for r in rs], "o-", label=opt
+            )
+        for ax, ylabel in zip(axes, ("steps to target", "examples to target")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("global batch")
+            ax.set_ylabel(ylabel)
+            ax.legend()
+            ax.grid(True, alpha=0.3)
+        fig.suptitle(f"validation loss ≤ {_TARGET.value} on stdlib bytes")
+        png = os.path.splitext(_OUT.value)[0] + "_batch.png"
+        fig.tight_layout()
+        fig.savefig(png, dpi=100)
+        out["plot"] = png
+        print(f"wrote {png}")
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install -e '.[plot]')")
     return out
 
 
@@ -174,7 +312,9 @@ def main(argv):
 
     config = _CONFIG.value
     mesh.configure_cpu_devices(config.runtime.cpu_devices)
-    result = {"overhead": study_overhead, "compile": study_compile}[_STUDY.value](config)
+    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+    studies = {"overhead": study_overhead, "compile": study_compile, "batch": study_batch}
+    result = studies[_STUDY.value](config)
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
     with open(_OUT.value, "w") as f:
         json.dump(result, f, indent=2)
