@@ -260,6 +260,19 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
                 "for the interleaved schedule",
             )
     if config.grad_sync.compression != "none":
+        others = [a for a in ("fsdp", "tensor", "pipeline") if mesh[a] > 1]
+        _need(
+            mesh["data"] > 1,
+            f"grad_sync.compression={config.grad_sync.compression!r} compresses the data-parallel "
+            f"reduction, but mesh.data={mesh['data']}; set mesh.data > 1 or compression='none'",
+        )
+        # XLA's SPMD partitioner (jax 0.10) aborts on a shard_map manual over `data` while two or
+        # more other axes stay automatic; refuse it here instead of crashing in compilation.
+        _need(
+            len(others) <= 1,
+            f"grad_sync.compression with mesh axes {'×'.join(['data', *others])} > 1 is not "
+            "supported (XLA SPMD partitioner limit); combine data with at most one of fsdp, tensor, pipeline",
+        )
         _need(config.grad_sync.rank > 0, f"grad_sync.rank={config.grad_sync.rank} must be > 0")
         _need(
             0 < config.grad_sync.topk_ratio <= 1,

@@ -142,8 +142,35 @@ def constrain(x: jax.Array, names: LogicalAxes) -> jax.Array:
     mesh, rules = ctx
     if len(names) != x.ndim:
         raise ValueError(f"logical axes {names} do not match array of rank {x.ndim}")
-    spec = logical_to_spec(names, rules, mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return constrain_to(x, NamedSharding(mesh, logical_to_spec(names, rules, mesh)))
+
+
+def _manual_axes() -> tuple[Any, set[str]]:
+    """The mesh seen while tracing and its manual axes (non-empty inside a `jax.shard_map`)."""
+    am = jax.sharding.get_abstract_mesh()
+    manual = getattr(am, "manual_axes", None)
+    if manual is None:
+        types = getattr(am, "axis_types", ()) or ()
+        manual = [n for n, t in zip(am.axis_names, types) if t == jax.sharding.AxisType.Manual]
+    return am, set(manual or ())
+
+
+def constrain_to(x: jax.Array, target: NamedSharding) -> jax.Array:
+    """with_sharding_constraint that also works inside a partially manual shard_map.
+
+    Inside `shard_map(..., axis_names={"data"})` (the explicit gradient-sync path) the `data` axis is
+    manual: each body sees its own slice, so the constraint drops that axis and targets the
+    tracing mesh's remaining (automatic) axes.
+    """
+    am, manual = _manual_axes()
+    if not manual:
+        return jax.lax.with_sharding_constraint(x, target)
+    spec = []
+    for entry in target.spec:
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept = tuple(a for a in axes if a not in manual)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(am, PartitionSpec(*spec)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

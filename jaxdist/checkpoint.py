@@ -1,0 +1,817 @@
+"""Checkpoints: the train state plus JSON metadata, saved with orbax's CheckpointManager.
+
+One folder per saved step under the checkpoint directory::
+
+    checkpoints/
+      40/                       # committed: written as 40.orbax-checkpoint-tmp-*, then renamed
+        _CHECKPOINT_METADATA    # orbax: item handlers, init and commit timestamps
+        commit_success.txt      # orbax's commit marker
+        state/                  # the train-state pytree: OCDBT + zarr, a data folder per process
+        meta/metadata           # JSON: data_position, config, versions, per-array shardings
+      50.orbax-checkpoint-tmp-7/  # a save in flight, or killed mid-write: never read
+
+Saves are asynchronous and cooperative: every process calls `Checkpointer.save` with the same
+step, each writes the shards it owns, and orbax's primary process commits the step (the rename)
+once all have finished. A restore reads only the shards each process needs for the shardings in
+`abstract_state`, so a checkpoint written on one mesh restores onto any mesh with the same global
+shapes.
+
+The functions after `Checkpointer` (`read_metadata`, `array_paths`, `read_arrays`,
+`verify_checkpoint`, `export_params`) read a checkpoint as numpy on a host with no accelerator,
+without the model or the mesh; `scripts/ckpt.py` wraps them. Nothing here uses pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import logging
+import math
+import operator
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jaxdist.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PyTree = Any
+
+STATE_ITEM = "state"
+META_ITEM = "meta"
+FORMAT = "jaxdist-checkpoint/1"
+# Orbax writes this file into a step folder just before the final rename. A `<step>` folder
+# without it (and without a commit timestamp in _CHECKPOINT_METADATA) was never committed by
+# orbax, e.g. it was partly copied, and is never read.
+COMMIT_MARKER = getattr(
+    getattr(ocp.path, "atomicity_types", None), "COMMIT_SUCCESS_FILE", "commit_success.txt"
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Step folders: which ones count.
+
+
+def _is_committed(step_metadata: Any) -> bool:
+    """Whether an orbax step folder carries orbax's commit marker (file, or commit timestamp)."""
+    if (step_metadata.path / COMMIT_MARKER).exists():
+        return True
+    try:
+        return step_metadata.commit_timestamp_nsecs is not None
+    except Exception:  # an unreadable _CHECKPOINT_METADATA is no commit
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class _CommittedStepFormat:
+    """Orbax's standard `<step>` folder names, counting only folders with orbax's commit marker.
+
+    Orbax skips its `*.orbax-checkpoint-tmp-*` folders itself, but on a local disk it takes any
+    other `<step>` folder as committed, so a partly copied folder would be read. This hides those.
+    """
+
+    inner: Any = dataclasses.field(default_factory=ocp.path.step.standard_name_format)
+
+    def build_name(self, step: int) -> str:
+        return self.inner.build_name(step)
+
+    def find_all(self, base_path: epath.PathLike) -> list[Any]:
+        return [m for m in self.inner.find_all(base_path) if _is_committed(m)]
+
+    def find_step(self, base_path: epath.PathLike, step: int) -> Any:
+        found = self.inner.find_step(base_path, step)
+        if not _is_committed(found):
+            raise ValueError(f"step folder {found.path} has no orbax commit marker")
+        return found
+
+
+def _step_dir(directory: epath.Path, step: int) -> epath.Path:
+    return directory / _CommittedStepFormat().build_name(step)
+
+
+def committed_steps(directory: epath.PathLike) -> list[int]:
+    """Steps under `directory` that orbax finished committing, ascending; [] if it is missing."""
+    directory = epath.Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(m.step for m in _CommittedStepFormat().find_all(directory))
+
+
+def _uncommitted_step_folders(directory: epath.Path) -> list[str]:
+    """`<step>` folders that look like checkpoints but were never committed (e.g. partly copied)."""
+    if not directory.is_dir():
+        return []
+    committed = set(committed_steps(directory))
+    names = [p.name for p in directory.iterdir() if p.name.isdigit() and p.is_dir()]
+    return sorted((n for n in names if int(n) not in committed), key=int)
+
+
+def _resolve_step(directory: epath.PathLike, step: int | None) -> tuple[epath.Path, int]:
+    """The folder of `step` (default: the newest committed), or ConfigError saying what is wrong."""
+    directory = epath.Path(directory)
+    if not directory.is_dir():
+        what = "is not a directory" if directory.exists() else "does not exist"
+        raise ConfigError(f"checkpoint directory {directory} {what}")
+    steps = committed_steps(directory)
+    if not steps:
+        raise ConfigError(f"no committed checkpoint in {directory} (expected <step> folders)")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ConfigError(f"step {step} is not a committed checkpoint in {directory}; have {steps}")
+    return _step_dir(directory, step), step
+
+
+# ------------------------------------------------------------------------------------------------
+# Small helpers.
+
+
+def _key_str(key: Any) -> str:
+    for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey (NamedTuple fields), SequenceKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_str(keypath: Sequence[Any]) -> str:
+    """`/`-joined tree path such as `opt_state/0/mu/dense/w`; equal for a state and its metadata."""
+    return "/".join(_key_str(k) for k in keypath)
+
+
+def _flatten(tree: PyTree) -> dict[str, Any]:
+    return {path_str(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def one_line_error(err: BaseException, limit: int = 300) -> str:
+    """`Type: message` of the root cause (orbax wraps tensorstore's error), on one line."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _shape_of(md: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in (getattr(md, "shape", None) or ()))
+
+
+def _dtype_of(md: Any) -> np.dtype:
+    dtype = getattr(md, "dtype", None)  # not `or`: an np.dtype is falsy (its len() is 0)
+    return np.dtype(np.float32 if dtype is None else dtype)
+
+
+def _fmt_array(shape: Sequence[int], dtype: Any) -> str:
+    return f"{np.dtype(dtype).name}[{','.join(str(d) for d in shape)}]"
+
+
+def _fmt_sharding(spec: Sequence[Any], axis_sizes: Mapping[str, int]) -> str:
+    axes = ", ".join(f"{name}={int(size)}" for name, size in axis_sizes.items())
+    return f"P({', '.join(repr(e) for e in spec)}) on mesh({axes})"
+
+
+def describe_sharding(sharding: Any) -> str:
+    """A short string for a sharding, e.g. `P('data', None) on mesh(data=8)`."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return _fmt_sharding(sharding.spec, sharding.mesh.shape)
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return "single device"
+    return type(sharding).__name__ if sharding is not None else "host (not a jax.Array)"
+
+
+def _describe_sharding_metadata(sharding: Any) -> str:
+    """The same string from orbax's ShardingMetadata, for checkpoints without our meta item."""
+    spec = getattr(sharding, "partition_spec", None)
+    names = getattr(sharding, "axis_names", None)
+    sizes = getattr(sharding, "shape", None)
+    if spec is None or names is None or sizes is None:
+        return type(sharding).__name__ if sharding is not None else "unknown"
+    return _fmt_sharding(spec, dict(zip(names, list(sizes), strict=False)))
+
+
+def _jaxdist_version() -> str:
+    import jaxdist
+
+    if getattr(jaxdist, "__version__", None):
+        return str(jaxdist.__version__)
+    try:
+        return importlib.metadata.version("jaxdist")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _all_processes_ok(ok: bool) -> bool:
+    """True only if `ok` holds on every process, so that all processes take the same branch."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT = _Absent()
+
+
+def check_config_compatible(
+    saved_config: Mapping[str, Any] | None,
+    config: Mapping[str, Any],
+    fields: Sequence[str] = ("model",),
+) -> None:
+    """Raises ConfigError naming the first field where `config` differs from `saved_config`.
+
+    Args:
+      saved_config: the resolved config stored in a checkpoint; None (none stored) passes.
+      config: the resolved config of the run that wants to resume from it.
+      fields: sections or dotted fields that must agree, e.g. `("model", "train.optimizer")`.
+    """
+    if saved_config is None:
+        return
+
+    def get(cfg: Any, dotted: str) -> Any:
+        for part in dotted.split("."):
+            if not isinstance(cfg, Mapping) or part not in cfg:
+                return _ABSENT
+            cfg = cfg[part]
+        return cfg
+
+    def first_diff(a: Any, b: Any, where: str) -> tuple[str, Any, Any] | None:
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            for key in sorted(set(a) | set(b), key=str):
+                diff = first_diff(a.get(key, _ABSENT), b.get(key, _ABSENT), f"{where}.{key}")
+                if diff:
+                    return diff
+            return None
+        if isinstance(a, list | tuple) and isinstance(b, list | tuple):  # JSON has no tuples
+            a, b = list(a), list(b)
+        return None if a == b else (where, a, b)
+
+    for field in fields:
+        diff = first_diff(get(saved_config, field), get(config, field), field)
+        if diff:
+            where, saved, now = diff
+            raise ConfigError(
+                f"config field {where} differs from the checkpoint: saved {saved!r}, now {now!r}; "
+                "use the saved value or a new workdir"
+            )
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer's checkpointer.
+
+
+class Checkpointer:
+    """Saves the train state every `every` steps, keeps the newest `keep`, restores onto any mesh.
+
+    Every process of a job constructs it and calls `save`/`restore` with the same arguments;
+    orbax makes each process write its own shards and commits the step once all are done.
+
+    Example::
+
+        ckpt = Checkpointer(workdir / "checkpoints", every=100, keep=3, config_json=cfg)
+        if ckpt.latest_step() is not None:
+            check_config_compatible(ckpt.saved_config(), cfg)
+            state, meta = ckpt.restore(abstract_state)  # ShapeDtypeStructs with sharding=
+            start = meta["data_position"]
+        for step in range(start + 1, steps + 1):
+            state, metrics = train_step(state, batches.get(step - 1))
+            ckpt.save(step, state, data_position=step)  # when due; writes in the background
+        ckpt.save(steps, state, data_position=steps, force=True)
+        ckpt.close()  # waits for the last write
+    """
+
+    def __init__(
+        self,
+        directory: epath.PathLike,
+        *,
+        every: int,
+        keep: int,
+        config_json: dict[str, Any] | None,
+        async_save: bool = True,
+    ):
+        """Opens (or creates) a checkpoint directory.
+
+        Args:
+          directory: the checkpoint folder; a local path or any URL orbax accepts (gs://...).
+          every: save every this many steps; 0 turns periodic saves off (`force=True` still saves).
+          keep: keep the newest this many committed steps; 0 keeps all.
+          config_json: the resolved config, stored with every step; must be JSON-serialisable.
+          async_save: write in a background thread once the state is copied to host memory.
+        """
+        self.every = _non_negative_int(every, "checkpoint.every", "steps; 0 = off")
+        self.keep = _non_negative_int(keep, "checkpoint.keep", "0 = keep all")
+        try:
+            json.dumps(config_json)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"config is not JSON-serialisable: {one_line_error(err)}") from None
+        self.directory = epath.Path(directory)
+        self._config_json = config_json
+        # Committed steps that failed to restore; moved aside before the next save.
+        self._unreadable: set[int] = set()
+        options = ocp.CheckpointManagerOptions(
+            step_name_format=_CommittedStepFormat(),
+            preservation_policy=ocp.checkpoint_managers.LatestN(n=self.keep or None),
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,  # tmp folders of saves killed mid-write
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=(STATE_ITEM, META_ITEM)
+        )
+        ignored = _uncommitted_step_folders(self.directory)
+        if ignored:
+            log.warning(
+                "ignoring checkpoint folders without orbax's commit marker in %s: %s",
+                self.directory,
+                ", ".join(ignored),
+            )
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending, and a save of this process still being written.
+
+        Steps that `restore` found unreadable are left out.
+        """
+        return sorted(s for s in self._manager.all_steps() if s not in self._unreadable)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when the directory holds no checkpoint."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def saved_config(self, step: int | None = None) -> dict[str, Any] | None:
+        """The config stored with `step` (default: the newest whose metadata reads), or None.
+
+        Reads one small JSON file, so a resume can run `check_config_compatible` before arrays.
+        """
+        for candidate in [step] if step is not None else self.all_steps()[::-1]:
+            try:
+                return self._read_meta(candidate).get("config")
+            except Exception as err:
+                log.warning("checkpoint step %d: metadata unreadable (%s)", candidate, err)
+        return None
+
+    def _read_meta(self, step: int) -> dict[str, Any]:
+        return _read_json_item(_step_dir(self.directory, step) / META_ITEM)
+
+    def should_save(self, step: int) -> bool:
+        """True every `every` steps and at a preemption sync point, unless `step` is saved."""
+        step = int(step)
+        if self.every == 0 or step in self.all_steps():
+            return False
+        return step % self.every == 0 or self._manager.reached_preemption(step)
+
+    # -- save --------------------------------------------------------------------------------
+
+    def save(self, step: int, state: PyTree, *, data_position: int, force: bool = False) -> bool:
+        """Starts writing `state` as `step` if due (or `force`); returns whether it started.
+
+        Returns once the state is copied to host memory: the caller may donate its buffers next.
+
+        Args:
+          step: the training step the state is at.
+          state: the train-state pytree of jax.Arrays.
+          data_position: batches the data iterator has consumed, so a resume skips exactly those.
+          force: save even if `should_save(step)` is False; never overwrites a committed step.
+        """
+        step = int(step)
+        if not (force or self.should_save(step)):
+            return False
+        self._move_aside_unusable(step)
+        if step in self.all_steps():
+            log.info("checkpoint step %d is already in %s", step, self.directory)
+            return False
+        leaves = _flatten(state)
+        meshes = [
+            leaf.sharding.mesh
+            for leaf in leaves.values()
+            if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)
+        ]
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "data_position": int(data_position),
+            "config": self._config_json,
+            "jaxdist_version": _jaxdist_version(),
+            "jax_version": jax.__version__,
+            "process_count": jax.process_count(),
+            "mesh": {k: int(v) for k, v in meshes[0].shape.items()} if meshes else None,
+            "shardings": {
+                p: describe_sharding(getattr(x, "sharding", None)) for p, x in leaves.items()
+            },
+        }
+        args = ocp.args.Composite(
+            **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
+        )
+        return bool(self._manager.save(step, args=args, force=True))
+
+    def _move_aside_unusable(self, step: int) -> None:
+        """Renames folders a save would collide with: an uncommitted `step`, unreadable steps.
+
+        Renamed (`<step>.unreadable-<ns>`), not deleted, so they can still be examined; orbax and
+        this module ignore such names. The primary process renames; all wait for it.
+        """
+        targets = {s: "unreadable" for s in self._unreadable}
+        if _step_dir(self.directory, step).exists() and step not in self._manager.all_steps():
+            targets[step] = "uncommitted"  # orbax could not rename its tmp folder onto it
+        if not targets:
+            return
+        self._manager.wait_until_finished()
+        stamp = time.time_ns()
+        for bad, why in sorted(targets.items()):
+            src = _step_dir(self.directory, bad)
+            if jax.process_index() == 0 and src.exists():
+                dst = src.parent / f"{src.name}.{why}-{stamp}"
+                log.warning("moving %s checkpoint folder %s aside to %s", why, src, dst.name)
+                src.rename(dst)
+        _barrier(f"jaxdist_checkpoint_move_aside_{step}")  # the same name on every process
+        self._unreadable.clear()
+        self._manager.reload()
+
+    def wait(self) -> None:
+        """Blocks until the last save is committed; raises if it failed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and stops orbax's background threads."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- restore -----------------------------------------------------------------------------
+
+    def restore(
+        self, abstract_state: PyTree, step: int | None = None
+    ) -> tuple[PyTree, dict[str, Any]]:
+        """Reads a checkpoint onto the shardings of `abstract_state`, resharding as it reads.
+
+        With `step=None` it reads the newest committed step; if that is unreadable it logs a
+        warning and falls back to the next older step, and so on.
+
+        Args:
+          abstract_state: the train-state pytree of `jax.ShapeDtypeStruct(shape, dtype,
+            sharding=...)` for the current mesh (e.g. `jax.eval_shape` plus the shardings).
+          step: a specific step, or None.
+
+        Returns:
+          (state, meta): jax.Arrays with the requested shardings, and the saved JSON metadata
+          (`step`, `data_position`, `config`, `shardings`, ...).
+
+        Raises:
+          ConfigError: no checkpoint; `step` is missing or unreadable; every step is unreadable;
+            or an array's path, shape or dtype differs from `abstract_state` (checked from the
+            metadata, before any array data is read).
+        """
+        expected = _flatten(abstract_state)
+        for path, leaf in expected.items():
+            if getattr(leaf, "sharding", None) is None:
+                raise ConfigError(
+                    f"abstract_state leaf {path} has no sharding; use ShapeDtypeStruct(sharding=)"
+                )
+        steps = self.all_steps()
+        if step is None and not steps:
+            raise ConfigError(f"no readable committed checkpoint in {self.directory}")
+        if step is not None and step not in self._manager.all_steps():
+            raise ConfigError(
+                f"step {step} is not a committed checkpoint in {self.directory}; "
+                f"have {sorted(self._manager.all_steps())}"
+            )
+        failures: list[tuple[int, str]] = []
+        for candidate in [step] if step is not None else steps[::-1]:
+            restored, error = self._try_restore(candidate, abstract_state, expected)
+            if _all_processes_ok(error is None):
+                self._unreadable.discard(candidate)
+                if failures:
+                    log.warning(
+                        "checkpoint step(s) %s in %s unreadable; fell back to step %d",
+                        [s for s, _ in failures],
+                        self.directory,
+                        candidate,
+                    )
+                return restored
+            failures.append((candidate, error or "failed on another process"))
+            log.warning(
+                "checkpoint step %d in %s unreadable: %s",
+                *failures[-1][:1],
+                self.directory,
+                failures[-1][1],
+            )
+            self._unreadable.add(candidate)
+        if step is not None:
+            raise ConfigError(
+                f"checkpoint step {step} in {self.directory} is unreadable: {failures[0][1]}"
+            )
+        raise ConfigError(
+            f"no readable checkpoint in {self.directory}: steps {[s for s, _ in failures]} all "
+            f"failed (newest: {failures[0][1]}); move the folder aside to start from scratch"
+        )
+
+    def _try_restore(
+        self, step: int, abstract_state: PyTree, expected: Mapping[str, Any]
+    ) -> tuple[tuple[PyTree, dict[str, Any]] | None, str | None]:
+        """(result, None), or (None, one-line reason) if unreadable; ConfigError on a mismatch."""
+        try:
+            saved = _saved_arrays(_step_dir(self.directory, step) / STATE_ITEM)
+        except Exception as err:
+            return None, f"metadata: {one_line_error(err)}"
+        _check_matches(saved, expected, f"checkpoint step {step} in {self.directory}")
+        # Orbax's handlers, not its Checkpointer: the Checkpointer ends a restore with a barrier
+        # that a process whose read failed never reaches, leaving the others waiting in it. Here
+        # every process returns, and `restore` agrees on the outcome with one all-gather.
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            args = ocp.args.StandardRestore(abstract_state)
+            state = handler.restore(_step_dir(self.directory, step) / STATE_ITEM, args=args)
+            meta = self._read_meta(step)
+        except Exception as err:
+            return None, one_line_error(err)
+        finally:
+            handler.close()
+        return (state, {**meta, "step": step}), None
+
+
+def _non_negative_int(value: Any, field: str, meaning: str) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"{field} must be an integer >= 0 ({meaning})")
+    return value
+
+
+def _check_matches(saved: Mapping[str, Any], expected: Mapping[str, Any], where: str) -> None:
+    """ConfigError naming the first array whose path, shape or dtype differs from the model's."""
+    for path, want in expected.items():
+        if path not in saved:
+            raise ConfigError(
+                f"{where} has no array {path}, which the model expects as "
+                f"{_fmt_array(want.shape, want.dtype)} (a different model?)"
+            )
+        have_shape, have_dtype = _shape_of(saved[path]), _dtype_of(saved[path])
+        if have_shape != tuple(want.shape) or have_dtype != np.dtype(want.dtype):
+            raise ConfigError(
+                f"{where}: {path} is saved as {_fmt_array(have_shape, have_dtype)} "
+                f"but the model expects {_fmt_array(want.shape, want.dtype)}"
+            )
+    extra = [path for path in saved if path not in expected]
+    if extra:
+        raise ConfigError(
+            f"{where} has array {extra[0]} that the model lacks ({len(extra)} "
+            "such; a different model?)"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading without a mesh: orbax metadata, and arrays as numpy.
+
+
+def _tree_metadata(state_dir: epath.Path) -> PyTree:
+    """The saved tree of orbax ArrayMetadata (shape, dtype, sharding, storage name); no data."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        metadata = handler.metadata(state_dir)
+    finally:
+        handler.close()
+    return getattr(metadata, "tree", metadata)
+
+
+def _saved_arrays(state_dir: epath.Path) -> dict[str, Any]:
+    """Path -> orbax ArrayMetadata, in tree order."""
+    return _flatten(_tree_metadata(state_dir))
+
+
+def _read_json_item(item_dir: epath.Path) -> dict[str, Any]:
+    handler = ocp.JsonCheckpointHandler()
+    try:
+        return dict(handler.restore(item_dir, args=ocp.args.JsonRestore()))
+    finally:
+        handler.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+    """One saved array, as `ckpt.py inspect` lists it."""
+
+    path: str  # `/`-joined tree path, e.g. `params/blocks/0/attn/wq`
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    sharding: str  # the sharding it was saved with
+
+
+def read_metadata(directory: epath.PathLike, step: int | None = None) -> dict[str, Any]:
+    """The JSON metadata of `step` (default newest): `step`, `data_position`, `config`, ...
+
+    Raises:
+      ConfigError: the directory, any committed step, or the requested step is missing.
+    """
+    step_dir, step = _resolve_step(directory, step)
+    meta_dir = step_dir / META_ITEM
+    return {**(_read_json_item(meta_dir) if meta_dir.exists() else {}), "step": step}
+
+
+def _under(path: str, prefix: str) -> bool:
+    return not prefix or path == prefix or path.startswith(prefix.rstrip("/") + "/")
+
+
+def array_paths(
+    directory: epath.PathLike, step: int | None = None, *, prefix: str = ""
+) -> list[ArrayInfo]:
+    """Every saved array of `step` (default newest) under `prefix`, from metadata alone."""
+    step_dir, step = _resolve_step(directory, step)
+    meta_dir = step_dir / META_ITEM
+    shardings = (_read_json_item(meta_dir) if meta_dir.exists() else {}).get("shardings", {})
+    infos = []
+    for path, md in _saved_arrays(step_dir / STATE_ITEM).items():
+        if _under(path, prefix):
+            shape, dtype = _shape_of(md), _dtype_of(md)
+            sharding = shardings.get(path) or _describe_sharding_metadata(
+                getattr(md, "sharding", None)
+            )
+            nbytes = math.prod(shape) * dtype.itemsize
+            infos.append(ArrayInfo(path, shape, dtype.name, nbytes, sharding))
+    return infos
+
+
+def _restore_numpy(
+    state_dir: epath.Path, tree_md: PyTree, selected: set[str]
+) -> dict[str, np.ndarray]:
+    """Reads the `selected` arrays of a saved tree as numpy; orbax skips PLACEHOLDER leaves."""
+    placeholder = getattr(ocp, "PLACEHOLDER", None)  # absent in some orbax: read everything
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree_md)
+    item = [
+        md if placeholder is None or path_str(kp) in selected else placeholder for kp, md in leaves
+    ]
+    item = jax.tree_util.tree_unflatten(treedef, item)
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        out = handler.restore(
+            state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
+        )
+    finally:
+        handler.close()
+    return {p: np.asarray(v) for p, v in _flatten(out).items() if p in selected}
+
+
+def read_arrays(
+    directory: epath.PathLike, step: int | None = None, *, prefix: str = ""
+) -> dict[str, np.ndarray]:
+    """The saved arrays under `prefix` (e.g. "params") as whole numpy arrays, by full path."""
+    step_dir, step = _resolve_step(directory, step)
+    state_dir = step_dir / STATE_ITEM
+    tree_md = _tree_metadata(state_dir)
+    selected = {path for path in _flatten(tree_md) if _under(path, prefix)}
+    if not selected:
+        raise ConfigError(f"checkpoint step {step} in {directory} has no arrays under {prefix!r}")
+    return _restore_numpy(state_dir, tree_md, selected)
+
+
+def _stored_array_names(state_dir: epath.Path) -> set[str]:
+    """Names of the arrays present in storage (the OCDBT key-value store, or zarr folders)."""
+    if (state_dir / "manifest.ocdbt").exists():
+        import tensorstore as ts
+
+        base = os.fspath(state_dir)
+        base = base if "://" in base else "file://" + os.path.abspath(base)
+        kvstore = ts.KvStore.open({"driver": "ocdbt", "base": base.rstrip("/") + "/"}).result()
+        keys = [k.decode() for k in kvstore.list().result()]
+    else:
+        keys = [
+            f"{d.name}/{f.name}" for d in state_dir.iterdir() if d.is_dir() for f in d.iterdir()
+        ]
+    return {k.rsplit("/", 1)[0] for k in keys if k.endswith(("/.zarray", "/zarr.json"))}
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """What `verify_checkpoint` found; the checkpoint is good when `problems` is empty."""
+
+    step: int
+    arrays: int = 0  # arrays read back and found finite
+    nbytes: int = 0  # their bytes
+    problems: list[str] = dataclasses.field(default_factory=list)  # one line each
+
+
+def verify_checkpoint(directory: epath.PathLike, step: int | None = None) -> VerifyReport:
+    """Reads every array of `step` (default newest) back, one at a time, against the metadata.
+
+    Problems reported: metadata unreadable; the arrays in storage, in orbax's metadata and in our
+    meta item differ; an array fails to read (a data file missing or corrupted); an array holds
+    NaN or Inf. Host memory stays within the largest single array.
+    """
+    step_dir, step = _resolve_step(directory, step)
+    report = VerifyReport(step)
+    state_dir = step_dir / STATE_ITEM
+    try:
+        listed = set(_read_json_item(step_dir / META_ITEM).get("shardings", {}))
+    except Exception as err:
+        listed = None
+        report.problems.append(f"{step_dir / META_ITEM} unreadable ({one_line_error(err)})")
+    try:
+        tree_md = _tree_metadata(state_dir)
+        saved = _flatten(tree_md)
+    except Exception as err:
+        report.problems.append(f"array metadata in {state_dir} unreadable ({one_line_error(err)})")
+        return report
+
+    if listed is not None:
+        report.problems += [
+            f"{p} is in {META_ITEM} but not in the array metadata"
+            for p in sorted(listed - set(saved))
+        ]
+        report.problems += [
+            f"{p} is in the array metadata but not in {META_ITEM}"
+            for p in sorted(set(saved) - listed)
+        ]
+    missing = set()
+    try:
+        stored = _stored_array_names(state_dir)
+    except Exception as err:
+        report.problems.append(f"storage index of {state_dir} unreadable ({one_line_error(err)})")
+    else:
+        names = {path: getattr(md, "name", None) for path, md in saved.items()}
+        for path, name in names.items():
+            if name is not None and name not in stored:
+                missing.add(path)
+                report.problems.append(f"{path} is missing on disk (no {name} in {state_dir})")
+        report.problems += [
+            f"{name} is on disk in {state_dir} but not in the metadata"
+            for name in sorted(stored - set(names.values()))
+        ]
+
+    for path, md in saved.items():
+        if path in missing:
+            continue
+        try:
+            value = _restore_numpy(state_dir, tree_md, {path})[path]
+        except Exception as err:
+            report.problems.append(f"{path} unreadable ({one_line_error(err)})")
+            continue
+        if value.shape != _shape_of(md):
+            report.problems.append(f"{path} read back as {value.shape}, saved as {_shape_of(md)}")
+            continue
+        if jax.numpy.issubdtype(value.dtype, jax.numpy.inexact):
+            finite = np.isfinite(value if value.dtype.kind in "fc" else value.astype(np.float32))
+            if not finite.all():
+                report.problems.append(
+                    f"{path} has non-finite values ({int((~finite).sum())} of {value.size})"
+                )
+                continue
+        report.arrays += 1
+        report.nbytes += value.nbytes
+    return report
+
+
+def export_params(
+    directory: epath.PathLike, out: str | os.PathLike, step: int | None = None
+) -> dict[str, np.ndarray]:
+    """Writes the `params` subtree of `step` (default newest) as one `.npz` or `.safetensors`.
+
+    Keys are `/`-joined paths inside `params` (`blocks/0/attn/wq`). `.npz` cannot hold bfloat16 or
+    float8, so those are widened to float32 there (exactly); `.safetensors` keeps them. The file
+    is written under a temporary name and renamed. Returns the arrays written.
+    """
+    out = os.fspath(out)
+    if not out.endswith((".npz", ".safetensors")):
+        raise ConfigError(f"output file {out} must end with .npz or .safetensors")
+    arrays = {
+        path.removeprefix("params/"): np.ascontiguousarray(a)
+        for path, a in read_arrays(directory, step, prefix="params").items()
+    }
+    tmp = f"{out}.tmp-{os.getpid()}"
+    if out.endswith(".npz"):
+        arrays = {
+            k: a if a.dtype.kind in "biufc" else a.astype(np.float32) for k, a in arrays.items()
+        }
+        with open(tmp, "wb") as f:  # a file object, so numpy adds no suffix
+            np.savez(f, **arrays)
+    else:
+        from safetensors.numpy import save_file
+
+        save_file(arrays, tmp)
+    os.replace(tmp, out)
+    return arrays

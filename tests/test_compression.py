@@ -1,0 +1,619 @@
+"""Tests for jaxdist.compression and jaxdist.collectives on the 8 simulated CPU devices.
+
+Each compressor is checked against a numpy replay of its algorithm on the host from the same
+per-replica gradients, against error bounds derived from its number format, for the error-feedback
+bookkeeping, for bytes on the wire read from the compiled HLO, and for convergence on a small
+least-squares problem.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import compression as C
+from jaxdist import metrics
+from jaxdist.collectives import diloco_outer, local_sgd, sync_grads
+from jaxdist.errors import ConfigError
+
+R = len(jax.devices())
+F32 = np.float32
+MESH = jax.make_mesh((R,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+# Shapes chosen so that nothing divides evenly: padding and short last chunks are exercised.
+SHAPES = {"w": (13, 7), "b": (5,)}
+PARAMS = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+
+
+def _grads(seed, common=0.0, shapes=None):
+    """Per-replica gradients {name: [R, *shape]}; `common` scales a part shared by all replicas."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k, s in (shapes or SHAPES).items():
+        shared = rng.normal(size=s).astype(F32)
+        out[k] = (common * shared + rng.normal(size=(R, *s))).astype(F32)
+    return out
+
+
+def _identity_grad_fn(params, batch):
+    """Each replica's 'gradient' is its [1, ...] slice of the stacked per-replica gradients."""
+    del params
+    return jnp.zeros((), jnp.float32), jax.tree.map(lambda x: x[0], batch)
+
+
+def _run(tx, grads_per_step, params=PARAMS, mesh=MESH, axes="data"):
+    """Syncs each step's stacked gradients: [(mean grads, state before, state after)] in numpy."""
+    step = jax.jit(sync_grads(_identity_grad_fn, tx, mesh, axes))
+    state = C.init_global(tx, params, mesh, axes)
+    out = []
+    for g in grads_per_step:
+        _, mean, new = step(params, g, state)
+        out.append((jax.tree.map(np.asarray, mean), jax.tree.map(np.asarray, state), new))
+        state = new
+    return [(m, s, jax.tree.map(np.asarray, n)) for m, s, n in out]
+
+
+# --------------------------------------------------------------------------------------------------
+# none, bf16
+
+
+def _linear_loss(params, batch):
+    x, y = batch
+    return jnp.mean(jnp.sum((x @ params["w"] + params["b"] - y) ** 2, axis=-1))
+
+
+def test_none_equals_implicit_jit_reduction():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4 * R, 13)).astype(F32)
+    y = rng.normal(size=(4 * R, 7)).astype(F32)
+    params = {"w": jnp.asarray(rng.normal(size=(13, 7)), jnp.float32), "b": jnp.ones((7,))}
+    batch = jax.device_put((x, y), NamedSharding(MESH, P("data")))
+    ref_loss, ref = jax.jit(jax.value_and_grad(_linear_loss))(params, batch)  # compiler's reduction
+
+    tx = C.none("data")
+    fn = jax.jit(sync_grads(jax.value_and_grad(_linear_loss), tx, MESH, "data"))
+    loss, grads, _ = fn(params, batch, C.init_global(tx, params, MESH, "data"))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for k in ref:
+        np.testing.assert_allclose(grads[k], ref[k], rtol=0, atol=1e-6 * np.abs(ref[k]).max())
+
+
+def test_bf16_error_is_two_roundings():
+    g = _grads(1, common=1.0)
+    [(out, _, _)] = _run(C.bf16("data"), [g])
+    u = 2.0**-8  # bf16 unit roundoff (8 significant bits, round to nearest)
+    for k in g:
+        exact = g[k].astype(np.float64).mean(0)
+        # Each input cast errs by <= u |g_i|, the f32 sum adds ~R 2^-24, the final cast <= u |out|.
+        bound = u * np.abs(g[k]).mean(0) + u * np.abs(out[k]) + R * 2.0**-24 * np.abs(g[k]).sum(0)
+        assert np.all(np.abs(out[k] - exact) <= bound), k
+        rel = np.linalg.norm(out[k] - exact) / np.linalg.norm(exact)
+        assert rel <= u, (k, rel)
+
+
+def test_bf16_single_cast_round_trip():
+    x = np.random.default_rng(2).normal(size=1000).astype(F32)
+    back = np.asarray(C._from_bf16_bits(C._bf16_bits(jnp.asarray(x))))
+    assert np.all(np.abs(back - x) <= 2.0**-8 * np.abs(x))
+
+
+# --------------------------------------------------------------------------------------------------
+# int8
+
+
+def _np_quantize(x):
+    scale = (np.max(np.abs(x), axis=-1) / F32(127)).astype(F32)
+    y = x / np.where(scale > 0, scale, F32(1))[..., None]
+    return np.clip(np.round(y), -127, 127).astype(np.int8), scale
+
+
+def _np_dequantize(q, scale):
+    return q.astype(F32) * scale[..., None]
+
+
+def _np_rows(g, shard, c):
+    """[R, *shape] -> [R (source), R (destination), shard / c, c], zero-padded."""
+    n = g[0].size
+    x = np.zeros((R, R * shard), F32)
+    x[:, :n] = g.reshape(R, n)
+    return x.reshape(R, R, shard // c, c)
+
+
+def _np_int8(g, chunk):
+    """Host replay of the two-phase int8 reduction; also returns the per-element error bound."""
+    n = g[0].size
+    shard, c = C.shard_layout(n, R, chunk)
+    q, scale = _np_quantize(_np_rows(g, shard, c))
+    mean = np.sum(_np_dequantize(q, scale), axis=0) / F32(R)  # [dst, a, c]: replica dst's shard
+    q2, scale2 = _np_quantize(mean)
+    out = _np_dequantize(q2, scale2).reshape(-1)[:n].reshape(g.shape[1:])
+    # Round to nearest errs by <= scale / 2 per element, in each phase.
+    bound = (scale.mean(0) / 2 + scale2 / 2)[..., None] * np.ones_like(mean)
+    return out, bound.reshape(-1)[:n].reshape(g.shape[1:])
+
+
+def test_int8_two_phase_matches_host_replay_and_bound():
+    g = _grads(3)
+    [(out, _, _)] = _run(C.int8("data", chunk=8), [g])
+    for k in g:
+        ref, bound = _np_int8(g[k], chunk=8)
+        np.testing.assert_allclose(out[k], ref, rtol=0, atol=1e-6)
+        assert np.all(np.abs(out[k] - g[k].mean(0)) <= bound * (1 + 1e-5) + 1e-7), k
+
+
+def test_int8_quantizer_round_trip_bounds():
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(16, 32)), jnp.float32)
+    absmax = np.abs(np.asarray(x)).max(-1, keepdims=True)
+    q, scale = C.quantize_int8(x)
+    err = np.abs(np.asarray(C.dequantize_int8(q, scale)) - np.asarray(x))
+    assert np.all(err <= absmax / 254 * (1 + 1e-6))
+    # Stochastic rounding: error below one step and unbiased on average.
+    keys = jax.random.split(jax.random.key(0), 512)
+    deq = jax.jit(jax.vmap(lambda k: C.dequantize_int8(*C.quantize_int8(x, k))))(keys)
+    err = np.abs(np.asarray(deq) - np.asarray(x)[None])
+    assert np.all(err < absmax[None] / 127 * (1 + 1e-6))
+    bias = np.abs(np.asarray(deq).mean(0) - np.asarray(x))
+    assert np.all(bias <= 5 * (absmax / 127 / 2) / math.sqrt(512))
+
+
+def test_int8_stochastic_rounding_within_one_step_per_phase():
+    g = _grads(5)
+    (out1, _, _), (out2, _, _) = _run(C.int8("data", chunk=8, stochastic_rounding=True), [g, g])
+    for k in g:
+        _, half_bound = _np_int8(g[k], chunk=8)
+        assert np.all(np.abs(out1[k] - g[k].mean(0)) < 2 * half_bound * (1 + 1e-5) + 1e-7)
+    assert any(not np.array_equal(out1[k], out2[k]) for k in g), "the key must advance"
+
+
+# --------------------------------------------------------------------------------------------------
+# top-k
+
+
+def _np_topk(acc, ratio):
+    """Per replica: (sent, unsent) of acc [R, n]."""
+    k = min(acc.shape[1], max(1, math.ceil(ratio * acc.shape[1])))
+    sent = np.zeros_like(acc)
+    for i in range(R):
+        idx = np.argsort(-np.abs(acc[i]), kind="stable")[:k]
+        sent[i, idx] = acc[i, idx]
+    return sent, np.where(sent != 0, F32(0), acc)
+
+
+def test_topk_matches_host_and_residual_is_exactly_the_unsent_part():
+    steps = [_grads(6), _grads(7)]
+    results = _run(C.topk("data", 0.2), steps)
+    residual = {k: np.zeros((R, *s), F32) for k, s in SHAPES.items()}
+    for g, (out, old, new) in zip(steps, results, strict=True):
+        for k in g:
+            np.testing.assert_array_equal(old.residual[k], residual[k])
+            acc = (g[k] + residual[k]).reshape(R, -1)
+            sent, unsent = _np_topk(acc, 0.2)
+            np.testing.assert_allclose(out[k].reshape(-1), sent.mean(0), rtol=0, atol=1e-6)
+            # Bitwise: the new residual is the accumulator with the sent entries zeroed.
+            np.testing.assert_array_equal(new.residual[k].reshape(R, -1), unsent)
+            np.testing.assert_array_equal(sent + unsent, acc)
+            residual[k] = new.residual[k]
+
+
+def test_topk_warmup_starts_dense_and_momentum_correction_matches_host():
+    assert C.topk_densities(0.01, 100) == [1.0, 0.25, 0.0625, 0.015625, 0.01]
+    assert C.topk_densities(0.01, 0) == [0.01]
+    g = _grads(8)
+    [(out, _, new)] = _run(C.topk("data", 0.1, warmup_steps=8), [g])
+    for k in g:  # step 0 of the warm-up is a dense mean with nothing left over
+        np.testing.assert_allclose(out[k], g[k].mean(0), rtol=0, atol=1e-6)
+        assert not new.residual[k].any()
+
+    m = 0.9
+    steps = [_grads(9), _grads(10)]
+    results = _run(C.topk("data", 0.2, momentum_correction=True, momentum=m), steps)
+    u = {k: np.zeros((R, int(np.prod(s))), F32) for k, s in SHAPES.items()}
+    v = {k: np.zeros((R, int(np.prod(s))), F32) for k, s in SHAPES.items()}
+    for g, (out, _, new) in zip(steps, results, strict=True):
+        for k in g:
+            u[k] = F32(m) * u[k] + g[k].reshape(R, -1)
+            v[k] = v[k] + u[k]
+            sent, v[k] = _np_topk(v[k], 0.2)
+            u[k] = np.where(sent != 0, F32(0), u[k])
+            np.testing.assert_allclose(out[k].reshape(-1), sent.mean(0), rtol=0, atol=1e-6)
+            np.testing.assert_allclose(new.residual[k].reshape(R, -1), v[k], rtol=0, atol=1e-6)
+            np.testing.assert_allclose(new.velocity[k].reshape(R, -1), u[k], rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# PowerSGD
+
+
+def test_powersgd_factors_give_rank_r_approximation_of_mean():
+    assert C.powersgd_shape((13, 7), 2, 1.0) == (13, 7)
+    assert C.powersgd_shape((5,), 2, 1.0) is None
+    assert C.powersgd_shape((4, 3), 2, 1.0) is None  # 2 * (4 + 3) >= 12
+    steps = [_grads(11), _grads(12)]
+    results = _run(C.powersgd("data", rank=2), steps)
+    residual = np.zeros((R, 13, 7), F32)
+    for g, (out, old, new) in zip(steps, results, strict=True):
+        np.testing.assert_allclose(out["b"], g["b"].mean(0), rtol=0, atol=1e-6)  # 1-D: plain mean
+        m = (g["w"] + residual).astype(np.float64)  # [R, n, m]
+        q0 = old.q["w"][0].astype(np.float64)
+        assert all(np.array_equal(old.q["w"][i], old.q["w"][0]) for i in range(R))
+        mbar = m.mean(0)
+        p, _ = np.linalg.qr(mbar @ q0)  # P = orthonormal(pmean(M_i Q))
+        approx = p @ p.T @ mbar  # = P pmean(M_i^T P)^T
+        np.testing.assert_allclose(out["w"], approx, rtol=0, atol=1e-5)
+        assert np.linalg.matrix_rank(out["w"], tol=1e-4) <= 2
+        q_new = mbar.T @ p  # equal to the stored Q up to the sign of each column (QR convention)
+        signs = np.sign(np.sum(q_new * new.q["w"][0], axis=0))
+        np.testing.assert_allclose(new.q["w"][0] * signs, q_new, rtol=0, atol=1e-5)
+        expect_residual = m - np.einsum("nr,imr->inm", p, np.einsum("inm,nr->imr", m, p))
+        np.testing.assert_allclose(new.residual["w"], expect_residual, rtol=0, atol=1e-5)
+        residual = new.residual["w"]
+
+
+def test_powersgd_start_iter_is_dense():
+    g = _grads(13)
+    (out0, _, s0), (out1, _, _) = _run(C.powersgd("data", rank=1, start_iter=1), [g, g])
+    np.testing.assert_allclose(out0["w"], g["w"].mean(0), rtol=0, atol=1e-6)
+    assert not s0.residual["w"].any()
+    assert np.linalg.matrix_rank(out1["w"], tol=1e-4) == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# sign
+
+
+def _np_sign_compress(x, valid):
+    d = np.maximum(valid.sum(-1), 1).astype(F32)
+    scale = np.where(valid, np.abs(x), F32(0)).sum(-1) / d
+    bits = x >= 0
+    approx = np.where(valid, np.where(bits, scale[..., None], -scale[..., None]), F32(0))
+    return np.packbits(bits, axis=-1), scale, approx
+
+
+def _np_sign_decompress(packed, scale, c):
+    bits = np.unpackbits(packed, axis=-1, count=c).astype(bool)
+    return np.where(bits, scale[..., None], -scale[..., None])
+
+
+def _np_sign(g, worker, server, chunk):
+    """Host replay of the two-phase sign reduction. g, worker [R, *shape]; server [R, shard]."""
+    n = g[0].size
+    shard, c = C.shard_layout(n, R, chunk, 8)
+    acc = g + worker
+    x = _np_rows(acc, shard, c)  # [src, dst, a, c]
+    valid = (np.arange(R * shard) < n).reshape(R, shard // c, c)  # [dst, a, c]
+    packed, scale, approx = _np_sign_compress(x, valid[None])
+    new_worker = acc - approx.reshape(R, -1)[:, :n].reshape(g.shape)
+    mean = np.where(valid, _np_sign_decompress(packed, scale, c).mean(0), F32(0))
+    mean = mean + server.reshape(mean.shape)
+    packed2, scale2, approx2 = _np_sign_compress(mean, valid)
+    new_server = (mean - approx2).reshape(R, shard)
+    out = _np_sign_decompress(packed2, scale2, c).reshape(-1)[:n].reshape(g.shape[1:])
+    return out, new_worker, new_server
+
+
+def test_sign_two_phase_matches_host_replay():
+    steps = [_grads(14), _grads(15), _grads(16)]
+    results = _run(C.sign("data", chunk=16), steps)
+    for k in SHAPES:
+        worker, server = results[0][1].worker[k], results[0][1].server[k]
+        assert not worker.any() and not server.any()
+        for g, (out, _, new) in zip(steps, results, strict=True):
+            ref, worker, server = _np_sign(g[k], worker, server, chunk=16)
+            np.testing.assert_allclose(out[k], ref, rtol=0, atol=1e-6)
+            np.testing.assert_allclose(new.worker[k], worker, rtol=0, atol=1e-6)
+            np.testing.assert_allclose(new.server[k], server, rtol=0, atol=1e-6)
+
+
+def test_sign_without_error_feedback_is_plain_scaled_sign():
+    g = _grads(17)
+    [(out, _, new)] = _run(C.sign("data", error_feedback=False, chunk=16), [g])
+    assert new.worker is None and new.server is None
+    for k in g:
+        zeros = np.zeros_like(g[k])
+        ref, _, _ = _np_sign(
+            g[k], zeros, np.zeros((R, C.shard_layout(g[k][0].size, R, 16, 8)[0])), 16
+        )
+        np.testing.assert_allclose(out[k], ref, rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# error feedback: what is sent plus what is kept equals what came in
+
+
+def _carried(name, state):
+    """The compression error a state carries, summed over replicas into gradient space."""
+    if name in ("topk", "powersgd"):
+        return {k: (v.mean(0) if v is not None else 0) for k, v in state.residual.items()}
+    out = {}
+    for k, s in SHAPES.items():
+        server = state.server[k].reshape(-1)[: int(np.prod(s))].reshape(s)  # one shard per replica
+        out[k] = state.worker[k].mean(0) + server
+    return out
+
+
+@pytest.mark.parametrize(
+    "name,tx",
+    [
+        ("topk", C.topk("data", 0.1)),
+        ("powersgd", C.powersgd("data", rank=1)),
+        ("sign", C.sign("data", chunk=16)),
+    ],
+)
+def test_error_feedback_conserves_the_gradient(name, tx):
+    steps = [_grads(20 + i) for i in range(3)]
+    for g, (out, old, new) in zip(steps, _run(tx, steps), strict=True):
+        before, after = _carried(name, old), _carried(name, new)
+        for k in g:
+            np.testing.assert_allclose(
+                out[k] + after[k], g[k].mean(0) + before[k], rtol=0, atol=1e-6
+            )
+
+
+# --------------------------------------------------------------------------------------------------
+# Bytes on the wire, from the compiled HLO
+
+
+@functools.cache
+def _none_wire_bytes():
+    return _wire_bytes(C.none("data"), BIG)
+
+
+def _wire_bytes(tx, shapes):
+    params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+    stacked = {k: jax.ShapeDtypeStruct((R, *s), jnp.float32) for k, s in shapes.items()}
+    state = jax.eval_shape(lambda p: C.init_global(tx, p, MESH, "data"), params)
+    fn = jax.jit(sync_grads(_identity_grad_fn, tx, MESH, "data"))
+    return sum(
+        metrics.collective_bytes(fn.lower(params, stacked, state).compile().as_text()).values()
+    )
+
+
+BIG = {"w": (1024, 1024), "b": (1024,)}  # ~1M parameters
+
+
+@pytest.mark.parametrize(
+    "tx,min_ratio",
+    [
+        (C.bf16("data"), 1.9),
+        (C.int8("data"), 3.5),
+        (C.topk("data", 0.01), 10.0),
+        (C.powersgd("data", rank=2), 10.0),
+        (C.sign("data"), 15.0),
+    ],
+    ids=["bf16", "int8", "topk", "powersgd", "sign"],
+)
+def test_wire_bytes_vs_none(tx, min_ratio):
+    ratio = _none_wire_bytes() / _wire_bytes(tx, BIG)
+    assert ratio >= min_ratio, ratio
+
+
+def test_model_gradient_is_local_before_compression():
+    """Differentiating inside sync_grads must not add an f32 all-reduce of the whole gradient."""
+    x = jax.ShapeDtypeStruct((4 * R, 256), jnp.float32)
+    y = jax.ShapeDtypeStruct((4 * R, 256), jnp.float32)
+    params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
+    params["b"] = jax.ShapeDtypeStruct((256,), jnp.float32)
+    tx = C.sign("data")
+    state = jax.eval_shape(lambda p: C.init_global(tx, p, MESH, "data"), params)
+    fn = jax.jit(sync_grads(jax.value_and_grad(_linear_loss), tx, MESH, "data"))
+    got = metrics.collective_bytes(fn.lower(params, (x, y), state).compile().as_text())
+    assert got.get("all-reduce", 0) <= 8, got  # only the scalar loss is all-reduced
+
+
+# --------------------------------------------------------------------------------------------------
+# Convergence
+
+
+def _least_squares():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32 * R, 16)).astype(F32)
+    w = rng.normal(size=(16, 8)).astype(F32)
+    y = (x @ w + 0.5 * rng.normal(size=(32 * R, 8))).astype(F32)
+    return jax.device_put((x, y), NamedSharding(MESH, P("data")))
+
+
+def _final_loss(tx, batch, steps=150, lr=0.05):
+    params = {"w": jnp.zeros((16, 8)), "b": jnp.zeros((8,))}
+    sync = sync_grads(jax.value_and_grad(_linear_loss), tx, MESH, "data")
+    opt = optax.sgd(lr)
+
+    @jax.jit
+    def train(params, batch):
+        def body(_, carry):
+            p, o, s = carry
+            _, g, s = sync(p, batch, s)
+            updates, o = opt.update(g, o, p)
+            return optax.apply_updates(p, updates), o, s
+
+        carry = (params, opt.init(params), C.init_global(tx, params, MESH, "data"))
+        p, _, _ = jax.lax.fori_loop(0, steps, body, carry)
+        return _linear_loss(p, batch)
+
+    return float(train(params, batch))
+
+
+def test_compressors_converge_like_none():
+    batch = _least_squares()
+    base = _final_loss(C.none("data"), batch)
+    for name, tx in [
+        ("bf16", C.bf16("data")),
+        ("int8", C.int8("data")),
+        ("topk", C.topk("data", 0.1)),
+        ("powersgd", C.powersgd("data", rank=2)),
+        ("sign", C.sign("data")),
+    ]:
+        loss = _final_loss(tx, batch)
+        assert abs(loss - base) <= 0.05 * base, (name, loss, base)
+
+
+# --------------------------------------------------------------------------------------------------
+# Config, state layout, multi-axis meshes
+
+
+def test_from_config_and_errors():
+    import ml_collections
+
+    cfg = ml_collections.ConfigDict(
+        {"compression": "powersgd", "rank": 4, "topk_ratio": 0.01, "error_feedback": False}
+    )
+    state = jax.eval_shape(
+        lambda p: C.init_global(C.from_config(cfg, "data"), p, MESH, "data"), PARAMS
+    )
+    assert state.q["w"].shape == (R, 7, 4) and state.residual["w"] is None
+    for name in C.COMPRESSORS:
+        cfg.compression = name
+        assert isinstance(C.from_config(cfg, "data"), optax.GradientTransformation)
+    bad = [
+        ({"compression": "fp8"}, "grad_sync.compression"),
+        ({"compression": "powersgd", "rank": 0}, "grad_sync.rank"),
+        ({"compression": "topk", "topk_ratio": 0.0}, "grad_sync.topk_ratio"),
+        ({"compression": "topk", "topk_ratio": 1.5}, "grad_sync.topk_ratio"),
+    ]
+    for fields, field in bad:
+        with pytest.raises(ConfigError, match=field) as e:
+            C.from_config(fields, "data")
+        assert "\n" not in str(e.value)
+
+
+def test_state_layout_and_partition_specs():
+    mesh = jax.make_mesh(
+        (R // 2, 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+    tx = C.topk("data", 0.1)
+    param_specs = {"w": P(None, "fsdp"), "b": P()}
+    params = {"w": jnp.zeros((8, 6)), "b": jnp.zeros((5,))}
+    abstract = jax.eval_shape(lambda p: C.init_global(tx, p, mesh, "data"), params)
+    specs = C.state_partition_spec(abstract, "data", params, param_specs)
+    assert specs.count == P("data") and specs.residual["w"] == P("data", None, "fsdp")
+    assert specs.residual["b"] == P("data", None)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    state = jax.jit(lambda p: C.init_global(tx, p, mesh, "data"), out_shardings=shardings)(params)
+    assert state.residual["w"].shape == (R // 2, 8, 6)
+    assert state.residual["w"].sharding.spec == P("data", None, "fsdp")
+    assert C.state_partition_spec(abstract, "data").residual["w"] == P("data", None, None)
+    # PowerSGD: residuals exist only for compressed leaves; Q is not parameter-shaped.
+    tx = C.powersgd("data", rank=2)
+    abstract = jax.eval_shape(lambda p: C.init_global(tx, p, mesh, "data"), params)
+    specs = C.state_partition_spec(abstract, "data", params, param_specs)
+    assert specs.residual == {"w": P("data", None, "fsdp"), "b": None}
+    assert specs.q == {"w": P("data", None, None), "b": None} and specs.count == P("data")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        C.bf16,
+        lambda a: C.int8(a, chunk=8),
+        lambda a: C.topk(a, 0.2),
+        lambda a: C.powersgd(a, 2),
+        lambda a: C.sign(a, chunk=16),
+    ],
+    ids=["bf16", "int8", "topk", "powersgd", "sign"],
+)
+def test_partial_manual_and_two_data_axes_match_one_axis(make):
+    """data manual with fsdp automatic (parameters sharded on fsdp), and (data, fsdp) both manual,
+    give the result of a plain 1-axis data mesh with the same number of replicas."""
+    half = R // 2
+    auto = jax.sharding.AxisType.Auto
+    mesh1 = jax.make_mesh((half,), ("data",), axis_types=(auto,), devices=jax.devices()[:half])
+    mesh2 = jax.make_mesh((half, 2), ("data", "fsdp"), axis_types=(auto, auto))
+    rng = np.random.default_rng(30)
+    params = {"w": rng.normal(size=(12, 8)).astype(F32), "b": np.zeros((8,), F32)}
+    x = rng.normal(size=(4 * half, 12)).astype(F32)
+    y = rng.normal(size=(4 * half, 8)).astype(F32)
+    grad_fn = jax.value_and_grad(_linear_loss)
+
+    def run(mesh, params):
+        tx = make("data")
+        batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+        sync = sync_grads(grad_fn, tx, mesh, "data")
+        fn = jax.jit(lambda p, b: sync(p, b, C.init_global(tx, p, mesh, "data"))[1])
+        return jax.tree.map(np.asarray, fn(params, batch))
+
+    ref = run(mesh1, params)
+    sharded = jax.device_put(
+        params, {"w": NamedSharding(mesh2, P(None, "fsdp")), "b": NamedSharding(mesh2, P())}
+    )
+    got = run(mesh2, sharded)
+    for k in ref:  # f32 sums in another order where fsdp splits the matmuls: 1e-6 of the scale
+        np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-6 * np.abs(ref[k]).max())
+    # Both axes manual: R replicas over (data, fsdp), data-major like P(("data", "fsdp")).
+    g = _grads(31)
+    ref2 = _run_n(make("data"), g, MESH, "data")
+    got2 = _run_n(make(("data", "fsdp")), g, mesh2, ("data", "fsdp"))
+    for k in g:
+        np.testing.assert_allclose(got2[k], ref2[k], rtol=0, atol=1e-6)
+
+
+def _run_n(tx, g, mesh, axes, params=PARAMS):
+    """One sync step from a fresh state, init and step in one compiled program."""
+    sync = sync_grads(_identity_grad_fn, tx, mesh, axes)
+    fn = jax.jit(lambda p, g: sync(p, g, C.init_global(tx, p, mesh, axes))[1])
+    return jax.tree.map(np.asarray, fn(params, g))
+
+
+# --------------------------------------------------------------------------------------------------
+# Local SGD / DiLoCo
+
+
+def _replica_batches(batch):
+    """Replica i's contiguous slice of dim 0, as P("data") places it."""
+    x, y = (np.asarray(a).reshape(R, -1, a.shape[-1]) for a in batch)
+    return [(x[i], y[i]) for i in range(R)]
+
+
+def _reference_local_sgd(params, batch, lr, local_steps, steps, outer):
+    """Single-device reference: each replica's SGD on its batch slice, synced every H steps."""
+    shards = _replica_batches(batch)
+    grad = jax.jit(jax.grad(_linear_loss))
+    anchor = jax.tree.map(np.asarray, params)
+    outer_state = outer.init(anchor)
+    local = [anchor] * R
+    for t in range(steps):
+        local = [
+            jax.tree.map(lambda p, d: p - lr * d, p, grad(p, b))
+            for p, b in zip(local, shards, strict=True)
+        ]
+        if (t + 1) % local_steps == 0:
+            mean = jax.tree.map(lambda *xs: np.mean(np.stack(xs), 0), *local)
+            delta = jax.tree.map(lambda a, m: a - m, anchor, mean)
+            upd, outer_state = outer.update(delta, outer_state, anchor)
+            anchor = optax.apply_updates(anchor, upd)
+            local = [anchor] * R
+    return anchor, local
+
+
+@pytest.mark.parametrize("local_steps,outer", [(1, None), (3, None), (2, "diloco")])
+def test_local_sgd_matches_reference(local_steps, outer):
+    batch = _least_squares()
+    params = {"w": jnp.zeros((16, 8)), "b": jnp.zeros((8,))}
+    lr, steps = 0.05, 5  # ends between syncs for H = 2, 3: replicas hold different params
+    outer_tx = diloco_outer() if outer else None
+    algo = local_sgd(
+        jax.value_and_grad(_linear_loss), optax.sgd(lr), MESH, "data", local_steps, outer_tx
+    )
+    state = jax.jit(algo.init)(params)
+    step = jax.jit(algo.step)
+    for _ in range(steps):
+        state, _ = step(state, batch)
+    anchor, local = _reference_local_sgd(
+        params, batch, lr, local_steps, steps, outer_tx or optax.sgd(1.0)
+    )
+    for k in anchor:
+        np.testing.assert_allclose(state.params[k], anchor[k], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(
+            state.local_params[k], np.stack([p[k] for p in local]), rtol=0, atol=1e-5
+        )
+    if local_steps == 1 and outer is None:  # equals synchronous data-parallel SGD
+        sync = sync_grads(jax.value_and_grad(_linear_loss), C.none("data"), MESH, "data")
+        p = params
+        for _ in range(steps):
+            _, g, _ = jax.jit(sync)(p, batch, optax.EmptyState())
+            p = jax.tree.map(lambda a, b: a - lr * b, p, g)
+        for k in p:
+            np.testing.assert_allclose(state.params[k], p[k], rtol=0, atol=1e-6)
