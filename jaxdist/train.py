@@ -85,6 +85,7 @@ class Engine:
     init_fn: Callable[[jax.Array], State]
     train_step: Callable[[State, Batch], tuple[State, dict]]
     eval_step: Callable[[State, Batch], dict]
+    schedule: Any = None  # pipeline.Schedule when mesh.pipeline > 1: the tables the step runs
 
     @property
     def num_params(self) -> int:
@@ -173,13 +174,16 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
     def init(key: jax.Array) -> State:
         model = make_model(nnx.Rngs(key))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return {
+        state = {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
             "opt_state": tx.init(params),
             "rng": jax.random.key_data(jax.random.fold_in(key, 1)),
             "skipped": jnp.zeros((), jnp.int32),
         }
+        if sync is not None:
+            state["grad_sync"] = compression.init_global(tx_sync, params, mesh, data_axes)
+        return state
 
     def loss_fn(params, batch):
         with sharding.activation_rules(mesh):
@@ -189,7 +193,7 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def constrain_params(tree):
-        return jax.tree.map(jax.lax.with_sharding_constraint, tree, param_shardings)
+        return jax.tree.map(sharding.constrain_to, tree, param_shardings)
 
     def gradients(params, batch):
         if accum == 1:
@@ -200,7 +204,7 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         def split(x, axes):
             x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
             spec = sharding.logical_to_spec((None, *axes), sharding.COMPUTE_RULES, mesh)
-            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+            return sharding.constrain_to(x, NamedSharding(mesh, spec))
 
         micro = {k: split(v, batch_axes[k]) for k, v in batch.items()}
 
@@ -211,13 +215,59 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
             return (g_sum, l_sum + loss), aux
 
         zeros = constrain_params(jax.tree.map(jnp.zeros_like, params))
-        (g_sum, l_sum), aux = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
+        # Inside the gradient-sync shard_map the carries must be per-replica ("varying") like the
+        # microbatch losses; zeros_like of the (per-replica) params already is.
+        loss0 = jnp.zeros_like(jax.tree.leaves(zeros)[0], shape=(), dtype=jnp.float32)
+        (g_sum, l_sum), aux = jax.lax.scan(body, (zeros, loss0), micro)
         grads = jax.tree.map(lambda g: g / accum, g_sum)
         return l_sum / accum, jax.tree.map(jnp.mean, aux), grads
 
+    schedule = None
+    if mesh.shape["pipeline"] > 1:  # stages over the pipeline axis (jaxdist/pipeline.py)
+        from jaxdist import pipeline
+
+        gradients, schedule = pipeline.make_gradients(
+            config, mesh, lambda p: _merge(graphdef, template, p), param_axes, batch_axes
+        )
+
+    # Explicit gradient synchronisation (jaxdist/compression.py): per-replica gradients inside a
+    # shard_map over `data`, reduced by the configured compressor; fsdp/tensor stay automatic.
+    sync = None
+    if config.grad_sync.compression != "none" and mesh.shape["data"] > 1:
+        from jaxdist import collectives, compression
+
+        data_axes = ("data",)
+        tx_sync = compression.from_config(config.grad_sync, data_axes)
+        aux_box = {}
+
+        def local_grads(params, local_batch):
+            loss, aux, grads = gradients(params, local_batch)
+            aux_box["aux"] = aux  # aux metrics are not reduced on this path
+            return loss, grads
+
+        sync = collectives.sync_grads(local_grads, tx_sync, mesh, data_axes)
+        abstract_sync = jax.eval_shape(
+            lambda p: compression.init_global(tx_sync, p, mesh, data_axes), abstract_params
+        )
+        param_specs = jax.tree.map(lambda s: s.spec, param_shardings)
+        sync_specs = compression.state_partition_spec(
+            abstract_sync, data_axes, abstract_params, param_specs
+        )
+        state_shardings["grad_sync"] = jax.tree.map(lambda sp: NamedSharding(mesh, sp), sync_specs)
+        abstract_state["grad_sync"] = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract_sync,
+            state_shardings["grad_sync"],
+        )
+
     def train_step(state: State, batch: Batch) -> tuple[State, dict]:
         params = state["params"]
-        loss, aux, grads = gradients(params, batch)
+        extra = {}
+        if sync is not None:
+            loss, grads, extra["grad_sync"] = sync(params, batch, state["grad_sync"])
+            aux = {}
+        else:
+            loss, aux, grads = gradients(params, batch)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
@@ -233,6 +283,7 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
             "opt_state": opt_state,
             "rng": state["rng"],
             "skipped": skipped,
+            **extra,
         }
         metrics = {
             "loss": loss,
@@ -273,6 +324,7 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         init_fn=init_fn,
         train_step=step_fn,
         eval_step=eval_fn,
+        schedule=schedule,
     )
 
 
