@@ -1,0 +1,1122 @@
+"""Cost model and mesh planner for the GPT: per-device memory and step time for every layout.
+
+`predict(config, layout, hardware)` says what one layout costs; `plan(config, num_devices,
+hardware)` enumerates every valid (data, fsdp, tensor, pipeline) × grad_accum / pipeline
+microbatches × remat for a device count, predicts each, marks the ones that do not fit, ranks them
+and recommends one; `scaling(...)` does that from 8 to 4096 devices for a scaling-efficiency plot.
+
+Nothing here re-states the sharding: parameter and optimizer-state shapes come from `jax.eval_shape`
+of the real model and optimizer (`models.gpt`, `jaxdist.optim`), their per-device shards from
+`jaxdist.sharding.logical_to_spec` with the same STORAGE_RULES / COMPUTE_RULES the engine compiles
+with (on an `AbstractMesh`, so 4096 devices need no devices), and layout validity from
+`jaxdist.config.validate` on a copy of the config. The collectives are the ones XLA emits for this
+model (read off the compiled HLO of small layouts; see docs/PLANNER.md for each term):
+
+* tensor parallel (group = tensor axis), per microbatch: all-reduce of the [b, T, D] activations
+  after the vocab-parallel embedding lookup, after attention and after the MLP (2 per layer
+  forward), of the input gradients of the column-parallel QKV and up-projections (2 per layer
+  backward; +1 with `remat=full`, which recomputes the attention output's all-reduce), of the head's
+  input gradient, and three [b, T] float32 all-reduces for the vocab-sharded cross-entropy.
+* FSDP (group = fsdp axis): each layer's weights are all-gathered to their compute sharding once per
+  layer and microbatch in the forward, again in the backward under any remat policy (the gathered
+  weight is no dot output, so no policy saves it); the embedding, final norm and head once per step.
+* gradient sync (group = data × fsdp): every gradient byte (compute-shard size) per microbatch,
+  inside the layer loop. XLA:CPU emits all-reduce + dynamic-slice for the reduce-scatter; GPU/TPU
+  emit reduce-scatter over fsdp and all-reduce over data of the shard (`Hardware.native_reduce_scatter`).
+* pipeline (gpipe/interleaved as `jaxdist.pipeline` runs them): every stage runs its layers at
+  every tick (idle ticks too), so its tensor-parallel and FSDP collectives count per tick; stage
+  activations go to the next stage by collective-permute every tick forward and backward; the batch
+  moves into and out of the stages once per step; stage gradients are synchronised once.
+
+Collective bytes are costed with `jaxdist.metrics.ring_wire_bytes`, the same ring costs the layout
+record reads from the HLO, so a prediction and a compiled step compare term by term.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh
+
+from jaxdist import config as config_lib
+from jaxdist import metrics, sharding
+from jaxdist.errors import ConfigError
+
+GiB = 1024**3
+
+# --------------------------------------------------------------------------------------------------
+# Hardware
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One kind of cluster, as the cost model sees it.
+
+    Attributes:
+      name: profile name.
+      peak_flops: dense peak FLOP/s of one device in the compute dtype.
+      memory_bytes: memory of one device, bytes.
+      intra_bandwidth: bytes/s one device sends (per direction) to devices of its own host / fast
+        domain (NVLink, TPU ICI).
+      intra_latency: seconds per step of a collective inside a host.
+      inter_bandwidth: bytes/s one device sends to other hosts (its share of the host's NICs).
+      inter_latency: seconds per step of a collective across hosts.
+      devices_per_host: devices sharing the fast interconnect.
+      matmul_efficiency: fraction of `peak_flops` a training step's matmuls reach (calibrated).
+      overlap: fraction of the compute time under which FSDP gathers and gradient sync can hide
+        (XLA's async collectives / latency-hiding scheduler); tensor- and pipeline-parallel
+        transfers sit on the critical path and never hide.
+      native_reduce_scatter: whether the backend emits reduce-scatter (GPU, TPU) rather than
+        all-reduce + dynamic-slice (XLA:CPU) for gradients of FSDP-sharded parameters.
+      bf16_collectives: whether bf16 collectives run in bf16 (GPU, TPU); XLA:CPU promotes them to
+        float32.
+      usable_fraction: share of `memory_bytes` a step may use (allocator, runtime and fragmentation
+        take the rest); a layout fits if its predicted peak is below it.
+    """
+
+    name: str
+    peak_flops: float
+    memory_bytes: float
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+    devices_per_host: int
+    matmul_efficiency: float
+    overlap: float = 0.0
+    native_reduce_scatter: bool = True
+    bf16_collectives: bool = True
+    usable_fraction: float = 0.9
+
+
+PROFILES: dict[str, Hardware] = {
+    # 8×H100 SXM per node: NVLink 4 at ~450 GB/s per direction per GPU, one 400 Gb/s InfiniBand NIC
+    # per GPU (50 GB/s). Efficiency: what large bf16 transformer steps typically reach (~50% MFU).
+    "h100_nvlink_ib": Hardware(
+        name="h100_nvlink_ib",
+        peak_flops=metrics.PEAK_FLOPS["H100"],
+        memory_bytes=80e9,
+        intra_bandwidth=450e9,
+        intra_latency=3e-6,
+        inter_bandwidth=50e9,
+        inter_latency=8e-6,
+        devices_per_host=8,
+        matmul_efficiency=0.55,
+        overlap=0.8,
+    ),
+    # 8×A100 80GB per node with NVLink (~240 GB/s effective per direction), nodes joined by one
+    # 100 Gb/s Ethernet link shared by the 8 GPUs (1.56 GB/s each), TCP latencies.
+    "cloud_ethernet": Hardware(
+        name="cloud_ethernet",
+        peak_flops=metrics.PEAK_FLOPS["A100"],
+        memory_bytes=80e9,
+        intra_bandwidth=240e9,
+        intra_latency=5e-6,
+        inter_bandwidth=100e9 / 8 / 8,
+        inter_latency=30e-6,
+        devices_per_host=8,
+        matmul_efficiency=0.5,
+        overlap=0.5,
+    ),
+    # A TPU v5p pod: 95 GB HBM, ICI across the whole slice (up to 8960 chips, so every layout here
+    # stays on ICI; ~200 GB/s usable per direction along a ring), DCN beyond it.
+    "tpu_v5p_pod": Hardware(
+        name="tpu_v5p_pod",
+        peak_flops=metrics.PEAK_FLOPS["TPU v5p"],
+        memory_bytes=95e9,
+        intra_bandwidth=200e9,
+        intra_latency=2e-6,
+        inter_bandwidth=6.25e9,
+        inter_latency=20e-6,
+        devices_per_host=8960,
+        matmul_efficiency=0.55,
+        overlap=0.8,
+    ),
+    # This machine: 2 shared AMD EPYC cores simulating 8 devices in one process. Modest numbers;
+    # collectives are memory copies. Matches XLA:CPU's lowering (all-reduce for reduce-scatter,
+    # float32 collectives).
+    "cpu_here": Hardware(
+        name="cpu_here",
+        peak_flops=50e9,
+        memory_bytes=16 * GiB,
+        intra_bandwidth=5e9,
+        intra_latency=20e-6,
+        inter_bandwidth=5e9,
+        inter_latency=20e-6,
+        devices_per_host=8,
+        matmul_efficiency=0.3,
+        overlap=0.0,
+        native_reduce_scatter=False,
+        bf16_collectives=False,
+    ),
+}
+
+
+def hardware(name: str | Hardware) -> Hardware:
+    """A built-in profile by name (or the profile itself)."""
+    if isinstance(name, Hardware):
+        return name
+    if name not in PROFILES:
+        raise ConfigError(
+            f"hardware={name!r} is not a profile; choose one of {', '.join(PROFILES)}"
+        )
+    return PROFILES[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# The model, abstractly
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One parameter: its path, global shape, logical axes and bytes per element."""
+
+    path: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    itemsize: int
+
+    @property
+    def stacked(self) -> bool:
+        return bool(self.axes) and self.axes[0] == "layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the cost model needs of a GPT config, read from `jax.eval_shape` (nothing allocated).
+
+    Attributes:
+      params: every parameter leaf, in tree order.
+      opt: every optimizer-state leaf as (shape, itemsize, index of the parameter whose sharding it
+        takes, or -1 for replicated leaves such as step counts), as `train.build` maps them.
+    """
+
+    num_layers: int
+    d_model: int
+    num_heads: int
+    mlp_dim: int
+    vocab_size: int
+    seq_len: int
+    params: tuple[Leaf, ...]
+    opt: tuple[tuple[tuple[int, ...], int, int], ...]
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(p.shape) for p in self.params)
+
+    @property
+    def embed_params(self) -> int:
+        return sum(math.prod(p.shape) for p in self.params if p.path == "embed")
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs per token as the layout record counts them (6N' + 12·L·D·T, N' without the
+        embedding table)."""
+        return metrics.model_flops_per_token(
+            self.num_params - self.embed_params, self.num_layers, self.d_model, self.seq_len
+        )
+
+
+def model_info(config) -> ModelInfo:
+    """Parameter and optimizer-state leaves of the configured GPT, exactly as `train.build` sees them."""
+    import optax
+    from flax import nnx
+
+    from jaxdist import optim
+    from models import gpt
+
+    m = config.model
+    if m.name != "gpt":
+        raise ConfigError(f"the planner models the GPT; model.name={m.name!r} is not supported")
+    abstract = jax.eval_shape(lambda: gpt.GPT(m, rngs=nnx.Rngs(0)))
+    _, template = nnx.split(abstract, nnx.Param)
+    abstract_params = nnx.to_pure_dict(template)
+    variables = jax.tree.leaves(template, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+    axes = [tuple(v.get_metadata()["logical_axes"]) for v in variables]
+    leaves = tuple(
+        Leaf(
+            "/".join(str(getattr(k, "key", k)) for k in path),
+            tuple(int(d) for d in x.shape),
+            ax,
+            np.dtype(x.dtype).itemsize,
+        )
+        for (path, x), ax in zip(flat, axes, strict=True)
+    )
+    param_axes = jax.tree.unflatten(treedef, axes)
+    tx, _ = optim.build(config.train, param_axes)
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    index = jax.tree.unflatten(treedef, [np.int64(i) for i in range(len(leaves))])
+    owner = optax.tree_map_params(
+        tx,
+        lambda _, i: i,
+        abstract_opt,
+        index,
+        transform_non_params=lambda _: np.int64(-1),
+        is_leaf=lambda x: isinstance(x, np.int64),
+    )
+    opt = tuple(
+        (tuple(int(d) for d in x.shape), np.dtype(x.dtype).itemsize, int(i))
+        for x, i in zip(jax.tree.leaves(abstract_opt), jax.tree.leaves(owner), strict=True)
+    )
+    return ModelInfo(
+        num_layers=m.num_layers,
+        d_model=m.d_model,
+        num_heads=m.num_heads,
+        mlp_dim=m.mlp_dim or 4 * m.d_model,
+        vocab_size=m.vocab_size,
+        seq_len=m.seq_len,
+        params=leaves,
+        opt=opt,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Layouts
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run the step: mesh sizes, microbatching and remat policy."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    grad_accum: int = 1
+    microbatches: int = 1  # pipeline microbatches (only read when pipeline > 1)
+    remat: str = "none"
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in config_lib.MESH_AXES}
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.fsdp * self.tensor * self.pipeline
+
+    @property
+    def name(self) -> str:
+        parts = [f"{a}{getattr(self, a)}" for a in config_lib.MESH_AXES if getattr(self, a) > 1]
+        return "×".join(parts) or "single"
+
+    @property
+    def micro(self) -> str:
+        """Microbatching in words: `accum 4`, `pp m=8`, or `1`."""
+        out = []
+        if self.grad_accum > 1:
+            out.append(f"accum {self.grad_accum}")
+        if self.pipeline > 1:
+            out.append(f"pp m={self.microbatches}")
+        return ", ".join(out) or "1"
+
+
+def _set_fields(c, layout: Layout) -> None:
+    for a in config_lib.MESH_AXES:
+        c.mesh[a] = getattr(layout, a)
+        c.mesh[f"dcn_{a}"] = 1
+    c.train.grad_accum = layout.grad_accum
+    c.train.remat = layout.remat
+    c.pipeline.microbatches = layout.microbatches if layout.pipeline > 1 else 1
+
+
+def layout_of(config, num_devices: int) -> Layout:
+    """The layout a config asks for on `num_devices` (the `-1` axis resolved)."""
+    mesh = config_lib.resolve_mesh_shape(config.mesh, num_devices)
+    return Layout(
+        **mesh,
+        grad_accum=int(config.train.grad_accum),
+        microbatches=int(config.pipeline.microbatches) if mesh["pipeline"] > 1 else 1,
+        remat=str(config.train.remat),
+    )
+
+
+def _factorizations(n: int, k: int) -> Iterable[tuple[int, ...]]:
+    if k == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in _factorizations(n // d, k - 1):
+                yield (d, *rest)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, x = [], 1
+    while x <= limit:
+        out.append(x)
+        x *= 2
+    return out
+
+
+def enumerate_layouts(
+    config,
+    num_devices: int,
+    *,
+    remats: Sequence[str] | None = None,
+    max_grad_accum: int = 16,
+    max_microbatches: int = 64,
+    pipeline: bool = True,
+) -> list[Layout]:
+    """Every layout `jaxdist.config.validate` accepts for this config on `num_devices`.
+
+    Mesh sizes are all ordered factorizations of the device count into (data, fsdp, tensor,
+    pipeline); grad_accum runs over powers of two up to `max_grad_accum`; pipeline microbatches over
+    p·2^k up to `max_microbatches`; remat over `remats` (default: every policy). Each candidate is
+    set on one working copy of the config and checked by `validate` itself, so the planner accepts
+    exactly what training accepts.
+    """
+    remats = tuple(remats or config_lib.REMAT_POLICIES)
+    work = copy.deepcopy(config)
+    if work.data.source not in ("stdlib", "digits"):
+        work.data.source = "stdlib"  # the corpus is irrelevant to the layout; skip its file checks
+    unknown = [r for r in remats if r not in config_lib.REMAT_POLICIES]
+    if unknown:
+        raise ConfigError(
+            f"remat policies {unknown} are not valid; choose from {', '.join(config_lib.REMAT_POLICIES)}"
+        )
+    out = []
+    for d, f, t, p in _factorizations(num_devices, 4):
+        if p > 1 and not pipeline:
+            continue
+        accums = _powers_of_two(max_grad_accum) if p == 1 else [1]
+        for accum in accums:
+            mbs = [p * k for k in _powers_of_two(max(1, max_microbatches // p))] if p > 1 else [1]
+            for mb in mbs:
+                # remat changes no divisibility rule: one validate per (mesh, accum, microbatches)
+                _set_fields(work, Layout(d, f, t, p, accum, mb, remats[0]))
+                try:
+                    config_lib.validate(work, num_devices)
+                except ConfigError:
+                    continue
+                out.extend(Layout(d, f, t, p, accum, mb, remat) for remat in remats)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Predictions
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CommTerm:
+    """One collective of the step: what it moves, over which mesh axes, how often.
+
+    `payload` is S of `metrics.ring_wire_bytes` for one execution; `count` executions per step.
+    `hidden` terms (FSDP gathers, gradient sync) may overlap compute; the others may not.
+    """
+
+    name: str
+    kind: str
+    axes: tuple[str, ...]
+    group: int
+    payload: float
+    count: int
+    hidden: bool
+
+    @property
+    def wire_bytes(self) -> float:
+        return metrics.ring_wire_bytes(self.kind, self.payload, self.group) * self.count
+
+
+@dataclasses.dataclass
+class Prediction:
+    """Predicted per-device memory (bytes) and step time (seconds) of one layout.
+
+    memory: params, opt_state, batch, state_scalars, arguments (their sum: the compiled step's
+      argument bytes), grads, activations, other_temp (weights the backward holds, saved or
+      gathered; logits; bf16 casts), temp (their sum, cf. memory_analysis().temp_size_in_bytes),
+      total (arguments + temp: the predicted peak per device).
+    """
+
+    layout: Layout
+    hardware: str
+    memory: dict[str, float]
+    terms: list[CommTerm]
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    bubble: float
+    step_s: float
+    tokens_per_step: int
+    model_flops_per_step: float
+    mfu: float
+    fits: bool
+    hosts: dict[str, int]
+
+    @property
+    def collective_bytes(self) -> dict[str, float]:
+        """Bytes one device sends per step per collective kind, as `metrics.collective_bytes`."""
+        out: dict[str, float] = {}
+        for t in self.terms:
+            w = t.wire_bytes
+            if w > 0:
+                out[t.kind] = out.get(t.kind, 0.0) + w
+        return {k: out[k] for k in metrics.COLLECTIVE_KINDS if k in out}
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layout": dataclasses.asdict(self.layout),
+            "name": self.layout.name,
+            "hardware": self.hardware,
+            "memory_bytes": self.memory,
+            "fits": self.fits,
+            "step_time_s": self.step_s,
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "bubble_fraction": self.bubble,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "collective_bytes_per_step": self.collective_bytes,
+            "hosts_per_axis": self.hosts,
+            "terms": [dataclasses.asdict(t) | {"wire_bytes": t.wire_bytes} for t in self.terms],
+        }
+
+
+def _mesh(layout: Layout) -> AbstractMesh:
+    return AbstractMesh(
+        tuple(getattr(layout, a) for a in config_lib.MESH_AXES), config_lib.MESH_AXES
+    )
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _shard_elems(shape: Sequence[int], spec, sizes: dict[str, int]) -> int:
+    n = 1
+    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        n *= dim // math.prod(sizes[a] for a in _entry_axes(entry))
+    return n
+
+
+def _spec_axes(spec) -> set[str]:
+    return {a for entry in spec for a in _entry_axes(entry)}
+
+
+def _hosts(layout: Layout, hw: Hardware) -> tuple[dict[str, int], dict[str, int]]:
+    """(devices of each axis inside one host, hosts each axis spans). Axes are laid out data
+    (slowest) → pipeline (fastest), as `jaxdist.mesh.make_mesh` does, so hosts cut the slow axes."""
+    local, stride = {}, 1
+    for a in reversed(config_lib.MESH_AXES):
+        n = getattr(layout, a)
+        room = hw.devices_per_host // stride if stride < hw.devices_per_host else 1
+        local[a] = math.gcd(n, max(room, 1))
+        stride *= n
+    return local, {a: getattr(layout, a) // local[a] for a in config_lib.MESH_AXES}
+
+
+def _term_time(term: CommTerm, local: dict[str, int], hw: Hardware) -> float:
+    """Hierarchical ring: the part of the group inside a host on the fast link, the rest across
+    hosts on the slow one. Bandwidth terms are ring costs (`metrics.ring_wire_bytes`) at each level
+    and add up to the flat ring's bytes; latency is a ring inside a host and a tree (log2 of the
+    hosts) across them, as NCCL and TPU runtimes do at scale."""
+    if term.group <= 1 or term.count == 0:
+        return 0.0
+    k = math.prod(local[a] for a in term.axes)
+    m = term.group // k
+    steps = 2 if term.kind == "all-reduce" else 1
+    if term.kind == "collective-permute":
+        bw, lat = (
+            (hw.inter_bandwidth, hw.inter_latency)
+            if m > 1
+            else (hw.intra_bandwidth, hw.intra_latency)
+        )
+        return term.count * (lat + term.payload / bw)
+    t = 0.0
+    if k > 1:
+        t += metrics.ring_wire_bytes(term.kind, term.payload, k) / hw.intra_bandwidth
+        t += steps * (k - 1) * hw.intra_latency
+    if m > 1:
+        t += metrics.ring_wire_bytes(term.kind, term.payload / k, m) / hw.inter_bandwidth
+        t += steps * math.ceil(math.log2(m)) * hw.inter_latency
+    return term.count * t
+
+
+# Activations the backward keeps per token of one layer, in elements of the compute dtype, split
+# into the part replicated over the tensor axis ([b, T, D] residual stream, norms) and the part
+# divided by it (heads, MLP units), per remat policy, as XLA:CPU's buffer assignment shows them for
+# this model (D d_model, F mlp width, NT = heads × length attention scores per query):
+#   none:          6 [b,T,D] (x, norms, residual sums)   | q, k, v, o (4 D), scores and probs (2 NT),
+#                                                          6 [b,T,F] (up, GELU's tanh pieces, output)
+#   dots:          x, attn out, mlp out (3 D)            | qkv, o (4 D), scores (NT), up (F)
+#   dots_no_batch: x, attn out, mlp out (3 D)            | qkv (3 D), up (F)
+#   full:          x (D)                                 | —
+# GPU and TPU fuse GELU's elementwise pieces, so there `none` keeps fewer [b,T,F] copies: the
+# figure is conservative off CPU.
+def _saved_per_token(remat: str, D: int, F: int, NT: int) -> tuple[float, float]:
+    if remat == "none":
+        return 6 * D, 4 * D + 2 * NT + 6 * F
+    if remat == "dots":
+        return 3 * D, 4 * D + NT + F
+    if remat == "dots_no_batch":
+        return 3 * D, 3 * D + F
+    return D, 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shards:
+    """Per-leaf storage / compute PartitionSpecs and shard sizes for one mesh shape."""
+
+    storage: list
+    compute: list
+    stored: list[int]  # elements per device, storage sharding
+    computed: list[int]  # elements per device, compute sharding (gathered over fsdp)
+    params_bytes: int
+    opt_bytes: int
+    gathered: list[tuple[str, ...]]  # mesh axes each leaf is all-gathered over for compute (fsdp)
+    batch_axes: tuple[str, ...]  # mesh axes the batch is split over
+    tensor_axes: tuple[str, ...]  # mesh axes heads / mlp are split over
+
+
+_SHARDS_CACHE: dict[tuple, tuple[ModelInfo, _Shards]] = {}
+
+
+def _shards(model: ModelInfo, layout: Layout) -> _Shards:
+    """Resolves every parameter's sharding with `sharding.logical_to_spec`, once per mesh shape."""
+    key = (id(model), tuple(layout.mesh.values()))
+    if key in _SHARDS_CACHE and _SHARDS_CACHE[key][0] is model:
+        return _SHARDS_CACHE[key][1]
+    mesh, sizes = _mesh(layout), dict(layout.mesh)
+    storage = [
+        sharding.logical_to_spec(x.axes, sharding.STORAGE_RULES, mesh, x.shape)
+        for x in model.params
+    ]
+    compute = [
+        sharding.logical_to_spec(x.axes, sharding.COMPUTE_RULES, mesh, x.shape)
+        for x in model.params
+    ]
+    stored = [_shard_elems(x.shape, s, sizes) for x, s in zip(model.params, storage)]
+    computed = [_shard_elems(x.shape, s, sizes) for x, s in zip(model.params, compute)]
+    # The optimizer state takes its parameter's storage sharding (train.build maps the param
+    # shardings over it with optax.tree_map_params); counts and other leaves are replicated.
+    opt_b = 0
+    for shape, itemsize, owner in model.opt:
+        if owner >= 0 and shape == model.params[owner].shape:
+            opt_b += _shard_elems(shape, storage[owner], sizes) * itemsize
+        else:
+            opt_b += math.prod(shape) * itemsize
+    batch_spec = sharding.logical_to_spec(("batch", "length"), sharding.COMPUTE_RULES, mesh)
+    heads_spec = sharding.logical_to_spec(("heads",), sharding.COMPUTE_RULES, mesh)
+    out = _Shards(
+        storage=storage,
+        compute=compute,
+        stored=stored,
+        computed=computed,
+        params_bytes=sum(n * x.itemsize for n, x in zip(stored, model.params)),
+        opt_bytes=opt_b,
+        gathered=[
+            tuple(a for a in config_lib.MESH_AXES if a in _spec_axes(st) - _spec_axes(cp))
+            for st, cp in zip(storage, compute)
+        ],
+        batch_axes=_entry_axes(batch_spec[0]),
+        tensor_axes=_entry_axes(heads_spec[0]),
+    )
+    if len(_SHARDS_CACHE) > 4096:
+        _SHARDS_CACHE.clear()
+    _SHARDS_CACHE[key] = (model, out)
+    return out
+
+
+def predict(
+    config,
+    layout: Layout | None = None,
+    hw: str | Hardware = "cpu_here",
+    *,
+    num_devices: int | None = None,
+    model: ModelInfo | None = None,
+    compression_ratio: float = 1.0,
+) -> Prediction:
+    """Predicts per-device memory, collective bytes and step time of one layout.
+
+    Args:
+      config: the experiment config (model, train.batch_size, compute_dtype, optimizer, pipeline
+        schedule are read; mesh / grad_accum / remat come from `layout`).
+      layout: defaults to the config's own (`num_devices` then resolves a `-1` axis).
+      hw: a `Hardware` or the name of a built-in profile.
+      model: `model_info(config)`, to reuse across many layouts.
+      compression_ratio: bytes on the wire of the gradient sync over the data axis relative to
+        float32 (`grad_sync.compression`: bf16 0.5, int8 ≈ 0.25, ...); 1 = uncompressed.
+    """
+    hw = hardware(hw)
+    if layout is None:
+        layout = layout_of(
+            config, num_devices or math.prod(max(1, config.mesh[a]) for a in config_lib.MESH_AXES)
+        )
+    model = model or model_info(config)
+    sizes = dict(layout.mesh)
+    L, D, F, V, T = model.num_layers, model.d_model, model.mlp_dim, model.vocab_size, model.seq_len
+    B, A, p = int(config.train.batch_size), layout.grad_accum, layout.pipeline
+    remat = layout.remat
+    cdt = np.dtype(config.train.compute_dtype).itemsize
+    wire_dt = lambda nbytes: nbytes if hw.bf16_collectives else max(nbytes, 4)
+
+    sh = _shards(model, layout)
+    stored, computed = sh.stored, sh.computed
+    params_b, opt_b, batch_axes, tensor_axes = (
+        sh.params_bytes,
+        sh.opt_bytes,
+        sh.batch_axes,
+        sh.tensor_axes,
+    )
+    R = math.prod(sizes[a] for a in batch_axes)
+    rows = B // R  # examples per device per step
+    batch_b = 2 * rows * T * 4  # inputs + targets, int32
+    scalars_b = 4 + 8 + 4  # step, rng, skipped
+
+    tp = math.prod(sizes[a] for a in tensor_axes)
+    rows_mb = rows // A  # examples per device per microbatch
+    m = layout.microbatches if p > 1 else 1
+    v = int(config.pipeline.virtual_stages) if config.pipeline.schedule == "interleaved" else 1
+    Lp = L // p  # layers on one device
+
+    # -- collectives ------------------------------------------------------------------------------
+    terms: list[CommTerm] = []
+
+    def add(name, kind, axes, payload, count, hidden):
+        group = math.prod(sizes[a] for a in axes)
+        if group > 1 and count > 0 and payload > 0:
+            terms.append(
+                CommTerm(name, kind, tuple(axes), group, float(payload), int(count), hidden)
+            )
+
+    # Without a pipeline every layer runs once per microbatch on rows_mb rows. With one, the stage
+    # runs its Lp layers at every tick of the schedule (idle ticks too: SPMD) on a pipeline
+    # microbatch, and embedding / head / loss run outside it on the batch split over the stages.
+    ticks = m * v + p - 1
+    chunk_rows = rows_mb // m
+    # layer executions per step on one device (interleaved: a tick runs one of v chunks)
+    reps = (Lp // v * ticks if p > 1 else Lp) * A
+    edge_rows = rows_mb // p if p > 1 and rows_mb % p == 0 else rows_mb
+    act = rows_mb * T * D * wire_dt(cdt)  # [b, T, D] of one microbatch
+    act_chunk = chunk_rows * T * D * wire_dt(cdt)
+    act_edge = edge_rows * T * D * wire_dt(cdt)
+    if tp > 1:
+        tpa = tensor_axes
+        add("tp: embedding lookup output (vocab-parallel)", "all-reduce", tpa, act_edge, A, False)
+        add(
+            "tp: attention, MLP outputs (row-parallel), fwd",
+            "all-reduce",
+            tpa,
+            act_chunk,
+            2 * reps,
+            False,
+        )
+        add(
+            "tp: QKV, up-projection input grads, bwd", "all-reduce", tpa, act_chunk, 2 * reps, False
+        )
+        if remat == "full":
+            add("tp: attention output recomputed, bwd", "all-reduce", tpa, act_chunk, reps, False)
+        add("tp: head input grad, bwd", "all-reduce", tpa, act_edge, A, False)
+        ce = 3 * edge_rows * T * 4  # max, sum of exp, target logit: [b, T] float32 each
+        add("tp: cross-entropy over vocab shards", "all-reduce", tpa, ce, A, False)
+
+    regather = 2 if remat != "none" else 1
+    grad_dt = wire_dt(cdt)
+    for x, gathered, n_cp in zip(model.params, sh.gathered, computed):
+        if gathered:
+            if x.stacked:
+                count = reps * regather
+                payload = n_cp // Lp * wire_dt(cdt)
+            else:
+                count, payload = 1, n_cp * wire_dt(cdt)
+            add(f"fsdp: all-gather {x.path}", "all-gather", gathered, payload, count, True)
+
+    # Gradient sync: every gradient byte (compute shard) per microbatch, layer by layer inside the
+    # layer loop; with a pipeline the stage's stacked grads once per microbatch, and the embedding /
+    # head grads over data × pipeline (their batch is split over the stages too).
+    ratio = compression_ratio
+    layer_grads = sum(n // Lp * grad_dt for x, n in zip(model.params, computed) if x.stacked)
+    other_grads = sum(n * grad_dt for x, n in zip(model.params, computed) if not x.stacked) + 4
+    if p > 1:
+        layer_grads, layer_count = layer_grads * Lp, A
+    else:
+        layer_count = Lp * A
+    other_axes = batch_axes + (("pipeline",) if p > 1 and edge_rows < rows_mb else ())
+    fs_axes = tuple(a for a in batch_axes if a == "fsdp")
+    for name, payload, count, axes in (
+        ("grads: layers", layer_grads, layer_count, batch_axes),
+        ("grads: embedding, final norm, head", other_grads, A, other_axes),
+    ):
+        if hw.native_reduce_scatter and fs_axes:
+            f = math.prod(sizes[a] for a in fs_axes)
+            rest = tuple(a for a in axes if a not in fs_axes)
+            add(
+                f"{name} (reduce-scatter over fsdp)",
+                "reduce-scatter",
+                fs_axes,
+                payload,
+                count,
+                True,
+            )
+            add(
+                f"{name} (all-reduce of the shard)",
+                "all-reduce",
+                rest,
+                payload / f * ratio,
+                count,
+                True,
+            )
+        else:
+            add(f"{name} (all-reduce)", "all-reduce", axes, payload * ratio, count, True)
+
+    if p > 1:
+        pa = ("pipeline",)
+        add(
+            "pp: stage activations, fwd + bwd",
+            "collective-permute",
+            pa,
+            act_chunk,
+            2 * ticks * A,
+            False,
+        )
+        add("pp: batch into / out of the stages", "collective-permute", pa, act, A, False)
+        add("pp: batch split over stages (gather)", "all-gather", pa, act, A, False)
+        add("pp: batch split over stages (all-to-all)", "all-to-all", pa, act, 2 * A, False)
+        add("pp: stage-0 input grad summed over stages", "all-reduce", pa, act, A, False)
+
+    # -- memory -----------------------------------------------------------------------------------
+    # temp is the peak of the backward layer loop: saved activations of every layer, the weights it
+    # saved (remat none) or re-gathers, the stacked gradient buffers, one layer's recomputed
+    # activations (remat), plus what stays live around it (gathered embedding / head, bf16 casts).
+    NT = model.num_heads * T
+    rep, split = _saved_per_token(remat, D, F, NT)
+    if p > 1 and config.pipeline.schedule == "1f1b":
+        inflight_rows = rows_mb // m * min(m, p)
+    else:
+        inflight_rows = rows_mb
+    saved = inflight_rows * T * Lp * (rep + split / tp) * cdt
+    full_rep, full_split = _saved_per_token("none", D, F, NT)
+    # One layer's recomputed activations (what the policy did not save) live during its backward.
+    one_layer = rows_mb * T * ((full_rep - rep) + (full_split - split) / tp) * cdt
+    activations = saved + one_layer
+    fsdp_gathered = [bool(g) for g in sh.gathered]
+    layer_compute = sum(
+        n // Lp for x, n, g in zip(model.params, computed, fsdp_gathered) if x.stacked and g
+    )
+    grads_b = sum(n * 4 for n in stored) + layer_compute * 4
+    weights_b = 0  # compute-sharded weights the backward holds: all layers' without remat
+    for x, n_cp, g in zip(model.params, computed, fsdp_gathered):
+        if x.stacked and remat == "none":
+            weights_b += n_cp * cdt
+        elif g:
+            weights_b += (n_cp // Lp if x.stacked else n_cp) * cdt
+    logits_b = rows_mb * T * (V // tp) * 4
+    cast_b = sum(n * cdt for n in stored) if cdt < 4 else 0
+    other = weights_b + logits_b + cast_b
+    temp = grads_b + activations + other
+    arguments = params_b + opt_b + batch_b + scalars_b
+    memory = {
+        "params": float(params_b),
+        "opt_state": float(opt_b),
+        "batch": float(batch_b),
+        "state_scalars": float(scalars_b),
+        "arguments": float(arguments),
+        "grads": float(grads_b),
+        "activations": float(activations),
+        "other_temp": float(other),
+        "temp": float(temp),
+        "total": float(arguments + temp),
+    }
+
+    # -- time -------------------------------------------------------------------------------------
+    tokens = B * T
+    model_flops = model.flops_per_token() * tokens
+    layer_matmul = 6 * (model.num_params - model.embed_params - D * V) / max(L, 1)  # per layer
+    attn = 12 * D * T  # per layer, per token
+    recompute = {
+        "none": 0.0,
+        "dots": 0.0,
+        "dots_no_batch": attn / 3,
+        "full": (layer_matmul + attn) / 3,
+    }[remat]
+    hw_flops = model_flops + recompute * L * tokens
+    n = layout.devices
+    compute_s = hw_flops / n / (hw.peak_flops * hw.matmul_efficiency)
+    bubble = (p - 1) / (m * v + p - 1) if p > 1 else 0.0
+    compute_s /= 1 - bubble
+    local, hosts = _hosts(layout, hw)
+    times = [(t, _term_time(t, local, hw)) for t in terms]
+    comm_s = sum(x for _, x in times)
+    exposed = sum(x for t, x in times if not t.hidden)
+    hideable = sum(x for t, x in times if t.hidden)
+    exposed += max(0.0, hideable - hw.overlap * compute_s)
+    step_s = compute_s + exposed
+    mfu = model_flops / (step_s * n * hw.peak_flops)
+    fits = memory["total"] <= hw.usable_fraction * hw.memory_bytes
+    return Prediction(
+        layout=layout,
+        hardware=hw.name,
+        memory=memory,
+        terms=terms,
+        compute_s=compute_s,
+        comm_s=comm_s,
+        exposed_comm_s=exposed,
+        bubble=bubble,
+        step_s=step_s,
+        tokens_per_step=tokens,
+        model_flops_per_step=model_flops,
+        mfu=mfu,
+        fits=fits,
+        hosts=hosts,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Planning: enumerate, predict, rank, recommend
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Plan:
+    """Every valid layout for one model on one cluster, ranked: fitting ones first, then by step
+    time, then by communication time, then by memory; `recommended` is the first that fits, or
+    None if none does."""
+
+    num_devices: int
+    hardware: Hardware
+    model: dict[str, Any]
+    predictions: list[Prediction]
+    rejected: int  # candidates `config.validate` refused
+
+    @property
+    def recommended(self) -> Prediction | None:
+        return next((p for p in self.predictions if p.fits), None)
+
+    def table(self, top: int | None = 10) -> str:
+        """The ranked layouts as a text table (at most `top` rows; None = all)."""
+        rows = self.predictions if top is None else self.predictions[:top]
+        head = (
+            f"{'#':>3}  {'layout':<34} {'micro':<14} {'remat':<13} {'mem/device':>10} "
+            f"{'fits':<4} {'step (s)':>9} {'tokens/s':>10} {'MFU':>6}"
+        )
+        lines = [head, "-" * len(head)]
+        for i, p in enumerate(rows, 1):
+            lines.append(
+                f"{i:>3}  {p.layout.name:<34} {p.layout.micro:<14} {p.layout.remat:<13} "
+                f"{p.memory['total'] / GiB:>6.2f} GiB {'yes' if p.fits else 'NO':<4} "
+                f"{p.step_s:>9.4f} {p.tokens_per_s:>10.4g} {100 * p.mfu:>5.1f}%"
+            )
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        best = self.recommended
+        hw = self.hardware
+        fitting = sum(p.fits for p in self.predictions)
+        head = (
+            f"{self.model['params'] / 1e9:.3g}B-parameter GPT on {self.num_devices} × {hw.name} "
+            f"({hw.memory_bytes / GiB:.0f} GiB/device, {hw.devices_per_host}/host): "
+            f"{len(self.predictions)} valid layouts, {fitting} fit"
+        )
+        if best is None:
+            return head + "\nno layout fits in memory: use more devices, remat, or a smaller batch"
+        return head + (
+            f"\nrecommended: {best.layout.name} ({best.layout.micro}, remat={best.layout.remat}): "
+            f"{best.memory['total'] / GiB:.2f} GiB/device, {best.step_s:.4f} s/step, "
+            f"{best.tokens_per_s:.4g} tokens/s, MFU {100 * best.mfu:.1f}%"
+            f"\n  flags: {config_flags_for(best.layout, hw)}"
+        )
+
+    def to_json(self, top: int | None = None) -> dict[str, Any]:
+        rows = self.predictions if top is None else self.predictions[:top]
+        best = self.recommended
+        return {
+            "devices": self.num_devices,
+            "hardware": dataclasses.asdict(self.hardware),
+            "model": self.model,
+            "valid_layouts": len(self.predictions),
+            "fitting_layouts": sum(p.fits for p in self.predictions),
+            "rejected_by_validate": self.rejected,
+            "recommended": None if best is None else best.to_json(),
+            "recommended_flags": None
+            if best is None
+            else config_flags_for(best.layout, self.hardware),
+            "ranked": [p.to_json() for p in rows],
+        }
+
+
+def config_flags_for(layout: Layout, hw: Hardware) -> str:
+    """The `--config.*` overrides that run `layout` (dcn sizes where an axis spans hosts)."""
+    _, hosts = _hosts(layout, hw)
+    parts = [f"--config.mesh.{a}={getattr(layout, a)}" for a in config_lib.MESH_AXES]
+    parts += [f"--config.mesh.dcn_{a}={h}" for a, h in hosts.items() if h > 1]
+    parts.append(f"--config.train.grad_accum={layout.grad_accum}")
+    parts.append(f"--config.train.remat={layout.remat}")
+    if layout.pipeline > 1:
+        parts.append(f"--config.pipeline.microbatches={layout.microbatches}")
+    return " ".join(parts)
+
+
+def _rank_key(p: Prediction) -> tuple:
+    # Ties in step time (all communication hidden under compute) go to the layout that
+    # communicates least, which leaves the most slack if overlap is worse than modelled.
+    return (not p.fits, p.step_s, p.comm_s, p.memory["total"])
+
+
+def plan(
+    config,
+    num_devices: int,
+    hw: str | Hardware,
+    *,
+    remats: Sequence[str] | None = None,
+    max_grad_accum: int = 16,
+    max_microbatches: int = 64,
+    compression_ratio: float = 1.0,
+    model: ModelInfo | None = None,
+) -> Plan:
+    """Predicts every valid layout of `config` on `num_devices` devices of `hw` and ranks them.
+
+    Raises:
+      ConfigError: the model is not a GPT, or no layout passes `config.validate`.
+    """
+    hw = hardware(hw)
+    if num_devices < 1:
+        raise ConfigError(f"devices={num_devices} must be >= 1")
+    model = model or model_info(config)
+    total = sum(1 for _ in _candidates(num_devices, max_grad_accum, max_microbatches, remats))
+    layouts = enumerate_layouts(
+        config,
+        num_devices,
+        remats=remats,
+        max_grad_accum=max_grad_accum,
+        max_microbatches=max_microbatches,
+    )
+    if not layouts:
+        raise ConfigError(
+            f"no (data, fsdp, tensor, pipeline) layout of {num_devices} devices is valid for this "
+            f"config (train.batch_size={config.train.batch_size}, model.num_heads="
+            f"{config.model.num_heads}, model.d_model={config.model.d_model}); "
+            "change the batch size or the device count"
+        )
+    preds = [
+        predict(config, lay, hw, model=model, compression_ratio=compression_ratio)
+        for lay in layouts
+    ]
+    preds.sort(key=_rank_key)
+    info = {
+        "params": model.num_params,
+        "layers": model.num_layers,
+        "d_model": model.d_model,
+        "heads": model.num_heads,
+        "vocab": model.vocab_size,
+        "seq_len": model.seq_len,
+        "global_batch": int(config.train.batch_size),
+        "compute_dtype": str(config.train.compute_dtype),
+        "optimizer": str(config.train.optimizer),
+        "flops_per_token": model.flops_per_token(),
+    }
+    return Plan(num_devices, hw, info, preds, total - len(layouts))
+
+
+def _candidates(n: int, max_accum: int, max_mb: int, remats) -> Iterable[tuple]:
+    remats = tuple(remats or config_lib.REMAT_POLICIES)
+    for _, _, _, p in _factorizations(n, 4):
+        accums = len(_powers_of_two(max_accum)) if p == 1 else 1
+        mbs = len(_powers_of_two(max(1, max_mb // p))) if p > 1 else 1
+        for _ in range(accums * mbs * len(remats)):
+            yield ()
+
+
+# --------------------------------------------------------------------------------------------------
+# Scaling
+# --------------------------------------------------------------------------------------------------
+
+SCALING_DEVICES = tuple(2**k for k in range(3, 13))  # 8 … 4096
+
+
+def scaling(
+    config,
+    hw: str | Hardware,
+    *,
+    device_counts: Sequence[int] = SCALING_DEVICES,
+    per_device_batch: int = 1,
+    model: ModelInfo | None = None,
+    max_grad_accum: int = 4,
+    max_microbatches: int = 32,
+) -> list[dict[str, Any]]:
+    """Weak scaling: the best fitting layout at each device count, global batch = devices ×
+    `per_device_batch` sequences.
+
+    Efficiency at n devices is tokens/s per device relative to the smallest count's. Counts where
+    nothing fits (or nothing is valid) are reported with `layout: None`.
+    """
+    hw = hardware(hw)
+    model = model or model_info(config)
+    work = copy.deepcopy(config)
+    out: list[dict[str, Any]] = []
+    base = None
+    for n in device_counts:
+        work.train.batch_size = n * per_device_batch
+        try:
+            pl = plan(
+                work,
+                n,
+                hw,
+                model=model,
+                max_grad_accum=max_grad_accum,
+                max_microbatches=max_microbatches,
+            )
+            best = pl.recommended
+        except ConfigError:
+            best = None
+        row: dict[str, Any] = {"devices": n, "global_batch": n * per_device_batch}
+        if best is None:
+            row.update(layout=None, efficiency=None, mfu=None)
+        else:
+            per_dev = best.tokens_per_s / n
+            base = base or per_dev
+            row.update(
+                layout=best.layout.name,
+                micro=best.layout.micro,
+                remat=best.layout.remat,
+                step_time_s=best.step_s,
+                tokens_per_s=best.tokens_per_s,
+                mfu=best.mfu,
+                memory_gib=best.memory["total"] / GiB,
+                efficiency=per_dev / base,
+            )
+        out.append(row)
+    return out
+
+
+def plot_scaling(curves: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> None:
+    """Scaling efficiency and MFU vs device count, one line per hardware profile, to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_eff, ax_mfu) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, rows in curves.items():
+        pts = [r for r in rows if r.get("efficiency") is not None]
+        if not pts:
+            continue
+        xs = [r["devices"] for r in pts]
+        ax_eff.plot(xs, [100 * r["efficiency"] for r in pts], marker="o", label=name)
+        ax_mfu.plot(xs, [100 * r["mfu"] for r in pts], marker="o", label=name)
+    for ax, label in ((ax_eff, "scaling efficiency (%)"), (ax_mfu, "predicted MFU (%)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title or "weak scaling (best fitting layout per device count)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,162 @@
+"""Plan a mesh: predicted memory and step time for every layout of a GPT on a cluster.
+
+    python scripts/plan.py --config=configs/gpt_1b.py --devices=64 --hardware=h100_nvlink_ib \
+        [--top=10] [--out=plan.json] [--plot=scaling.png] [--config.train.batch_size=256]
+
+Prints the ranked layouts (mesh, microbatching, remat, memory per device, whether it fits, predicted
+step time, tokens/s, MFU) and the recommended one with the flags that run it; `--out` writes them as
+JSON, `--plot` a weak-scaling efficiency plot from 8 to 4096 devices (one line per built-in
+accelerator profile). Nothing is compiled: see docs/PLANNER.md for the cost model and its measured
+accuracy. Hardware profiles: h100_nvlink_ib, cloud_ethernet, tpu_v5p_pod, cpu_here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from jaxdist.errors import ConfigError  # noqa: E402
+
+DEFAULT_CONFIG = "configs/gpt_1b.py"
+
+
+def _define_flags(argv: list[str]) -> None:
+    """Defines the flags, checking the config path and override names first for clean errors."""
+    from jaxdist.config import check_override_names
+
+    path = DEFAULT_CONFIG
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"--config={path}: no such config file (see configs/ for the experiments)"
+        )
+    check_override_names([a for a in argv if a.startswith("--config.")])
+    try:
+        config_flags.DEFINE_config_file(
+            "config", DEFAULT_CONFIG, "Experiment config (model and batch).", lock_config=True
+        )
+    except (KeyError, AttributeError, TypeError, ValueError, OSError) as e:
+        raise ConfigError(f"config: {str(e).strip().splitlines()[-1]}") from None
+    flags.DEFINE_integer("devices", None, "Number of devices to plan for.", required=True)
+    flags.DEFINE_string("hardware", "h100_nvlink_ib", "Hardware profile (see jaxdist/plan.py).")
+    flags.DEFINE_integer("top", 10, "Rows of the ranked table to print (0 = all).")
+    flags.DEFINE_string("out", "", "Write the plan as JSON here.")
+    flags.DEFINE_string("plot", "", "Write a weak-scaling plot (8 to 4096 devices) as PNG here.")
+    flags.DEFINE_float(
+        "compression_ratio",
+        1.0,
+        "Gradient-sync bytes relative to uncompressed (e.g. 0.5 for bf16), a what-if.",
+    )
+    flags.DEFINE_integer("max_grad_accum", 16, "Largest train.grad_accum to consider.")
+    flags.DEFINE_integer("plot_max_devices", 4096, "Largest device count on the scaling plot.")
+
+
+def _parse(argv: list[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise ConfigError(f"unexpected arguments {argv[1:]}; use --flag=value")
+    from jaxdist import plan as plan_lib
+
+    F = flags.FLAGS
+    config = F.config
+    hw = plan_lib.hardware(F.hardware)
+    if F.devices < 1:
+        raise ConfigError(f"--devices={F.devices} must be >= 1")
+    if not 0 < F.compression_ratio <= 1:
+        raise ConfigError(f"--compression_ratio={F.compression_ratio} must be in (0, 1]")
+    if F.plot and F.plot_max_devices < plan_lib.SCALING_DEVICES[0]:
+        raise ConfigError(
+            f"--plot_max_devices={F.plot_max_devices} must be >= {plan_lib.SCALING_DEVICES[0]}"
+        )
+    if F.top < 0:
+        raise ConfigError(f"--top={F.top} must be >= 0 (0 = all)")
+    model = plan_lib.model_info(config)
+    result = plan_lib.plan(
+        config,
+        F.devices,
+        hw,
+        model=model,
+        max_grad_accum=F.max_grad_accum,
+        compression_ratio=F.compression_ratio,
+    )
+    top = F.top or None
+    print(result.table(top))
+    if top is not None and len(result.predictions) > top:
+        print(f"... {len(result.predictions) - top} more (--top=0 shows all)")
+    print(result.summary())
+
+    payload = result.to_json(top=top)
+    payload["all"] = [
+        {
+            "name": p.layout.name,
+            "micro": p.layout.micro,
+            "remat": p.layout.remat,
+            "memory_total_bytes": p.memory["total"],
+            "fits": p.fits,
+            "step_time_s": p.step_s,
+            "mfu": p.mfu,
+        }
+        for p in result.predictions
+    ]
+    if F.plot:
+        per_device = max(1, config.train.batch_size // F.devices)
+        names = [n for n in plan_lib.PROFILES if n != "cpu_here"]
+        if hw.name not in names:
+            names.insert(0, hw.name)
+        curves = {
+            name: plan_lib.scaling(
+                config,
+                plan_lib.hardware(name),
+                device_counts=[n for n in plan_lib.SCALING_DEVICES if n <= F.plot_max_devices],
+                per_device_batch=per_device,
+                model=model,
+            )
+            for name in names
+        }
+        title = (
+            f"{model.num_params / 1e9:.3g}B GPT, {per_device} × {model.seq_len} tokens per device "
+            "(weak scaling, best fitting layout)"
+        )
+        _makedirs(F.plot)
+        plan_lib.plot_scaling(curves, F.plot, title=title)
+        payload["scaling"] = curves
+        print(f"scaling plot: {F.plot}")
+    if F.out:
+        _makedirs(F.out)
+        with open(F.out, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"plan: {F.out}")
+
+
+def _makedirs(path: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+
+
+def entry():
+    try:
+        _define_flags(sys.argv)
+        app.run(main, flags_parser=_parse)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    entry()
