@@ -62,6 +62,12 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
     if config.model.name == "gpt":
         record["tokens_per_step"] = config.train.batch_size * config.model.seq_len
         record["flops_per_token"] = flops_per_token(engine, config)
+        from jaxdist import plan
+
+        predicted = plan.predict(config, num_devices=jax.device_count()).memory
+        record["predicted_bytes_per_device"] = {
+            k: int(predicted[k]) for k in ("params", "opt_state", "temp")
+        }
     return record
 
 
@@ -96,6 +102,12 @@ def summary(record: dict[str, Any]) -> str:
         f"temp {_fmt_bytes(b['temp'])}",
         f"wire    │ per device per step: {wire} (total {_fmt_bytes(sum(coll.values()))})",
     ]
+    if "predicted_bytes_per_device" in record:
+        p = record["predicted_bytes_per_device"]
+        lines.append(
+            f"planner │ predicted params {_fmt_bytes(p['params'])}, optimizer {_fmt_bytes(p['opt_state'])}, "
+            f"temp {_fmt_bytes(p['temp'])} (jaxdist/plan.py)"
+        )
     if "bubble_fraction" in record:
         lines.append(f"pipeline│ bubble fraction {record['bubble_fraction']:.3f}")
     return "\n".join(lines)
