@@ -262,9 +262,13 @@ def run(config, workdir: str) -> dict[str, float]:
                     )
             if bar is not None:
                 bar.update(1)
+            # A checkpoint is written only once its step is known to be finite, so the "last
+            # good checkpoint" named by check_finite never holds a non-finite state.
             if ckpt.should_save(step) and step < t.steps:
+                check_finite(m, step)
                 ckpt.save(step, state, data_position=step)
             if pre.requested(step):
+                check_finite(m, step)
                 ckpt.save(step, state, data_position=step, force=True)
                 ckpt.wait()
                 if main:

@@ -3,10 +3,13 @@
     python scripts/ckpt.py inspect runs/default/checkpoints [--step S]
     python scripts/ckpt.py export runs/default/checkpoints --out params.npz [--step S]
     python scripts/ckpt.py verify runs/default/checkpoints [--step S]
+    python scripts/ckpt.py bench configs/gpt_small.py [--repeats N] [--dir D]
 
-`export` writes `.safetensors` instead when --out ends so. Exit codes: 0 fine; 1 verify found a
-problem, or a checkpoint could not be read; 2 bad arguments, missing directory, no checkpoint, or
-no such step. Errors are one line on stderr. Runs on the CPU (JAX_PLATFORMS=cpu unless set), so it
+`export` writes `.safetensors` instead when --out ends so. `bench` times saving a config's freshly
+initialised train state (params and optimizer state) on one device: the blocking part (until
+`save` returns), the total (until the step is committed) and the size on disk. Exit codes: 0 fine;
+1 verify found a problem, or a checkpoint could not be read; 2 bad arguments, missing directory,
+no checkpoint, or no such step. Errors are one line on stderr. Runs on the CPU (JAX_PLATFORMS=cpu unless set), so it
 can run beside a training job without touching its accelerators.
 """
 
@@ -98,6 +101,90 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_config(path: str):
+    """`get_config()` of an ml_collections config file, e.g. configs/gpt_small.py."""
+    import importlib.util
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} does not exist")
+    spec = importlib.util.spec_from_file_location("_bench_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def _disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+    import time
+
+    import jax
+
+    from jaxdist import config as config_lib
+    from jaxdist import data, train
+    from jaxdist import mesh as mesh_lib
+
+    config = _load_config(args.config)
+    for axis in mesh_lib.MESH_AXES:  # one device: the whole state on it
+        config.mesh[axis] = 1
+        if f"dcn_{axis}" in config.mesh:
+            config.mesh[f"dcn_{axis}"] = 1
+    config.data.max_bytes = min(config.data.max_bytes, 1_000_000)  # shapes do not depend on it
+    device = jax.devices()[:1]
+    mesh = mesh_lib.make_mesh(config.mesh, device)
+    ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    engine = train.build(config, mesh, ds)
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(engine.init())
+    init_s = time.perf_counter() - t0
+    if not args.as_initialised:
+        # Freshly initialised moments are zeros, which compress to nothing; a trained optimizer
+        # state does not. Noise stands in for it, so the size and the time are a trained run's.
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+
+        def noise(x):
+            if not np.issubdtype(x.dtype, np.floating) or x.size <= 1:
+                return x
+            values = rng.standard_normal(x.shape, dtype=np.float32).astype(x.dtype)
+            return jax.device_put(values, x.sharding)
+
+        state["opt_state"] = jax.tree.map(noise, state["opt_state"])
+    leaves = jax.tree.leaves(state)
+    state_bytes = sum(x.nbytes for x in leaves)
+    print(
+        f"{args.config}: {engine.num_params:,} parameters; train state {len(leaves)} arrays, "
+        f"{_nbytes(state_bytes)} on {device[0].device_kind} (init {init_s:.1f} s); optimizer "
+        + ("state as initialised" if args.as_initialised else "moments filled with noise")
+    )
+    directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="jaxdist-bench-"))
+    cfg_json = config_lib.to_json_dict(config)
+    try:
+        with ckpt.Checkpointer(directory, every=1, keep=1, config_json=cfg_json) as saver:
+            for i in range(args.repeats):
+                step = (saver.latest_step() or 0) + 1
+                t0 = time.perf_counter()
+                saver.save(step, state, data_position=0, force=True)
+                t1 = time.perf_counter()
+                saver.wait()
+                t2 = time.perf_counter()
+                size = _disk_bytes(directory / str(step))
+                print(
+                    f"save {i + 1}: blocking {t1 - t0:.2f} s, total {t2 - t0:.2f} s "
+                    f"(committed), {_nbytes(size)} on disk, "
+                    f"{state_bytes / (t2 - t0) / 2**20:.0f} MiB/s"
+                )
+    finally:
+        if not args.dir:
+            shutil.rmtree(directory, ignore_errors=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         if name == "export":
             p.add_argument("--out", required=True, help="a file ending in .npz or .safetensors")
         p.set_defaults(fn=fn)
+    bench = sub.add_parser("bench", help="time saving a config's initial train state on 1 device")
+    bench.add_argument("config", help="an ml_collections config file, e.g. configs/gpt_small.py")
+    bench.add_argument("--repeats", type=int, default=2, help="saves to time (default 2)")
+    bench.add_argument("--dir", default=None, help="where to save (default: a temporary folder)")
+    bench.add_argument(
+        "--as_initialised",
+        action="store_true",
+        help="save the optimizer state as initialised (zeros) instead of filled with noise",
+    )
+    bench.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
