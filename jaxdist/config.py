@@ -354,3 +354,31 @@ def check_override_names(args: list[str]) -> None:
                 raise ConfigError(f"{arg}: unknown field {dotted!r}; {where} has {valid}")
             node = node[part]
             seen.append(part)
+
+
+def define_config_flag(
+    argv: list[str], default: str, help_text: str = "Experiment config file."
+) -> None:
+    """Defines the `--config` flag (ml_collections) for a script, failing in one line on bad input.
+
+    ml_collections loads the file and applies `--config.a.b=v` overrides while the flag is being
+    defined; checking the path and the override names against the schema first turns a typo into
+    a ConfigError instead of a KeyError traceback.
+    """
+    from ml_collections import config_flags
+
+    path = default
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"--config={path}: no such config file (see configs/ for the experiments)"
+        )
+    check_override_names([a for a in argv if a.startswith("--config.")])
+    try:
+        config_flags.DEFINE_config_file("config", default, help_text, lock_config=True)
+    except (KeyError, AttributeError, TypeError, ValueError, OSError) as e:
+        raise ConfigError(f"config: {str(e).strip().splitlines()[-1]}") from None

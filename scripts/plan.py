@@ -19,7 +19,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
 from jaxdist.errors import ConfigError  # noqa: E402
 
@@ -28,25 +27,9 @@ DEFAULT_CONFIG = "configs/gpt_1b.py"
 
 def _define_flags(argv: list[str]) -> None:
     """Defines the flags, checking the config path and override names first for clean errors."""
-    from jaxdist.config import check_override_names
+    from jaxdist.config import define_config_flag
 
-    path = DEFAULT_CONFIG
-    for i, arg in enumerate(argv):
-        if arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-        elif arg == "--config" and i + 1 < len(argv):
-            path = argv[i + 1]
-    if not os.path.isfile(path):
-        raise ConfigError(
-            f"--config={path}: no such config file (see configs/ for the experiments)"
-        )
-    check_override_names([a for a in argv if a.startswith("--config.")])
-    try:
-        config_flags.DEFINE_config_file(
-            "config", DEFAULT_CONFIG, "Experiment config (model and batch).", lock_config=True
-        )
-    except (KeyError, AttributeError, TypeError, ValueError, OSError) as e:
-        raise ConfigError(f"config: {str(e).strip().splitlines()[-1]}") from None
+    define_config_flag(argv, DEFAULT_CONFIG, "Experiment config (model and batch).")
     flags.DEFINE_integer("devices", None, "Number of devices to plan for.", required=True)
     flags.DEFINE_string("hardware", "h100_nvlink_ib", "Hardware profile (see jaxdist/plan.py).")
     flags.DEFINE_integer("top", 10, "Rows of the ranked table to print (0 = all).")

@@ -13,7 +13,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
 from jaxdist.errors import ConfigError  # noqa: E402
 
@@ -26,25 +25,9 @@ def _define_flags(argv: list[str]) -> None:
     ml_collections parses `--config.a.b=v` overrides while the flag is defined; checking them
     against the schema beforehand turns a typo into one line instead of a KeyError traceback.
     """
-    from jaxdist.config import check_override_names
+    from jaxdist.config import define_config_flag
 
-    path = DEFAULT_CONFIG
-    for i, arg in enumerate(argv):
-        if arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-        elif arg == "--config" and i + 1 < len(argv):
-            path = argv[i + 1]
-    if not os.path.isfile(path):
-        raise ConfigError(
-            f"--config={path}: no such config file (see configs/ for the experiments)"
-        )
-    check_override_names([a for a in argv if a.startswith("--config.")])
-    try:
-        config_flags.DEFINE_config_file(
-            "config", DEFAULT_CONFIG, "Experiment config file.", lock_config=True
-        )
-    except (KeyError, AttributeError, TypeError, ValueError, OSError) as e:
-        raise ConfigError(f"config: {str(e).strip().splitlines()[-1]}") from None
+    define_config_flag(argv, DEFAULT_CONFIG, "Experiment config file.")
     flags.DEFINE_string("workdir", "runs/default", "Where metrics, config and checkpoints go.")
     flags.DEFINE_multi_string("gin_file", [], "Gin files binding config fields (train.steps = 10).")
     flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'train.steps=10'.")
