@@ -64,7 +64,7 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         record["flops_per_token"] = flops_per_token(engine, config)
         from jaxdist import plan
 
-        predicted = plan.predict(config, num_devices=jax.device_count()).memory
+        predicted = plan.predict(config, num_devices=engine.mesh.size).memory
         record["predicted_bytes_per_device"] = {
             k: int(predicted[k]) for k in ("params", "opt_state", "temp")
         }

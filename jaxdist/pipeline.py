@@ -1,0 +1,846 @@
+"""Pipeline parallelism for the GPT: stages over the `pipeline` mesh axis, three schedules.
+
+The stacked layer parameters (leading `layers` axis, stored split over `pipeline` by the logical-axis
+table) are cut into `p · v` chunks of `L / (p · v)` layers; chunk `j` runs on device `j mod p`
+(`v = pipeline.virtual_stages` for `interleaved`, 1 otherwise). Activations move between
+neighbouring stages with `jax.lax.ppermute` inside one `jax.shard_map` that is manual over
+`pipeline` (and `data` when it is > 1, so each replica accumulates its own gradients over the
+microbatches and they are all-reduced once per step, not once per tick); `fsdp` and `tensor` stay
+automatic inside the stage body, so the same `models.gpt.block` code runs with its FSDP and
+Megatron shardings.
+
+Every schedule is a table, built here in numpy before tracing: for each tick and stage, which
+microbatch (and virtual stage) it works on, or nothing. The executors read the table row of their
+stage at every tick, and `Schedule.bubble_fraction` counts the idle entries of the same tables.
+
+* `gpipe`: all forwards, then all backwards; the backward is JAX's autodiff of the scanned forward
+  ticks, so a stage keeps the activations of every microbatch (remat at the stage boundary with
+  `train.remat` keeps only each tick's stage input). Bubble (p-1)/(m+p-1).
+* `1f1b`: PipeDream-Flush. Forward and backward ticks interleave per stage; the backward of a
+  microbatch is an explicit `jax.vjp` of its stage (recomputed from the stashed stage input) in a
+  `lax.switch` branch, so all stages run one SPMD program while doing different work. A stage keeps
+  the inputs of at most `p` microbatches, in a circular buffer of `p` slots: activation memory does
+  not grow with `m`. The head and loss of a microbatch run on the last stage as it leaves, so its
+  backward starts on the next tick. Bubble (p-1)/(m+p-1).
+* `interleaved`: the looped (circular) schedule over `v` chunks per device: microbatches enter in
+  groups of `p`, each loops `v` times around the ring. Backward by autodiff as for gpipe. Bubble
+  (p-1)/(v·m+p-1); needs `m` to be a multiple of `p`.
+
+The token embedding (all schedules) and, for gpipe/interleaved, the final norm, head and loss stay
+outside the stage loop: they are computed SPMD over the whole batch, with the batch additionally
+split over the `pipeline` axis when it divides, so every device does 1/(data·fsdp·pipeline) of
+them and no stage carries extra work. The price is moving the [B, T, D] activations into the
+pipeline once and out once per step. 1f1b computes head and loss inside the schedule on the last
+stage instead: its backward must start as soon as a microbatch leaves, and collecting all `m`
+outputs first would bring back the memory that grows with `m`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxdist import sharding
+from jaxdist.errors import ConfigError
+
+AXIS = "pipeline"
+IDLE, FWD, BWD = 0, 1, 2
+
+# --------------------------------------------------------------------------------------------------
+# Schedule tables
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Which stage does what at each tick, as the executors run it.
+
+    Attributes:
+      name: `gpipe`, `1f1b` or `interleaved`.
+      stages: p, the size of the `pipeline` mesh axis.
+      microbatches: m.
+      virtual_stages: v, layer chunks per device (1 unless interleaved).
+      action: int8 [ticks, p]: IDLE, FWD or BWD for every tick and stage, forward and backward ticks
+        together (for gpipe/interleaved the backward ticks are the autodiff mirror of the forward).
+      micro: int32 [ticks, p]: the microbatch of that action (0 when idle).
+      virtual: int32 [ticks, p]: the virtual stage (layer chunk on that device) of that action.
+    """
+
+    name: str
+    stages: int
+    microbatches: int
+    virtual_stages: int
+    action: np.ndarray
+    micro: np.ndarray
+    virtual: np.ndarray
+
+    @property
+    def ticks(self) -> int:
+        return int(self.action.shape[0])
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle stage-ticks / all stage-ticks, counted from the tables the executors run."""
+        return float(np.mean(self.action == IDLE))
+
+    def max_in_flight(self) -> int:
+        """Most microbatches any stage has forwarded but not yet backwarded at once."""
+        worst = 0
+        for s in range(self.stages):
+            live: set[tuple[int, int]] = set()
+            for t in range(self.ticks):
+                key = (int(self.micro[t, s]), int(self.virtual[t, s]))
+                if self.action[t, s] == FWD:
+                    live.add(key)
+                elif self.action[t, s] == BWD:
+                    live.discard(key)
+                worst = max(worst, len(live))
+        return worst
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "schedule": self.name,
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "virtual_stages": self.virtual_stages,
+            "ticks": self.ticks,
+            "bubble_fraction": self.bubble_fraction,
+        }
+
+    def render(self) -> str:
+        """The table as text, one row per stage: `F3` forward of microbatch 3, `B3` backward, `.` idle
+        (interleaved adds the virtual stage: `F3.1`)."""
+        rows = []
+        for s in range(self.stages):
+            cells = []
+            for t in range(self.ticks):
+                a = int(self.action[t, s])
+                if a == IDLE:
+                    cells.append(".")
+                    continue
+                cell = f"{'FB'[a - 1]}{int(self.micro[t, s])}"
+                if self.virtual_stages > 1:
+                    cell += f".{int(self.virtual[t, s])}"
+                cells.append(cell)
+            width = max(len(c) for c in cells)
+            rows.append(f"stage {s}: " + " ".join(c.rjust(width) for c in cells))
+        return "\n".join(rows)
+
+
+def looped_forward_table(p: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Forward ticks of the looped schedule (gpipe when v = 1): (valid, micro, virtual), [ticks, p].
+
+    Device d at tick t works on k = t - d: group g = k // (v·p) of p microbatches, virtual stage
+    s = (k mod v·p) // p, microbatch g·p + k mod p. A microbatch leaves device p-1 at virtual
+    stage s and enters device 0 at s+1 on the next tick, so one ring shift per tick carries it.
+    """
+    if v > 1 and m % p:
+        raise ConfigError(
+            f"pipeline.microbatches={m} must be a multiple of mesh.pipeline={p} "
+            "for the interleaved schedule"
+        )
+    ticks = v * m + p - 1
+    t = np.arange(ticks)[:, None]
+    d = np.arange(p)[None, :]
+    k = t - d
+    valid = (k >= 0) & (k < v * m)
+    k = np.where(valid, k, 0)
+    group, r = k // (v * p), k % (v * p)
+    virtual = np.where(valid, r // p, 0).astype(np.int32)
+    micro = np.where(valid, group * p + r % p, 0).astype(np.int32)
+    if v == 1:  # no groups needed: microbatch k at tick d + k (also for m not a multiple of p)
+        micro = np.where(valid, k, 0).astype(np.int32)
+    return valid, micro, virtual
+
+
+def one_f_one_b_table(p: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """PipeDream-Flush ticks: (action, micro), [ticks, p], by simulating unit-time F and B.
+
+    Each tick a stage runs the backward of its oldest in-flight microbatch if its gradient has
+    arrived (or, on the last stage, its forward is done), else the forward of its next microbatch if
+    its input has arrived and fewer than p - s microbatches are in flight on stage s, else idles.
+    A result sent at tick t is usable at tick t + 1.
+    """
+    f_done = np.full((p, m), -1)  # tick at which F(s, i) ran
+    b_done = np.full((p, m), -1)
+    nf = [0] * p  # next microbatch to forward, per stage
+    nb = [0] * p
+    actions, micros = [], []
+    t = 0
+    while min(nb) < m:
+        act_row, mic_row = np.zeros(p, np.int8), np.zeros(p, np.int32)
+        for s in range(p):
+            i = nb[s]
+            if i < nf[s]:
+                upstream = f_done[s, i] if s == p - 1 else b_done[s + 1, i]
+                if 0 <= upstream < t:
+                    act_row[s], mic_row[s] = BWD, i
+                    b_done[s, i] = t
+                    nb[s] += 1
+                    continue
+            i = nf[s]
+            if i < m and (s == 0 or 0 <= f_done[s - 1, i] < t) and nf[s] - nb[s] < p - s:
+                act_row[s], mic_row[s] = FWD, i
+                f_done[s, i] = t
+                nf[s] += 1
+        actions.append(act_row)
+        micros.append(mic_row)
+        t += 1
+        if t > 4 * (m + p) + 8:  # the simulation is a finite state machine; this never fires
+            raise AssertionError(f"1f1b table did not finish for p={p}, m={m}")
+    return np.stack(actions), np.stack(micros)
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The schedule tables for `name` over p stages, m microbatches, v virtual stages."""
+    if name not in ("gpipe", "1f1b", "interleaved"):
+        raise ConfigError(
+            f"pipeline.schedule={name!r} is not valid; choose one of gpipe, 1f1b, interleaved"
+        )
+    if name != "interleaved":
+        v = 1
+    if name == "1f1b":
+        action, micro = one_f_one_b_table(p, m)
+        return Schedule(name, p, m, 1, action, micro, np.zeros_like(micro))
+    valid, micro, virtual = looped_forward_table(p, m, v)
+    fwd = np.where(valid, FWD, IDLE).astype(np.int8)
+    bwd = np.where(valid, BWD, IDLE).astype(np.int8)[::-1]  # autodiff runs the ticks in reverse
+    return Schedule(
+        name,
+        p,
+        m,
+        v,
+        np.concatenate([fwd, bwd]),
+        np.concatenate([micro, micro[::-1]]),
+        np.concatenate([virtual, virtual[::-1]]),
+    )
+
+
+def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
+    """The textbook bubble: (p-1)/(m+p-1), or (p-1)/(v·m+p-1) for interleaved."""
+    v = v if name == "interleaved" else 1
+    return (p - 1) / (v * m + p - 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Config checks
+# --------------------------------------------------------------------------------------------------
+
+
+def check(config, mesh_shape: dict[str, int]) -> None:
+    """The pipeline's constraints, raised as one-line ConfigErrors before anything compiles."""
+    pc, mc, t = config.pipeline, config.model, config.train
+    p = int(mesh_shape.get(AXIS, 1))
+    if pc.schedule not in ("gpipe", "1f1b", "interleaved"):
+        raise ConfigError(
+            f"pipeline.schedule={pc.schedule!r} is not valid; choose one of gpipe, 1f1b, interleaved"
+        )
+    if p <= 1:
+        return
+    if mc.name != "gpt":
+        raise ConfigError(
+            f"mesh.pipeline={p} needs model.name='gpt' (stacked layers), got {mc.name!r}; "
+            "set mesh.pipeline=1"
+        )
+    v = pc.virtual_stages if pc.schedule == "interleaved" else 1
+    m = pc.microbatches
+    if not isinstance(v, int) or v < 1:
+        raise ConfigError(f"pipeline.virtual_stages={v!r} must be a positive integer")
+    if not isinstance(m, int) or m < 1:
+        raise ConfigError(f"pipeline.microbatches={m!r} must be a positive integer")
+    if mc.num_layers % (p * v):
+        raise ConfigError(
+            f"model.num_layers={mc.num_layers} must be divisible by "
+            f"mesh.pipeline×pipeline.virtual_stages = {p}×{v} = {p * v}"
+        )
+    replicas = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
+    per_replica, rem = divmod(t.batch_size, replicas * t.grad_accum)
+    if rem or per_replica % m:
+        raise ConfigError(
+            f"pipeline.microbatches={m} must divide the per-replica batch "
+            f"{t.batch_size}/(data×fsdp×grad_accum = {replicas * t.grad_accum}) = "
+            f"{t.batch_size / (replicas * t.grad_accum):g}"
+        )
+    if pc.schedule == "interleaved" and m % p:
+        raise ConfigError(
+            f"pipeline.microbatches={m} must be a multiple of mesh.pipeline={p} "
+            "for the interleaved schedule"
+        )
+
+
+def schedule_for(config, mesh: Mesh) -> Schedule | None:
+    """The schedule a build with this config and mesh runs, or None without pipelining."""
+    shape = {k: int(s) for k, s in mesh.shape.items()}
+    check(config, shape)
+    p = shape.get(AXIS, 1)
+    if p <= 1:
+        return None
+    pc = config.pipeline
+    return build_schedule(pc.schedule, p, pc.microbatches, pc.virtual_stages)
+
+
+def bubble_fraction(config, mesh: Mesh) -> float | None:
+    """Bubble fraction of the schedule that `train.build` runs for this config, None if p = 1."""
+    sched = schedule_for(config, mesh)
+    return None if sched is None else sched.bubble_fraction
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers for the SPMD program
+# --------------------------------------------------------------------------------------------------
+
+
+def _varying(x: jax.Array) -> jax.Array:
+    """Marks `x` as different on every device of the manual axes (shard_map's vma typing).
+
+    Values made inside the shard_map or passed in replicated start out invariant; mixing them with
+    per-stage values needs this cast, and doing it once up front (rather than implicitly inside the
+    tick loop) makes autodiff transpose it into one psum after the loop instead of one per tick.
+    """
+    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    aval = jax.typeof(x)
+    if hasattr(aval, "manual_axis_type"):  # jax >= 0.10
+        varying = aval.manual_axis_type.varying
+    else:
+        varying = getattr(aval, "vma", frozenset())
+    missing = tuple(a for a in manual if a not in varying)
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)  # jax releases before pcast
+
+
+def _cast(tree: Any, dtype) -> Any:
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
+def _without(rules: sharding.Rules, manual: Sequence[str]) -> sharding.Rules:
+    """Rules for code inside the shard_map, where the manual axes may not be named."""
+    out = []
+    for name, axes in rules:
+        if axes is not None:
+            axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in manual)
+            axes = axes or None
+        out.append((name, axes))
+    return tuple(out)
+
+
+def _outer_rules(per_replica_rows: int, p: int) -> sharding.Rules:
+    """Compute rules for embedding and head: the batch split over the pipeline axis too, if it fits."""
+    if per_replica_rows % p:
+        return sharding.COMPUTE_RULES
+    return tuple(
+        (n, ("data", "fsdp", AXIS)) if n == "batch" else (n, a) for n, a in sharding.COMPUTE_RULES
+    )
+
+
+def _take(x: jax.Array, i: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _put(buf: jax.Array, i: jax.Array, value: jax.Array, when: jax.Array) -> jax.Array:
+    """buf[i] = value where `when`, else unchanged (one dynamic-update-slice)."""
+    value = jnp.where(when, value, _take(buf, i))
+    return jax.lax.dynamic_update_index_in_dim(buf, value, i, 0)
+
+
+def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy, as `GPT.loss`."""
+    logits = logits.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def _cross_entropy_one_hot(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy without a gather: XLA's SPMD partitioner aborts on the label gather
+    inside a shard_map that is manual over `pipeline` when two other mesh axes shard it."""
+    logits = logits.astype(jnp.float32)
+    label = jnp.sum(jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype) * logits, -1)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - label)
+
+
+# --------------------------------------------------------------------------------------------------
+# Executors (run inside shard_map, manual over `pipeline` and, when it is > 1, `data`)
+# --------------------------------------------------------------------------------------------------
+
+
+def _looped_forward(stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtual):
+    """Forward ticks of gpipe / interleaved on one stage; returns [m, ...] final activations.
+
+    Args:
+      stage_fn: (one chunk's layer params [Lc, ...], x [b, T, D]) -> y.
+      chunks: this device's chunks, every leaf [v, Lc, ...] (float32: cast per tick, so autodiff
+        accumulates their gradients over the ticks in float32).
+      x0: [m, b, T, D] embedded microbatches (the same on every stage; stage 0 reads them).
+      valid, micro, virtual: the [ticks, p] tables of `looped_forward_table`.
+    Returns:
+      [m, b, T, D]: on the last stage the outputs of the last layer chunk, zeros elsewhere.
+    """
+    d = jax.lax.axis_index(AXIS)
+    ring = [(s, (s + 1) % p) for s in range(p)]
+    dtype = x0.dtype
+    chunks = jax.tree.map(_varying, chunks)  # gradients summed over `data` once, after the loop
+    # x0's gradient is summed over the stages once, after the loop, in float32 (XLA:CPU's
+    # all-reduce promotion aborts on this bfloat16 psum).
+    x0 = _varying(x0.astype(jnp.float32))
+    zero = _varying(jnp.zeros(x0.shape[1:], dtype))
+    outs = _varying(jnp.zeros(x0.shape, dtype))
+
+    def tick(carry, row):
+        recv, outs = carry
+        ok, i, s = row[0][d], row[1][d], row[2][d]
+        x = jnp.where((d == 0) & (s == 0), _take(x0, i).astype(dtype), recv)  # [b, T, D]
+        y = stage_fn(jax.tree.map(lambda a: _take(a, s), chunks), x)
+        outs = _put(outs, i, y, ok & (d == p - 1) & (s == v - 1))
+        return (jax.lax.ppermute(y, AXIS, ring), outs), None
+
+    rows = (jnp.asarray(valid), jnp.asarray(micro), jnp.asarray(virtual))
+    (_, outs), _ = jax.lax.scan(tick, (zero, outs), rows)
+    return outs
+
+
+def _one_f_one_b(
+    stage_fn,
+    head_loss,
+    chunk,
+    head,
+    x0,
+    targets,
+    *,
+    p: int,
+    scale: float,
+    action,
+    micro,
+    recv_f,
+    recv_b,
+):
+    """The 1F1B ticks on one stage: loss, gradients and the gradient of the stage-0 input.
+
+    Args:
+      stage_fn: (layer params [Lc, ...] float32, x [b, T, D]) -> y (casts to the compute dtype).
+      head_loss: (head params float32, y, targets [b, T]) -> mean cross-entropy of the microbatch.
+      chunk: this stage's layer params, every leaf [Lc, ...], float32.
+      head: the head's params (final norm, projection), float32, the same on every stage.
+      x0: [m, b, T, D] embedded microbatches; targets: [m, b, T].
+      scale: d loss / d (one microbatch's head_loss) = 1 / (m · data replicas).
+      action: [ticks, p] what runs (IDLE / FWD / BWD); the last stage's FWD entries are IDLE here:
+        its backward recomputes the forward, so a separate forward would be wasted work.
+      micro: [ticks, p] microbatch per action.
+      recv_f, recv_b: [ticks, p] the slot an arriving activation / gradient goes into at the end of
+        the tick, -1 if none arrives.
+    Returns:
+      (loss, chunk gradients, head gradients, d loss / d x0), not yet summed over the manual axes:
+      head gradients are nonzero on the last stage only, d x0 on stage 0 only; float32 gradients.
+    """
+    d = jax.lax.axis_index(AXIS)
+    first, last = d == 0, d == p - 1
+    # Differentiate with respect to per-device copies, so no vjp inside a tick sums over the manual
+    # axes (a collective inside one stage's branch would deadlock the others); sum once at the end.
+    chunk, head = jax.tree.map(_varying, (chunk, head))
+    fwd_pairs = [(s, s + 1) for s in range(p - 1)]
+    bwd_pairs = [(s + 1, s) for s in range(p - 1)]
+    shape, dtype = x0.shape[1:], x0.dtype
+    zeros = lambda *lead: _varying(jnp.zeros((*lead, *shape), dtype))
+    f32_zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, jnp.float32)), tree)
+    m = x0.shape[0]
+
+    def f(cp, hp, x, tgt):
+        y = stage_fn(cp, x)
+        loss = jax.lax.cond(
+            last,
+            lambda: head_loss(hp, y, tgt),
+            lambda: _varying(jnp.zeros((), jnp.float32)),
+        )
+        return y, loss
+
+    def idle(x, dy, i, g_c, g_h, loss):
+        return zeros(), zeros(), g_c, g_h, loss
+
+    def forward(x, dy, i, g_c, g_h, loss):
+        return stage_fn(chunk, x), zeros(), g_c, g_h, loss
+
+    def backward(x, dy, i, g_c, g_h, loss):
+        tgt = _take(targets, i)
+        (_, mb_loss), vjp = jax.vjp(lambda cp, hp, x: f(cp, hp, x, tgt), chunk, head, x)
+        dl = _varying(jnp.where(last, jnp.float32(scale), jnp.float32(0)))
+        dc, dh, dx = vjp((jnp.where(last, jnp.zeros_like(dy), dy), dl))
+        add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+        return zeros(), dx.astype(dtype), add(g_c, dc), add(g_h, dh), loss + mb_loss * scale
+
+    def tick(carry, row):
+        stash, gbuf, dx0, g_c, g_h, loss = carry
+        act, i, rf, rb = row[0][d], row[1][d], row[2][d], row[3][d]
+        slot = i % p
+        # Stage 0 takes the microbatch from the embedded input and keeps it for its backward.
+        stash = _put(stash, slot, _take(x0, i), first & (act == FWD))
+        x, dy = _take(stash, slot), _take(gbuf, slot)
+        y, dx, g_c, g_h, loss = jax.lax.switch(
+            act, (idle, forward, backward), x, dy, i, g_c, g_h, loss
+        )
+        dx0 = _put(dx0, i, dx, first & (act == BWD))
+        # Every stage sends every tick (all must join a collective); receivers keep only arrivals.
+        y_in = jax.lax.ppermute(y, AXIS, fwd_pairs)
+        dy_in = jax.lax.ppermute(dx, AXIS, bwd_pairs)
+        stash = _put(stash, jnp.maximum(rf, 0), y_in, rf >= 0)
+        gbuf = _put(gbuf, jnp.maximum(rb, 0), dy_in, rb >= 0)
+        return (stash, gbuf, dx0, g_c, g_h, loss), None
+
+    carry = (zeros(p), zeros(p), zeros(m), f32_zeros(chunk), f32_zeros(head))
+    carry += (_varying(jnp.zeros((), jnp.float32)),)
+    rows = tuple(jnp.asarray(a) for a in (action, micro, recv_f, recv_b))
+    (_, _, dx0, g_c, g_h, loss), _ = jax.lax.scan(tick, carry, rows)
+    return loss, g_c, g_h, dx0
+
+
+def one_f_one_b_exec_tables(sched: Schedule) -> dict[str, np.ndarray]:
+    """What the 1F1B executor reads: actions (last stage's forwards folded into its backwards) and
+    the stash / gradient-buffer slots arrivals go to, checked to never overwrite a live slot."""
+    p = sched.stages
+    action = sched.action.copy()
+    action[action[:, p - 1] == FWD, p - 1] = IDLE
+    recv_f = np.full_like(sched.micro, -1)
+    recv_b = np.full_like(sched.micro, -1)
+    for t in range(sched.ticks):
+        for s in range(p):
+            i = int(sched.micro[t, s])
+            if sched.action[t, s] == FWD and s < p - 1:
+                recv_f[t, s + 1] = i % p
+            if sched.action[t, s] == BWD and s > 0:
+                recv_b[t, s - 1] = i % p
+    # A stash slot is live from the arrival (stage 0: its forward) to the stage's backward, a
+    # gradient slot from the arrival to the backward; live microbatches must have distinct slots.
+    for s in range(p):
+        stash: set[int] = set()
+        grads: set[int] = set()
+        for t in range(sched.ticks):
+            a, i = sched.action[t, s], int(sched.micro[t, s])
+            if a == FWD and s == 0:
+                stash.add(i)
+            if a == BWD:  # reads its slots at the start of the tick, frees them
+                stash.discard(i)
+                grads.discard(i)
+            if s > 0 and sched.action[t, s - 1] == FWD:
+                stash.add(int(sched.micro[t, s - 1]))
+            if s < p - 1 and sched.action[t, s + 1] == BWD:
+                grads.add(int(sched.micro[t, s + 1]))
+            for live in (stash, grads):
+                if len({j % p for j in live}) != len(live):
+                    raise AssertionError(f"1f1b slot collision at stage {s}, tick {t}: {live}")
+    return {"action": action, "micro": sched.micro, "recv_f": recv_f, "recv_b": recv_b}
+
+
+# --------------------------------------------------------------------------------------------------
+# The gradient function the train step calls
+# --------------------------------------------------------------------------------------------------
+
+
+def make_gradients(
+    config,
+    mesh: Mesh,
+    merge: Callable[[Any], Any],
+    param_axes: Any,
+    batch_axes: dict[str, tuple],
+) -> tuple[Callable, Schedule]:
+    """The pipelined replacement for `train.build`'s `gradients(params, batch)`.
+
+    Args:
+      config: the run's config (`pipeline.*`, `train.grad_accum`, `train.compute_dtype`,
+        `train.remat`, `model.*`).
+      mesh: the device mesh; its `pipeline` axis is the stage axis.
+      merge: params (pure dict) -> GPT module, for its embedding and head.
+      param_axes: logical axes of every parameter (pure dict, like the params).
+      batch_axes: logical axes of the batch entries.
+    Returns:
+      (gradients, schedule): `gradients(params, batch) -> (loss, aux, grads)` with grads shaped
+      and sharded like params, and the schedule tables it executes.
+    Raises:
+      ConfigError: layers not divisible into stages, microbatches not dividing the per-replica
+        batch, interleaved with microbatches not a multiple of the stages, unknown schedule.
+    """
+    from models import gpt
+
+    shape = {k: int(s) for k, s in mesh.shape.items()}
+    sched = schedule_for(config, mesh)
+    if sched is None:
+        raise ConfigError(f"mesh.pipeline={shape.get(AXIS, 1)}: pipelining needs mesh.pipeline > 1")
+    p, m, v = sched.stages, sched.microbatches, sched.virtual_stages
+    t, mc = config.train, config.model
+    accum, L, dtype = t.grad_accum, mc.num_layers, jnp.dtype(t.compute_dtype)
+    Lc = L // (p * v)
+    n_data = shape.get("data", 1)
+    # `data` is manual too: each replica accumulates its own gradients over the microbatches and
+    # they are summed once per step, not once per tick (as XLA does for an automatic batch axis).
+    manual = (AXIS, "data") if n_data > 1 else (AXIS,)
+    inner_rules = _without(sharding.COMPUTE_RULES, manual)
+    rows_per_replica = t.batch_size // (n_data * shape.get("fsdp", 1) * accum)
+    outer_rules = _outer_rules(rows_per_replica, p)
+    act_axes = ("batch", "length", "embed")
+    batch_spec = PartitionSpec(None, "data") if n_data > 1 else PartitionSpec()  # [m, b, ...]
+
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+    storage = lambda names: NamedSharding(
+        mesh, sharding.logical_to_spec(names, sharding.STORAGE_RULES, mesh)
+    )
+    block_axes = param_axes["blocks"]
+    stage_shardings = jax.tree.map(
+        lambda axes: storage(("stage", None, None, *axes[1:])), block_axes, is_leaf=is_axes
+    )
+    block_shardings = jax.tree.map(storage, block_axes, is_leaf=is_axes)
+
+    def to_stages(blocks):
+        """[L, ...] -> [p, v, Lc, ...]: chunk j = s·p + d (layers j·Lc ...) goes to device d.
+
+        With v = 1 this is a reshape that moves nothing; with v > 1 the looped placement differs
+        from the contiguous storage split, so the layers are exchanged (all-to-all) every step.
+        """
+        one = lambda x, sh: jax.lax.with_sharding_constraint(
+            x.reshape(v, p, Lc, *x.shape[1:]).swapaxes(0, 1), sh
+        )
+        return jax.tree.map(one, blocks, stage_shardings)
+
+    def from_stages(chunks):
+        one = lambda x, sh: jax.lax.with_sharding_constraint(
+            x.swapaxes(0, 1).reshape(L, *x.shape[3:]), sh
+        )
+        return jax.tree.map(one, chunks, block_shardings)
+
+    def micro_split(x, axes):
+        """[B, ...] -> [m, B/m, ...]; microbatch a takes rows a, a+m, ...: no row changes device."""
+        x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+        spec = sharding.logical_to_spec((None, *axes), sharding.COMPUTE_RULES, mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    def micro_merge(x, axes):
+        x = x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+        spec = sharding.logical_to_spec(axes, outer_rules, mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    def layers(chunk, x, remat: str):
+        with sharding.activation_rules(jax.sharding.get_abstract_mesh(), inner_rules):
+            return gpt.scan_blocks(_cast(chunk, dtype), x, remat=remat, attention=mc.attention)
+
+    def shard_map(body, in_specs, out_specs):
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual)
+        )
+
+    if sched.name in ("gpipe", "interleaved"):
+        # Forward ticks in the shard_map; the backward is their autodiff, ticks in reverse.
+        valid, micro, virtual = looped_forward_table(p, m, v)
+        stage_fn = lambda chunk, x: layers(chunk, x, "none")
+        if t.remat != "none":  # save only what the policy allows inside a stage, per tick
+            stage_fn = jax.checkpoint(stage_fn, policy=gpt.REMAT_POLICIES[t.remat])
+
+        def body(chunks, x0):
+            chunks = jax.tree.map(lambda a: a[0], chunks)  # [v, Lc, ...]
+            outs = _looped_forward(
+                stage_fn, chunks, x0, p=p, v=v, valid=valid, micro=micro, virtual=virtual
+            )
+            return outs[None]
+
+        out_spec = PartitionSpec(AXIS, None, "data") if n_data > 1 else PartitionSpec(AXIS)
+        run = shard_map(body, (PartitionSpec(AXIS), batch_spec), out_spec)
+
+        def loss_fn(params, batch):
+            with sharding.activation_rules(mesh, outer_rules):
+                model = merge(_cast(params, dtype))
+                x = model.embed_tokens(batch["inputs"])  # [B, T, D]
+                x0 = micro_split(x, act_axes)  # [m, B/m, T, D]
+                y = run(to_stages(params["blocks"]), x0)  # [p, m, B/m, T, D]
+                y = micro_merge(y[p - 1], act_axes)  # [B, T, D]
+                loss = _cross_entropy(model.logits(y), batch["targets"])
+            return loss, {}
+
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def chunk_gradients(params, batch):
+            (loss, aux), grads = grad_fn(params, batch)
+            return loss, aux, grads
+
+    else:
+        # 1F1B: explicit per-microbatch backward inside the schedule, head and loss on the last stage.
+        tables = one_f_one_b_exec_tables(sched)
+        stage_fn = lambda chunk, x: layers(chunk, x, t.remat)
+
+        def chunk_gradients(params, batch):
+            blocks, embed = params["blocks"], params["embed"]
+            head = {k: x for k, x in params.items() if k not in ("blocks", "embed")}
+            # `merge` wants every leaf; inside the stages the head gets stand-ins for the layers
+            # and the embedding, which `logits` never reads (the compiler drops them).
+            absent = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, dtype), {"blocks": blocks, "embed": embed}
+            )
+
+            def head_loss(hp, y, tgt):
+                stand_ins = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), absent)
+                with sharding.activation_rules(jax.sharding.get_abstract_mesh(), inner_rules):
+                    model = merge({**_cast(hp, dtype), **stand_ins})
+                    return _cross_entropy_one_hot(model.logits(y), tgt)
+
+            def body(chunks, head, x0, targets):
+                chunk = jax.tree.map(lambda a: a[0, 0], chunks)  # [Lc, ...]
+                loss, g_c, g_h, dx0 = _one_f_one_b(
+                    stage_fn, head_loss, chunk, head, x0, targets,
+                    p=p, scale=1.0 / (m * n_data), **tables,
+                )  # fmt: skip
+                psum = lambda tree, axes: jax.tree.map(lambda g: jax.lax.psum(g, axes), tree)
+                data = tuple(a for a in manual if a != AXIS)
+                g_c = psum(g_c, data) if data else g_c
+                g_c = jax.tree.map(lambda g: g[None, None], g_c)
+                dx0 = psum(dx0.astype(jnp.float32), AXIS)  # float32: as in _looped_forward
+                return psum(loss, manual), g_c, psum(g_h, manual), dx0
+
+            run = shard_map(
+                body,
+                (PartitionSpec(AXIS), PartitionSpec(), batch_spec, batch_spec),
+                (PartitionSpec(), PartitionSpec(AXIS), PartitionSpec(), batch_spec),
+            )
+            with sharding.activation_rules(mesh, outer_rules):
+
+                def embed_fn(e):
+                    model = merge(_cast({**head, "blocks": blocks, "embed": e}, dtype))
+                    return micro_split(model.embed_tokens(batch["inputs"]), act_axes)
+
+                x0, embed_vjp = jax.vjp(embed_fn, embed)  # [m, B/m, T, D]
+                targets = micro_split(batch["targets"], batch_axes["targets"])
+                loss, g_stages, g_head, dx0 = run(to_stages(blocks), head, x0, targets)
+                (g_embed,) = embed_vjp(dx0.astype(x0.dtype))
+                grads = {**g_head, "embed": g_embed, "blocks": from_stages(g_stages)}
+            return loss, {}, grads
+
+    def gradients(params, batch):
+        if accum == 1:
+            return chunk_gradients(params, batch)
+
+        # Accumulation chunk a takes rows a, a+A, ... as in train.build: no row changes device.
+        def split(x, axes):
+            x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+            spec = sharding.logical_to_spec((None, *axes), sharding.COMPUTE_RULES, mesh)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+        chunks = {k: split(x, batch_axes[k]) for k, x in batch.items()}
+
+        def step(carry, mb):
+            g_sum, l_sum = carry
+            loss, aux, g = chunk_gradients(params, mb)
+            return (jax.tree.map(jnp.add, g_sum, g), l_sum + loss), aux
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (g_sum, l_sum), aux = jax.lax.scan(step, (zeros, jnp.zeros((), jnp.float32)), chunks)
+        grads = jax.tree.map(lambda g: g / accum, g_sum)
+        return l_sum / accum, jax.tree.map(jnp.mean, aux), grads
+
+    return gradients, sched
+
+
+# --------------------------------------------------------------------------------------------------
+# Benchmark: memory, bubble and step time per schedule and microbatch count
+# --------------------------------------------------------------------------------------------------
+
+
+def pipeline_table(
+    p: int = 4,
+    ms: Sequence[int] = (4, 8, 16, 32),
+    schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved"),
+    *,
+    virtual_stages: int = 2,
+    microbatch_size: int = 1,
+    num_layers: int = 8,
+    d_model: int = 64,
+    seq_len: int = 32,
+    steps: int = 3,
+    data: int = 1,
+) -> list[dict[str, Any]]:
+    """Compiles and times the train step of a small GPT for every (schedule, m) on p stages.
+
+    The microbatch size is fixed, so the global batch grows with m: 1f1b's temp memory should stay
+    flat while gpipe's grows. Needs p · data devices (simulated CPU devices are fine).
+
+    Returns:
+      One dict per (schedule, m): `temp_bytes` per device (compiled memory analysis),
+      `bubble_fraction` (schedule tables), `step_time_s` (median of `steps` timed steps after one
+      warm-up), `ticks`, `batch_size`, `tokens_per_s`.
+    """
+    import statistics
+    import time
+
+    from jaxdist import config as config_lib
+    from jaxdist import data as data_lib
+    from jaxdist import mesh as mesh_lib
+    from jaxdist import train
+
+    devices = jax.devices()[: p * data]
+    rows = []
+    for name in schedules:
+        for m in ms:
+            c = config_lib.base_config()
+            for axis in config_lib.MESH_AXES:
+                c.mesh[axis] = 1
+            c.mesh.pipeline, c.mesh.data = p, data
+            c.model.update(num_layers=num_layers, d_model=d_model, num_heads=4, seq_len=seq_len)
+            c.train.batch_size = m * microbatch_size * data
+            c.data.max_bytes = 400_000
+            c.pipeline.update(schedule=name, microbatches=m, virtual_stages=virtual_stages)
+            config_lib.validate(c, len(devices))
+            mesh = mesh_lib.make_mesh(c.mesh, devices=devices)
+            ds = data_lib.load(c.data, seq_len=seq_len, vocab_size=c.model.vocab_size)
+            eng = train.build(c, mesh, ds)
+            batches = data_lib.Batches(
+                ds, batch_size=c.train.batch_size, seq_len=seq_len, seed=0,
+                shardings=eng.batch_shardings,
+            )  # fmt: skip
+            batch = batches.get(0)
+            state = eng.init()
+            compiled = eng.train_step.lower(state, batch).compile()
+            state, metrics = compiled(state, batch)  # warm-up
+            jax.block_until_ready(metrics)
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                state, metrics = compiled(state, batch)
+                jax.block_until_ready(metrics)
+                times.append(time.perf_counter() - t0)
+            step = statistics.median(times)
+            rows.append(
+                {
+                    "schedule": name,
+                    "stages": p,
+                    "microbatches": m,
+                    "virtual_stages": eng.schedule.virtual_stages,
+                    "batch_size": c.train.batch_size,
+                    "ticks": eng.schedule.ticks,
+                    "bubble_fraction": eng.schedule.bubble_fraction,
+                    "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                    "step_time_s": step,
+                    "tokens_per_s": c.train.batch_size * seq_len / step,
+                }
+            )
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of `pipeline_table` rows, with each schedule's memory relative to its m = p."""
+    base = {}
+    for r in rows:
+        base.setdefault(r["schedule"], r["temp_bytes"])
+    lines = [
+        "| schedule | m | batch | ticks | bubble | temp / device | vs first m | step time | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['schedule']}{' v=' + str(r['virtual_stages']) if r['virtual_stages'] > 1 else ''}"
+            f" | {r['microbatches']} | {r['batch_size']} | {r['ticks']} | {r['bubble_fraction']:.3f}"
+            f" | {r['temp_bytes'] / 2**20:.2f} MiB | {r['temp_bytes'] / base[r['schedule']]:.2f}×"
+            f" | {r['step_time_s'] * 1e3:.0f} ms | {r['tokens_per_s']:,.0f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,233 @@
+"""Pipeline parallelism against the single-device model, its schedule tables, memory and errors."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdist import config as config_lib
+from jaxdist import loop, metrics, pipeline, sharding, train
+from jaxdist.errors import ConfigError
+from tests.helpers import compile_step, engine_for, tiny_gpt_config
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def _config(layers: int, mesh: dict, schedule: str = "gpipe", m: int = 1, **train_fields):
+    c = tiny_gpt_config(**mesh)
+    c.model.num_layers = layers
+    c.pipeline.schedule = schedule
+    c.pipeline.microbatches = m
+    c.pipeline.virtual_stages = 2 if schedule == "interleaved" else 1
+    for k, v in train_fields.items():
+        c.train[k] = v
+    return c
+
+
+@functools.cache
+def _reference(layers: int):
+    """Loss, gradients, params and batch of the plain model on one device, all on the host."""
+    c = _config(layers, dict(data=1))
+    eng, batches = engine_for(c)
+    params, batch = eng.init()["params"], batches.get(0)
+
+    def grads(params, batch):
+        with sharding.activation_rules(eng.mesh):
+            loss_fn = lambda p: eng.merge(p).loss(batch)[0]
+            return jax.value_and_grad(loss_fn)(params)
+
+    loss, g = jax.jit(grads)(params, batch)
+    return float(loss), jax.device_get(g), jax.device_get(params), jax.device_get(batch)
+
+
+def _pipelined_gradients(c):
+    eng, batches = engine_for(c)
+    assert eng.schedule is not None  # train.build took the pipelined path
+    _, _, host_params, _ = _reference(c.model.num_layers)
+    params = jax.device_put(host_params, eng.state_shardings["params"])
+    fn, sched = pipeline.make_gradients(c, eng.mesh, eng.merge, eng.param_axes, eng.batch_axes)
+    loss, _, grads = jax.jit(fn)(params, batches.get(0))
+    return float(loss), jax.device_get(grads), sched
+
+
+def _assert_matches_reference(c):
+    ref_loss, ref_grads, _, _ = _reference(c.model.num_layers)
+    loss, grads, _ = _pipelined_gradients(c)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    flat = jax.tree_util.tree_leaves_with_path(grads)
+    assert len(flat) == len(jax.tree.leaves(ref_grads))
+    for (path, g), r in zip(flat, jax.tree.leaves(ref_grads)):
+        assert g.shape == r.shape, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(g, r, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+# p = 2 alone, every schedule, m in {p, 2p, 4p}; 4 layers = 2 stages x 2 virtual stages.
+@pytest.mark.parametrize("m", [2, 4, 8])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pipeline2_matches_single_device(schedule, m):
+    _assert_matches_reference(_config(4, dict(pipeline=2), schedule, m))
+
+
+@pytest.mark.parametrize("schedule, m", [("1f1b", 16), ("interleaved", 4)])
+def test_pipeline4_matches_single_device(schedule, m):
+    _assert_matches_reference(_config(8, dict(pipeline=4), schedule, m))
+
+
+# Composed with the other axes, gradient accumulation and remat.
+@pytest.mark.parametrize(
+    "schedule, mesh, m, fields",
+    [
+        ("gpipe", dict(pipeline=2, fsdp=4), 4, dict(remat="full")),
+        ("1f1b", dict(pipeline=2, data=2, tensor=2), 4, dict(grad_accum=2)),
+        ("interleaved", dict(pipeline=2, data=2, fsdp=2), 2, dict(grad_accum=2, remat="dots")),
+    ],
+)
+def test_pipeline_composed_matches_single_device(schedule, mesh, m, fields):
+    _assert_matches_reference(_config(4, mesh, schedule, m, **fields))
+
+
+def test_pipeline_data_fsdp_tensor_mixed_precision():
+    """bfloat16 compute: the same loss and gradients as float32, to bfloat16's precision."""
+    ref_loss, ref_grads, _, _ = _reference(4)
+    c = _config(4, dict(pipeline=2, fsdp=2, tensor=2), "1f1b", m=4, compute_dtype="bfloat16")
+    loss, grads, _ = _pipelined_gradients(c)
+    assert abs(loss - ref_loss) < 2e-2 * ref_loss
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert g.dtype == np.float32
+        assert np.linalg.norm(g - r) <= 5e-2 * np.linalg.norm(r) + 1e-6
+
+
+def test_train_steps_match_single_device():
+    """The engine's own compiled step: per-step losses and gradient norms, and the parameters after
+    three steps (1f1b on pipeline=2 × data=2 × tensor=2)."""
+    ref = _config(4, dict(data=1))
+    ref_losses, ref_norms, ref_params = _run_steps(ref, 3)
+    c = _config(4, dict(pipeline=2, data=2, tensor=2), "1f1b", 4)
+    losses, norms, params = _run_steps(c, 3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params)
+    ):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def _run_steps(c, steps: int):
+    eng, batches = engine_for(c)
+    state, losses, norms = eng.init(), [], []
+    for i in range(steps):
+        state, m = eng.train_step(state, batches.get(i))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    return np.array(losses), np.array(norms), jax.device_get(state["params"])
+
+
+@pytest.mark.parametrize(
+    "p, m, v", [(2, 1, 1), (2, 2, 1), (2, 8, 1), (3, 5, 1), (4, 4, 1), (4, 16, 1), (8, 8, 1),
+                (2, 4, 2), (4, 8, 2), (4, 4, 4), (2, 6, 3)],
+)  # fmt: skip
+def test_bubble_fraction_matches_formula(p, m, v):
+    for name in SCHEDULES:
+        if name == "interleaved" and m % p:
+            continue
+        sched = pipeline.build_schedule(name, p, m, v)
+        v_eff = v if name == "interleaved" else 1
+        assert sched.bubble_fraction == pytest.approx((p - 1) / (v_eff * m + p - 1), abs=1e-12)
+        # Every stage runs every (microbatch, chunk) forward and backward exactly once.
+        for s in range(p):
+            for act in (pipeline.FWD, pipeline.BWD):
+                done = sched.action[:, s] == act
+                pairs = sorted(zip(sched.micro[done, s], sched.virtual[done, s]))
+                assert pairs == sorted((i, c) for i in range(m) for c in range(v_eff))
+        if name == "1f1b":
+            assert sched.max_in_flight() <= p
+            pipeline.one_f_one_b_exec_tables(sched)  # no stash slot is overwritten while live
+
+
+def test_1f1b_dependencies_respected():
+    sched = pipeline.build_schedule("1f1b", 4, 8)
+    when = {}
+    for t in range(sched.ticks):
+        for s in range(4):
+            if sched.action[t, s] != pipeline.IDLE:
+                when[(int(sched.action[t, s]), s, int(sched.micro[t, s]))] = t
+    F, B = pipeline.FWD, pipeline.BWD
+    for i in range(8):
+        for s in range(1, 4):
+            assert when[(F, s, i)] > when[(F, s - 1, i)]
+        assert when[(B, 3, i)] > when[(F, 3, i)]
+        for s in range(3):
+            assert when[(B, s, i)] > when[(B, s + 1, i)]
+
+
+def _temp_bytes(schedule: str, p: int, m: int, per_microbatch: int = 2) -> int:
+    """Temp bytes per device of the compiled pipelined gradient computation."""
+    c = _config(4, dict(pipeline=p), schedule, m)
+    c.train.batch_size = m * per_microbatch  # fixed microbatch size: the batch grows with m
+    eng, batches = engine_for(c)
+    fn, _ = pipeline.make_gradients(c, eng.mesh, eng.merge, eng.param_axes, eng.batch_axes)
+    shapes = batches.global_shapes()
+    batch = eng.abstract_batch(shapes, {k: np.int32 for k in shapes})
+    params = eng.abstract_state["params"]
+    return jax.jit(fn).lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_memory_flat_in_microbatches_gpipe_grows():
+    p = 2
+    mem = {(s, m): _temp_bytes(s, p, m) for s in ("1f1b", "gpipe") for m in (p, 4 * p)}
+    assert mem["1f1b", 4 * p] <= 1.25 * mem["1f1b", p], mem
+    assert mem["gpipe", 4 * p] >= 1.5 * mem["gpipe", p], mem
+    assert mem["1f1b", 4 * p] < mem["gpipe", 4 * p], mem
+
+
+def test_data_parallel_gradients_reduced_once_and_bubble_reported():
+    """`data` is manual in the pipeline: stage gradients cross the data axis once, not per tick.
+    The layout record reports the bubble of the schedule the step runs."""
+    c = _config(4, dict(pipeline=2, data=4), "1f1b", m=4)
+    eng, compiled = compile_step(c)
+    ops = metrics.collective_ops(compiled.as_text())
+    data_reduces = [o for o in ops if o.kind == "all-reduce" and o.group_size == 4]
+    assert data_reduces and all(o.count == 1 for o in data_reduces), data_reduces
+    permutes = [o for o in ops if o.kind == "collective-permute" and o.count > 1]
+    ticks = pipeline.build_schedule("1f1b", 2, 4).ticks
+    assert len(permutes) == 2 and all(o.count == ticks for o in permutes), permutes
+    record = loop.layout_record(eng, compiled, c)
+    assert record["bubble_fraction"] == pytest.approx(1 / 5) == eng.schedule.bubble_fraction
+    assert record["pipeline"]["schedule"] == "1f1b"
+
+
+@pytest.mark.parametrize(
+    "mesh, fields, match",
+    [
+        (dict(pipeline=2), dict(num_layers=3), "model.num_layers=3 must be divisible"),
+        (dict(pipeline=2), dict(schedule="interleaved", virtual_stages=2, num_layers=6),
+         "model.num_layers=6 must be divisible by mesh.pipeline×pipeline.virtual_stages = 2×2"),
+        (dict(pipeline=2, data=2), dict(microbatches=3), "pipeline.microbatches=3 must divide"),
+        (dict(pipeline=4), dict(schedule="interleaved", virtual_stages=2, microbatches=2,
+                                num_layers=8), "must be a multiple of mesh.pipeline=4"),
+        (dict(pipeline=2), dict(schedule="zigzag"), "pipeline.schedule='zigzag' is not valid"),
+    ],
+)  # fmt: skip
+def test_errors_are_one_line_config_errors(mesh, fields, match):
+    c = tiny_gpt_config(**mesh)
+    for k, v in fields.items():
+        (c.model if k == "num_layers" else c.pipeline)[k] = v
+    n = int(np.prod(list(mesh.values())))
+    for check in (
+        lambda: config_lib.validate(c, n),
+        lambda: pipeline.check(c, config_lib.resolve_mesh_shape(c.mesh, n)),
+    ):
+        with pytest.raises(ConfigError, match=match) as e:
+            check()
+        assert "\n" not in str(e.value)
+    # train.build raises the same before compiling anything, even without validate().
+    from jaxdist import mesh as mesh_lib
+    from tests.helpers import dataset
+
+    m = mesh_lib.make_mesh(c.mesh, devices=jax.devices()[:n])
+    with pytest.raises(ConfigError) as e:  # 3 layers over 2 stages: caught by the storage split
+        train.build(c, m, dataset(c))
+    assert "\n" not in str(e.value)
