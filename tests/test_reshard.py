@@ -88,3 +88,26 @@ def test_data8_checkpoint_continues_on_fsdp2_tensor2_with_4_devices(tmp_path):
     want, got = losses(ref), losses(part)
     assert sorted(got) == [5, 6]
     np.testing.assert_allclose([got[5], got[6]], [want[5], want[6]], rtol=1e-5)
+
+
+PIPE = (
+    "--config.mesh.pipeline=2",
+    "--config.pipeline.schedule=1f1b",
+    "--config.pipeline.microbatches=2",
+)
+
+
+def test_pipeline_checkpoint_restores_without_pipeline_and_back(tmp_path):
+    """pipeline=2 (1f1b) × data=4 for steps 1–2, then data=8 for 3–4, then the pipeline again."""
+    two_layers = ("--config.model.num_layers=2",)
+    pipe, flat = (*mesh_flags(8, data=4), *PIPE), mesh_flags(8, data=8)
+    ref = tmp_path / "ref"
+    train(ref, 6, *two_layers, *flat)
+    run = tmp_path / "run"
+    train(run, 2, *two_layers, *pipe)
+    assert "at step 2" in train(run, 4, *two_layers, *flat).stdout
+    assert "at step 4" in train(run, 6, *two_layers, *pipe).stdout
+    want, got = losses(ref), losses(run)
+    np.testing.assert_allclose(
+        [got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)], rtol=1e-5
+    )
