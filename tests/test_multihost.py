@@ -250,7 +250,9 @@ def runs(tmp_path_factory, audit_dir):
       fsdp_two (wave 1) and fsdp_one (wave 2): 2 processes × 4 devices, and 1 process × 8 devices.
     """
     root = tmp_path_factory.mktemp("runs")
-    w = {name: root / name for name in ("ref", "two", "one_to_two", "fsdp_one", "fsdp_two")}
+    w = {
+        name: root / name for name in ("ref", "two", "one_to_two", "fsdp_one", "fsdp_two", "hybrid")
+    }
     dt = (*DATA_TENSOR, "--config.checkpoint.every=2")
     fsdp = (*FSDP, "--config.checkpoint.every=0", "--config.train.steps=3")
     res: dict = {}
@@ -269,19 +271,32 @@ def runs(tmp_path_factory, audit_dir):
         shutil.copytree(
             w["ref"] / "checkpoints" / str(step), w["one_to_two"] / "checkpoints" / str(step)
         )
-    res["out_two_to_one"], res["out_one_to_two"], _ = in_parallel(
+    res["out_two_to_one"], res["out_one_to_two"], _, res["out_hybrid"] = in_parallel(
         (train_cmd(w["two"], *dt, "--config.train.steps=6"), _env(None, None)),
         (
             train_cmd(w["one_to_two"], *dt, "--config.train.steps=6", processes=2),
             _env(audit_dir, "one_to_two"),
         ),
         (train_cmd(w["fsdp_one"], *fsdp), _env(None, None)),
+        # The hybrid host × device mesh: data=4 with 2 of it across the 2 processes (slow links).
+        (
+            train_cmd(
+                w["hybrid"],
+                *DATA_TENSOR,
+                "--config.mesh.dcn_data=2",
+                "--config.checkpoint.every=0",
+                "--config.train.steps=4",
+                processes=2,
+            ),
+            _env(None, None),
+        ),
     )
     res["ref"] = losses(w["ref"])
     res["two_to_one"] = losses(w["two"])
     res["one_to_two"] = losses(w["one_to_two"])
     res["fsdp_one"] = losses(w["fsdp_one"])
     res["fsdp_two"] = losses(w["fsdp_two"])
+    res["hybrid"] = losses(w["hybrid"])
     res["dirs"] = w
     return res
 
@@ -301,6 +316,12 @@ def test_two_processes_match_one_process_data_tensor(runs, audit_dir):
         records_=runs["two_records"],
         files=runs["two_files"],
     )
+
+
+def test_hybrid_dcn_mesh_matches_one_process(runs):
+    assert_losses_match(runs["hybrid"], runs["ref"], [1, 2, 3, 4])
+    layout = records(runs["dirs"]["hybrid"])[0]
+    assert layout["processes"] == 2 and layout["mesh"] == {**DATA_TENSOR_MESH, "pipeline": 1}
 
 
 def test_two_processes_match_one_process_fsdp(runs, audit_dir):
