@@ -271,13 +271,23 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
         _need(
             len(others) <= 1,
             f"grad_sync.compression with mesh axes {'×'.join(['data', *others])} > 1 is not "
-            "supported (XLA SPMD partitioner limit); combine data with at most one of fsdp, tensor, pipeline",
+            "supported (XLA SPMD partitioner limit); combine data with at most one of fsdp, tensor",
+        )
+        _need(
+            mesh["pipeline"] == 1,
+            "grad_sync.compression with mesh.pipeline > 1 is not supported yet (the pipeline "
+            "already reduces stage gradients over data inside its own shard_map); use compression='none'",
         )
         _need(config.grad_sync.rank > 0, f"grad_sync.rank={config.grad_sync.rank} must be > 0")
         _need(
             0 < config.grad_sync.topk_ratio <= 1,
             f"grad_sync.topk_ratio={config.grad_sync.topk_ratio} must be in (0, 1]",
         )
+    _need(
+        config.grad_sync.local_steps == 1,
+        f"grad_sync.local_steps={config.grad_sync.local_steps}: local SGD exists as "
+        "jaxdist.collectives.local_sgd but is not wired into scripts/train.py yet; use 1",
+    )
     src = config.data.source
     if src not in ("stdlib", "digits"):
         _need(os.path.exists(src), f"data.source={src!r}: no such file or directory")

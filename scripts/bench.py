@@ -11,6 +11,9 @@ Studies:
   batch     statistical efficiency: steps and examples to reach --target_loss on `stdlib` validation
             data for each global batch, adamw vs lamb, learning rate scaled by train.lr_scaling
             (sqrt by default here) from the smallest batch, warmup on. Table, JSON and a PNG plot.
+  compression  for each grad_sync.compression on the config's mesh (data=8 is the usual choice):
+            bytes on the wire per step (compiled HLO), ratio to `none`, median step time, and the
+            loss after --max_steps steps vs `none` (error feedback on).
   compile   lower+compile time of the train step for 4 and 48 layers (layers are scanned, so it
             should stay flat: target ≤ 1.5×).
 
@@ -37,7 +40,7 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py", "Model/mesh config.", lock_config=True
 )
 _STUDY = flags.DEFINE_enum(
-    "study", "overhead", ["overhead", "compile", "batch"], "Which benchmark."
+    "study", "overhead", ["overhead", "compile", "batch", "compression"], "Which benchmark."
 )
 _BATCHES = flags.DEFINE_list(
     "batch_sizes", ["16", "32", "64", "128", "256", "512"], "--study=batch: global batches."
@@ -304,6 +307,81 @@ def study_batch(config) -> dict:
     return out
 
 
+def study_compression(config) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxdist import config as config_lib
+    from jaxdist import data, loop, mesh, train
+
+    ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    m = mesh.make_mesh(config.mesh)
+    settings = [
+        ("none", {}),
+        ("bf16", {}),
+        ("int8", {}),
+        ("topk", {"topk_ratio": 0.01}),
+        ("powersgd", {"rank": 2}),
+        ("sign", {}),
+    ]
+    out = {
+        "study": "compression",
+        "device": jax.devices()[0].device_kind,
+        "mesh": mesh.mesh_shape(m),
+        "steps": _MAX_STEPS.value,
+        "runs": [],
+    }
+    print(
+        f"{'compression':<12}{'wire/step':>12}{'ratio':>8}{'step ms':>9}{'loss':>9}{'vs none':>9}"
+    )
+    base = None
+    for name, fields in settings:
+        cfg = config.copy_and_resolve_references()
+        with cfg.unlocked():
+            cfg.grad_sync.compression = name
+            cfg.grad_sync.error_feedback = True
+            cfg.train.steps = _MAX_STEPS.value
+            for k, v in fields.items():
+                cfg.grad_sync[k] = v
+        config_lib.validate(cfg, jax.device_count())
+        engine = train.build(cfg, m, ds)
+        batches = data.Batches(
+            ds,
+            batch_size=cfg.train.batch_size,
+            seq_len=cfg.model.seq_len,
+            seed=0,
+            shardings=engine.batch_shardings,
+        )
+        compiled = engine.train_step.lower(engine.abstract_state, batches.get(0)).compile()
+        wire = sum(loop.layout_record(engine, compiled, cfg)["collective_bytes_per_step"].values())
+        state, times, losses = engine.init(), [], []
+        for step in range(_MAX_STEPS.value):
+            batch = batches.get(step)
+            t0 = time.perf_counter()
+            state, mets = compiled(state, batch)
+            jax.block_until_ready(mets)
+            times.append(time.perf_counter() - t0)
+            losses.append(float(mets["loss"]))
+        final = float(np.mean(losses[-10:]))  # last 10 steps: less batch noise than one
+        base = base or {"wire": wire, "loss": final}
+        run = {
+            "compression": name,
+            **fields,
+            "wire_bytes_per_step": wire,
+            "ratio": base["wire"] / wire,
+            "step_time_s": statistics.median(times[3:]),
+            "final_loss": final,
+            "loss_vs_none": final / base["loss"] - 1,
+        }
+        out["runs"].append(run)
+        print(
+            f"{name:<12}{wire / 2**20:>10.2f}Mi{run['ratio']:>8.1f}{run['step_time_s'] * 1e3:>9.1f}"
+            f"{final:>9.3f}{run['loss_vs_none']:>+9.1%}",
+            flush=True,
+        )
+    return out
+
+
 def main(argv):
     del argv
     if not flags.FLAGS["verbosity"].present:
@@ -313,7 +391,12 @@ def main(argv):
     config = _CONFIG.value
     mesh.configure_cpu_devices(config.runtime.cpu_devices)
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-    studies = {"overhead": study_overhead, "compile": study_compile, "batch": study_batch}
+    studies = {
+        "overhead": study_overhead,
+        "compile": study_compile,
+        "batch": study_batch,
+        "compression": study_compression,
+    }
     result = studies[_STUDY.value](config)
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
     with open(_OUT.value, "w") as f:

@@ -66,9 +66,59 @@ def test_unsupported_compression_layouts_are_refused():
 
     c = tiny_gpt_config(data=2, fsdp=2, tensor=2)
     c.grad_sync.compression = "int8"
-    with pytest.raises(ConfigError, match="at most one of fsdp, tensor, pipeline"):
+    with pytest.raises(ConfigError, match="at most one of fsdp, tensor"):
         config_lib.validate(c, 8)
     c = tiny_gpt_config(fsdp=8)
     c.grad_sync.compression = "sign"
     with pytest.raises(ConfigError, match="mesh.data=1"):
         config_lib.validate(c, 8)
+
+
+def _final_loss(c, steps: int = 150) -> float:
+    losses, _ = train_steps(c, steps=steps)
+    return float(np.mean(losses[-10:]))  # the last 10 steps: less batch noise than one
+
+
+@pytest.fixture(scope="module")
+def uncompressed_final_loss():
+    return _final_loss(convergence_config("none"))
+
+
+def convergence_config(compression: str):
+    """A 1-layer GPT on the built-in stdlib bytes, data=8, 150 steps, error feedback on."""
+    c = tiny_gpt_config(data=8)
+    c.model.num_layers = 1
+    c.train.steps = 150
+    c.train.warmup_steps = 10
+    c.train.learning_rate = 3e-3
+    c.grad_sync.compression = compression
+    c.grad_sync.error_feedback = True
+    c.grad_sync.topk_ratio = 0.01
+    c.grad_sync.rank = 2
+    return c
+
+
+# Measured on this model (mean loss of steps 141-150 vs `none`'s 2.567): bf16 and int8 within 1%;
+# topk(1%) +17%, powersgd(rank 2) +7%, sign +21% with error feedback under AdamW. These three miss
+# the 5% bar; the issue stays open on it. strict: the test fails as soon as one starts passing.
+_NOT_YET = pytest.mark.xfail(strict=True, reason="converges >5% worse than none after 150 steps")
+
+
+@pytest.mark.parametrize(
+    "compression",
+    [
+        "bf16",
+        "int8",
+        pytest.param("topk", marks=_NOT_YET),
+        pytest.param("powersgd", marks=_NOT_YET),
+        pytest.param("sign", marks=_NOT_YET),
+    ],
+)
+def test_compressed_training_converges_like_uncompressed(compression, uncompressed_final_loss):
+    final = _final_loss(convergence_config(compression))
+    assert uncompressed_final_loss < 3.2  # it learned (uniform over bytes is 5.55)
+    assert abs(final - uncompressed_final_loss) / uncompressed_final_loss < 0.05, (
+        compression,
+        final,
+        uncompressed_final_loss,
+    )
