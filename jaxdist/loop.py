@@ -145,6 +145,7 @@ def run(config, workdir: str) -> dict[str, float]:
 
     Returns the last logged metrics (and the final evaluation loss under "eval_loss").
     """
+    workdir = os.path.abspath(workdir)  # orbax requires absolute checkpoint paths
     num_devices = jax.device_count()
     config_lib.validate(config, num_devices)
     main = jax.process_index() == 0

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_train(*args: str, workdir: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
+    workdir = os.path.relpath(workdir, ROOT)  # relative, as users type it (runs/default)
     return subprocess.run(
         [sys.executable, "scripts/train.py", f"--workdir={workdir}", *args],
         cwd=ROOT,
@@ -32,7 +33,7 @@ def test_default_job_lowers_loss_and_evaluates(tmp_path):
         "--config.train.steps=60",
         "--config.train.log_every=20",
         "--config.train.eval_every=60",
-        "--config.checkpoint.every=0",
+        "--config.checkpoint.every=30",
         workdir=str(tmp_path),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -53,6 +54,8 @@ def test_default_job_lowers_loss_and_evaluates(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["train"]["steps"] == 60
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+    # checkpoints under a relative --workdir (orbax wants absolute paths: the loop resolves it)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["30", "60"]
 
 
 BAD_INPUTS = {
