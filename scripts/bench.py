@@ -82,6 +82,25 @@ def _stats(times: list[float]) -> dict[str, float]:
     return {"median_s": statistics.median(times), "p10_s": q[0], "p90_s": q[-1], "n": len(times)}
 
 
+def _build(config, m, ds):
+    """Validates `config` and builds its Engine and deterministic batches on mesh `m`."""
+    import jax
+
+    from jaxdist import config as config_lib
+    from jaxdist import data, train
+
+    config_lib.validate(config, jax.device_count())
+    engine = train.build(config, m, ds)
+    batches = data.Batches(
+        ds,
+        batch_size=config.train.batch_size,
+        seq_len=config.model.seq_len,
+        seed=0,
+        shardings=engine.batch_shardings,
+    )
+    return engine, batches
+
+
 def hand_written_step(engine):
     """The same model and optimizer as plain JAX: value_and_grad, optax update, jit. No framework."""
     import jax
@@ -115,19 +134,12 @@ def study_overhead(config) -> dict:
     import jax
 
     from jaxdist import config as config_lib
-    from jaxdist import data, loop, mesh, metrics, train
+    from jaxdist import data, loop, mesh, metrics
 
     config_lib.validate(config, jax.device_count())
     ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
     m = mesh.make_mesh(config.mesh)
-    engine = train.build(config, m, ds)
-    batches = data.Batches(
-        ds,
-        batch_size=config.train.batch_size,
-        seq_len=config.model.seq_len,
-        seed=0,
-        shardings=engine.batch_shardings,
-    )
+    engine, batches = _build(config, m, ds)
     batch = batches.get(0)
     hand = hand_written_step(engine)
     framework_times, hand_times = [], []
@@ -177,8 +189,7 @@ def study_overhead(config) -> dict:
 def study_compile(config) -> dict:
     import jax
 
-    from jaxdist import config as config_lib
-    from jaxdist import data, mesh, train
+    from jaxdist import data, mesh
 
     out = {"study": "compile", "device": jax.devices()[0].device_kind, "layers": {}}
     ds = None
@@ -186,16 +197,8 @@ def study_compile(config) -> dict:
         cfg = config.copy_and_resolve_references()
         with cfg.unlocked():
             cfg.model.num_layers = layers
-        config_lib.validate(cfg, jax.device_count())
         ds = ds or data.load(cfg.data, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size)
-        engine = train.build(cfg, mesh.make_mesh(cfg.mesh), ds)
-        batches = data.Batches(
-            ds,
-            batch_size=cfg.train.batch_size,
-            seq_len=cfg.model.seq_len,
-            seed=0,
-            shardings=engine.batch_shardings,
-        )
+        engine, batches = _build(cfg, mesh.make_mesh(cfg.mesh), ds)
         abstract_batch = engine.abstract_batch(
             batches.global_shapes(), {"inputs": "int32", "targets": "int32"}
         )
@@ -212,8 +215,7 @@ def study_batch(config) -> dict:
     import jax
     import numpy as np
 
-    from jaxdist import config as config_lib
-    from jaxdist import data, mesh, train
+    from jaxdist import data, mesh
 
     sizes = [int(b) for b in _BATCHES.value]
     out = {
@@ -239,15 +241,7 @@ def study_batch(config) -> dict:
                     cfg.train.lr_scaling = "sqrt"
                 cfg.train.steps = _MAX_STEPS.value
                 cfg.train.warmup_steps = min(cfg.train.warmup_steps, _MAX_STEPS.value // 10)
-            config_lib.validate(cfg, jax.device_count())
-            engine = train.build(cfg, m, ds)
-            batches = data.Batches(
-                ds,
-                batch_size=b,
-                seq_len=cfg.model.seq_len,
-                seed=0,
-                shardings=engine.batch_shardings,
-            )
+            engine, batches = _build(cfg, m, ds)
             val = [batches.get(i, "val") for i in range(cfg.train.eval_batches)]
             state = engine.init()
             reached, val_loss = None, float("nan")
@@ -276,6 +270,9 @@ def study_batch(config) -> dict:
                 f"{str(run['examples'] or '—'):>10}{val_loss:>11.3f}",
                 flush=True,
             )
+    if not any(r["steps"] for r in out["runs"]):
+        print(f"no run reached {_TARGET.value}: no plot (raise --max_steps or --target_loss)")
+        return out
     try:
         import matplotlib
 
@@ -311,8 +308,7 @@ def study_compression(config) -> dict:
     import jax
     import numpy as np
 
-    from jaxdist import config as config_lib
-    from jaxdist import data, loop, mesh, train
+    from jaxdist import data, loop, mesh
 
     ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
     m = mesh.make_mesh(config.mesh)
@@ -343,15 +339,7 @@ def study_compression(config) -> dict:
             cfg.train.steps = _MAX_STEPS.value
             for k, v in fields.items():
                 cfg.grad_sync[k] = v
-        config_lib.validate(cfg, jax.device_count())
-        engine = train.build(cfg, m, ds)
-        batches = data.Batches(
-            ds,
-            batch_size=cfg.train.batch_size,
-            seq_len=cfg.model.seq_len,
-            seed=0,
-            shardings=engine.batch_shardings,
-        )
+        engine, batches = _build(cfg, m, ds)
         compiled = engine.train_step.lower(engine.abstract_state, batches.get(0)).compile()
         wire = sum(loop.layout_record(engine, compiled, cfg)["collective_bytes_per_step"].values())
         state, times, losses = engine.init(), [], []
