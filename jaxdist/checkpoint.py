@@ -30,6 +30,7 @@ import logging
 import math
 import operator
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -546,10 +547,37 @@ class Checkpointer:
             state = handler.restore(_step_dir(self.directory, step) / STATE_ITEM, args=args)
             meta = self._read_meta(step)
         except Exception as err:
+            _silence_orphaned_reads()
             return None, one_line_error(err)
         finally:
             handler.close()
         return (state, {**meta, "step": step}), None
+
+
+def _silence_orphaned_reads() -> None:
+    """After a failed read, drop the noise of orbax's other reads still in flight.
+
+    When one array fails, orbax abandons the concurrent reads of the others; their coroutines are
+    collected later and Python prints each as "Exception ignored in <coroutine ...>" with a
+    traceback, long after the one-line fallback warning said what happened. Only those are
+    filtered; any other unraisable exception still reaches the previous hook.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "_jaxdist_filter", False):
+        return
+
+    def hook(unraisable):
+        obj = getattr(unraisable, "object", None)
+        name = getattr(obj, "__qualname__", "") or getattr(
+            getattr(obj, "cr_code", None), "co_name", ""
+        )
+        msg = str(getattr(unraisable, "exc_value", ""))
+        if "_read_array_index_and_device_put" in name or "Event loop is closed" in msg:
+            return
+        previous(unraisable)
+
+    hook._jaxdist_filter = True
+    sys.unraisablehook = hook
 
 
 def _non_negative_int(value: Any, field: str, meaning: str) -> int:
