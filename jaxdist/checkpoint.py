@@ -32,6 +32,7 @@ import operator
 import os
 import sys
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -554,14 +555,30 @@ class Checkpointer:
         return (state, {**meta, "step": step}), None
 
 
+class _OrphanedReadFilter(logging.Filter):
+    """Drops asyncio's "Task/Future exception was never retrieved" for orbax's abandoned reads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if "exception was never retrieved" not in msg:
+            return True
+        detail = msg
+        if record.exc_info and record.exc_info[0] is not None:
+            detail += "".join(traceback.format_exception(*record.exc_info))
+        return "orbax" not in detail and "_read_array_index_and_device_put" not in detail
+
+
 def _silence_orphaned_reads() -> None:
     """After a failed read, drop the noise of orbax's other reads still in flight.
 
-    When one array fails, orbax abandons the concurrent reads of the others; their coroutines are
-    collected later and Python prints each as "Exception ignored in <coroutine ...>" with a
-    traceback, long after the one-line fallback warning said what happened. Only those are
-    filtered; any other unraisable exception still reaches the previous hook.
+    When one array fails, orbax abandons the concurrent reads of the others; they surface later as
+    "Exception ignored in <coroutine ...>" (unraisable) or asyncio's "Task exception was never
+    retrieved" (logged), each with a traceback, long after the one-line fallback warning said what
+    happened. Only those are filtered; anything else still reaches its hook or handler.
     """
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _OrphanedReadFilter) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_OrphanedReadFilter())
     previous = sys.unraisablehook
     if getattr(previous, "_jaxdist_filter", False):
         return
