@@ -26,6 +26,7 @@ See docs/COMPRESSION.md for when to use which.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -361,23 +362,27 @@ def topk(
 
 class PowerSGDState(NamedTuple):
     count: jax.Array  # [1] int32
-    q: Any  # per leaf f32 [1, m, rank] warm start, the same on all replicas; None if uncompressed
+    q: Any  # per leaf f32 [1, b, m, rank] warm start, the same on all replicas; None: uncompressed
     residual: Any  # per leaf f32 [1, ...]; None if uncompressed or without error feedback
 
 
 def powersgd_shape(
-    shape: Sequence[int], rank: int, min_compression: float
-) -> tuple[int, int] | None:
-    """The (n, m) matrix a tensor is compressed as, or None to send it uncompressed.
+    shape: Sequence[int], rank: int, min_compression: float, batch_dims: int = 0
+) -> tuple[int, int, int] | None:
+    """The (b, n, m) batch of matrices a tensor is compressed as, or None to send it uncompressed.
 
-    A >= 2-D tensor of shape (..., m) is viewed as (prod(...), m): flax kernels keep the output
-    features last. It is compressed when n * m > min_compression * rank * (n + m).
+    The first `batch_dims` axes (stacked layers) index b separate matrices; the rest are split
+    into rows and columns at the most nearly square cut (smallest n + m), e.g. a stacked QKV
+    kernel [L, D, 3, N, H] becomes L matrices [D, 3 N H]. Rank-r factors of a square-ish matrix
+    capture more and cost less. Compressed when n * m > min_compression * rank * (n + m).
     """
-    if len(shape) < 2:
+    core = [int(d) for d in shape[batch_dims:]]
+    if len(core) < 2:
         return None
-    m = int(shape[-1])
-    n = int(np.prod(shape[:-1]))
-    return (n, m) if n * m > min_compression * rank * (n + m) else None
+    b = int(np.prod(shape[:batch_dims], dtype=np.int64))
+    splits = [(int(np.prod(core[:k])), int(np.prod(core[k:]))) for k in range(1, len(core))]
+    n, m = min(splits, key=lambda nm: nm[0] + nm[1])
+    return (b, n, m) if n * m > min_compression * rank * (n + m) else None
 
 
 def powersgd(
@@ -387,36 +392,45 @@ def powersgd(
     error_feedback: bool = True,
     min_compression: float = 1.0,
     seed: int = 0,
+    batch_dims: Any = None,
 ) -> optax.GradientTransformation:
     """PowerSGD (Vogels et al., 2019): rank-`rank` power iteration with a warm-started Q.
 
-    Per compressed tensor viewed as M [n, m] (after adding this replica's residual):
+    Per compressed tensor viewed as matrices M [n, m] (after adding this replica's residual):
       P = pmean(M Q); P = orthonormal basis of P (QR); Q_i = M^T P; Q = pmean(Q_i); out = P Q^T.
     The residual is M - P Q_i^T, the part of this replica's M outside span(P); its mean over
     replicas is mean(M) - out. Q starts as the same Gaussian on every replica and stays identical
     (it is a pmean). Other tensors, and all tensors for the first `start_iter` steps, are plain f32
-    pmean (with error feedback, the residual is then zero).
-    Wire: r (n + m) f32 all-reduced per matrix instead of n m.
+    pmean (with error feedback, the residual is then zero). `batch_dims` (an int, or a tree of
+    ints like the params) marks leading stacked-layer axes: each layer gets its own factors.
+    Wire: b r (n + m) f32 all-reduced per tensor instead of b n m (see `powersgd_shape`).
     """
     if rank <= 0:
         raise ValueError(f"powersgd: rank={rank} must be > 0")
     if min_compression < 1:
         raise ValueError(f"powersgd: min_compression={min_compression} must be >= 1")
 
-    def matrix(p):
-        return powersgd_shape(p.shape, rank, min_compression) if _is_float(p) else None
+    def matrices(leaves, treedef):
+        if batch_dims is None or isinstance(batch_dims, int):
+            dims = [batch_dims or 0] * len(leaves)
+        else:
+            dims = treedef.flatten_up_to(batch_dims)
+        return [
+            powersgd_shape(p.shape, rank, min_compression, d) if _is_float(p) else None
+            for p, d in zip(leaves, dims, strict=True)
+        ]
 
     def init(params):
         leaves, treedef = jax.tree.flatten(params)
         key = jax.random.PRNGKey(seed)
         qs, res = [], []
-        for i, p in enumerate(leaves):
-            nm = matrix(p)
-            if nm is None:
+        for i, (p, bnm) in enumerate(zip(leaves, matrices(leaves, treedef), strict=True)):
+            if bnm is None:
                 qs.append(None)
                 res.append(None)
                 continue
-            q = jax.random.normal(jax.random.fold_in(key, i), (nm[1], rank), jnp.float32)
+            b, _, m = bnm
+            q = jax.random.normal(jax.random.fold_in(key, i), (b, m, rank), jnp.float32)
             qs.append(q[None])
             res.append(jnp.zeros((1, *p.shape), jnp.float32) if error_feedback else None)
         return PowerSGDState(
@@ -424,12 +438,12 @@ def powersgd(
         )
 
     def compress(m_i, q):
-        """(mean approximation, this replica's residual, new Q); m_i [n, m], q [m, r]."""
-        p = jax.lax.pmean(m_i @ q, _axes(axis_name))  # [n, r]
+        """(mean approximation, this replica's residual, new Q); m_i [b, n, m], q [b, m, r]."""
+        p = jax.lax.pmean(m_i @ q, _axes(axis_name))  # [b, n, r]
         p, _ = jnp.linalg.qr(p)
-        q_i = m_i.T @ p  # [m, r]
+        q_i = jnp.swapaxes(m_i, 1, 2) @ p  # [b, m, r]
         q_new = jax.lax.pmean(q_i, _axes(axis_name))
-        return p @ q_new.T, m_i - p @ q_i.T, q_new
+        return p @ jnp.swapaxes(q_new, 1, 2), m_i - p @ jnp.swapaxes(q_i, 1, 2), q_new
 
     def update(grads, state, params=None):
         del params
@@ -438,16 +452,15 @@ def powersgd(
         qs = treedef.flatten_up_to(state.q)
         res = treedef.flatten_up_to(state.residual)
         out, new_q, new_res = [], [], []
-        for g, q, e in zip(leaves, qs, res, strict=True):
-            nm = matrix(g)
-            if nm is None:
+        for g, q, e, bnm in zip(leaves, qs, res, matrices(leaves, treedef), strict=True):
+            if bnm is None:
                 out.append(jax.lax.pmean(g, _axes(axis_name)) if _is_float(g) else g)
                 new_q.append(None)
                 new_res.append(None)
                 continue
-            m_i = g.reshape(nm).astype(jnp.float32)
+            m_i = g.reshape(bnm).astype(jnp.float32)
             if e is not None:
-                m_i = m_i + e[0].reshape(nm).astype(jnp.float32)
+                m_i = m_i + e[0].reshape(bnm).astype(jnp.float32)
             q = q[0]
             if start_iter > 0:
 
@@ -478,8 +491,10 @@ def powersgd(
 
 
 class SignState(NamedTuple):
+    count: jax.Array  # [1] int32 steps taken (drives `start_step`)
     worker: Any  # params-shaped, f32 [1, ...] per leaf: this replica's compression error
     server: Any  # per leaf f32 [1, shard]: error re-compressing the shard this replica reduces
+    momentum: Any  # params-shaped, f32 [1, ...]: the last synchronized momentum; None without it
 
 
 def _sign_compress(x: jax.Array, valid: jax.Array):
@@ -501,7 +516,12 @@ def _sign_decompress(packed: jax.Array, scale: jax.Array, c: int) -> jax.Array:
 
 
 def sign(
-    axis_name: AxisName, error_feedback: bool = True, chunk: int = 2048
+    axis_name: AxisName,
+    error_feedback: bool = True,
+    chunk: int = 2048,
+    momentum_correction: bool = False,
+    momentum: float = 0.9,
+    start_step: int = 0,
 ) -> optax.GradientTransformation:
     """Two-phase 1-bit reduction with worker- and server-side error feedback (1-bit Adam style).
 
@@ -511,6 +531,13 @@ def sign(
     shard j and re-compress; all-gather packed bits + scales; decompress. Both residuals keep
     what their compression lost (none are kept with `error_feedback=False`). Wire: ~(1/8 +
     4/chunk) bytes per element per phase vs 4 for f32: ~31x fewer at chunk=2048.
+
+    With `momentum_correction` the optimizer's momentum moves into the compressor, as in 1-bit Adam
+    (Tang et al., 2021): each replica compresses m_i = momentum * m + g_i, where m is the last
+    synchronized (compressed) momentum, the same on every replica, and the result is the new m.
+    Follow it with momentum-free SGD. Without it, scaled signs of raw gradients are slow to
+    converge (docs/COMPRESSION.md). The first `start_step` steps send an exact f32 pmean of the
+    same quantity instead (1-bit Adam's full-precision warm-up).
     """
     if chunk <= 0 or chunk % 8:
         raise ValueError(f"sign: chunk={chunk} must be a positive multiple of 8")
@@ -528,46 +555,75 @@ def sign(
                 else None
             )
 
+        momentum_buf = jax.tree.map(worker, params) if momentum_correction else None
         if not error_feedback:
-            return SignState(None, None)
-        return SignState(jax.tree.map(worker, params), jax.tree.map(server, params))
+            return SignState(jnp.zeros((1,), jnp.int32), None, None, momentum_buf)
+        return SignState(
+            jnp.zeros((1,), jnp.int32),
+            jax.tree.map(worker, params),
+            jax.tree.map(server, params),
+            momentum_buf,
+        )
+
+    def compressed(acc, es, like):
+        """(mean over replicas, worker residual, server residual) of one tensor `acc`."""
+        r = num_replicas(axis_name)
+        me = jax.lax.axis_index(_axes(axis_name))
+        shard, c = shard_layout(acc.size, r, chunk, 8)
+        x = _to_rows(acc, r, shard, c)  # [R, s/c, c]
+        valid = (np.arange(r * shard) < acc.size).reshape(x.shape)
+        packed, scale, approx = _sign_compress(x, valid)
+        worker_left = acc - _from_rows(approx, acc)
+        packed, scale = _all_to_all(packed, axis_name), _all_to_all(scale, axis_name)
+        my_valid = (me * shard + jnp.arange(shard) < acc.size).reshape(shard // c, c)
+        mean = jnp.where(my_valid, jnp.mean(_sign_decompress(packed, scale, c), axis=0), 0)
+        if es is not None:
+            mean = mean + es.reshape(mean.shape)
+        packed2, scale2, approx2 = _sign_compress(mean, my_valid)
+        server_left = (mean - approx2).reshape(shard)
+        full = _sign_decompress(_gather(packed2, axis_name), _gather(scale2, axis_name), c)
+        return _from_rows(full, like), worker_left, server_left
 
     def update(grads, state, params=None):
         del params
-        r = num_replicas(axis_name)
-        me = jax.lax.axis_index(_axes(axis_name))
         leaves, treedef = jax.tree.flatten(grads)
         ws = treedef.flatten_up_to(state.worker) if error_feedback else [None] * len(leaves)
         ss = treedef.flatten_up_to(state.server) if error_feedback else [None] * len(leaves)
-        out, new_w, new_s = [], [], []
-        for g, ew, es in zip(leaves, ws, ss, strict=True):
+        vs = treedef.flatten_up_to(state.momentum) if momentum_correction else [None] * len(leaves)
+        out, new_w, new_s, new_v = [], [], [], []
+        for g, ew, es, u in zip(leaves, ws, ss, vs, strict=True):
             if not _is_float(g):
                 out.append(g)
                 new_w.append(ew)
                 new_s.append(es)
+                new_v.append(u)
                 continue
-            shard, c = shard_layout(g.size, r, chunk, 8)
             acc = g.astype(jnp.float32)
+            if u is not None:  # compress m_i = momentum * m + g_i
+                acc = momentum * u[0] + acc
             if ew is not None:
-                acc = acc + ew[0].astype(jnp.float32)
-            x = _to_rows(acc, r, shard, c)  # [R, s/c, c]
-            valid = (np.arange(r * shard) < g.size).reshape(x.shape)
-            packed, scale, approx = _sign_compress(x, valid)
-            if ew is not None:
-                new_w.append((acc - _from_rows(approx, acc)).astype(ew.dtype)[None])
-            packed, scale = _all_to_all(packed, axis_name), _all_to_all(scale, axis_name)
-            my_valid = (me * shard + jnp.arange(shard) < g.size).reshape(shard // c, c)
-            mean = jnp.where(my_valid, jnp.mean(_sign_decompress(packed, scale, c), axis=0), 0)
-            if es is not None:
-                mean = mean + es[0].reshape(mean.shape)
-            packed2, scale2, approx2 = _sign_compress(mean, my_valid)
-            if es is not None:
-                new_s.append((mean - approx2).reshape(1, shard))
-            full = _sign_decompress(_gather(packed2, axis_name), _gather(scale2, axis_name), c)
-            out.append(_from_rows(full, g))
-        if not error_feedback:
-            return treedef.unflatten(out), state
-        new_state = SignState(treedef.unflatten(new_w), treedef.unflatten(new_s))
+                acc = acc + ew[0]
+            es0 = None if es is None else es[0]
+
+            def dense(acc, es0, g=g):
+                mean = jax.lax.pmean(acc, _axes(axis_name)).astype(g.dtype)
+                return mean, jnp.zeros_like(acc), es0
+
+            if start_step > 0:
+                sparse = functools.partial(compressed, like=g)
+                mean, w, s = jax.lax.cond(state.count[0] < start_step, dense, sparse, acc, es0)
+            else:
+                mean, w, s = compressed(acc, es0, g)
+            out.append(mean)
+            new_v.append(None if u is None else mean.astype(jnp.float32)[None])
+            new_w.append(None if ew is None else w[None])
+            new_s.append(None if es is None else s[None])
+        new_state = SignState(
+            state.count + 1,
+            treedef.unflatten(new_w) if error_feedback else None,
+            treedef.unflatten(new_s) if error_feedback else None,
+            treedef.unflatten(new_v) if momentum_correction else None,
+        )
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init, update)
@@ -577,14 +633,20 @@ def sign(
 # Config, global state and its shardings
 
 
-def from_config(grad_sync_cfg: Any, axis_name: AxisName) -> optax.GradientTransformation:
+def from_config(
+    grad_sync_cfg: Any, axis_name: AxisName, *, momentum: float = 0.9, batch_dims: Any = None
+) -> optax.GradientTransformation:
     """The compressor `config.grad_sync` names.
 
     Reads `compression` (none|bf16|int8|topk|powersgd|sign), `rank` (powersgd), `topk_ratio`
-    (topk) and `error_feedback` (topk, powersgd, sign); accepts a ConfigDict or a plain dict.
+    (topk), `error_feedback` (topk, powersgd, sign), `warmup_steps` (topk: density warm-up;
+    powersgd: `start_iter`; sign: `start_step`) and `momentum_correction` (topk, sign: the SGD
+    `momentum` is applied inside the compressor); accepts a ConfigDict or a plain dict.
+    `batch_dims` (a tree like the params) marks stacked-layer axes for PowerSGD.
 
     Raises:
-      ConfigError: an unknown compressor, `rank` <= 0 or `topk_ratio` outside (0, 1].
+      ConfigError: an unknown compressor, `rank` <= 0, `topk_ratio` outside (0, 1],
+        `warmup_steps` < 0, or `momentum_correction` with a compressor that has none.
     """
 
     def get(field, default=None):
@@ -594,8 +656,16 @@ def from_config(grad_sync_cfg: Any, axis_name: AxisName) -> optax.GradientTransf
 
     name = get("compression", "none")
     ef = bool(get("error_feedback", True))
+    warmup = get("warmup_steps", 0)
+    mc = bool(get("momentum_correction", False))
     if name not in COMPRESSORS:
         raise ConfigError(f"grad_sync.compression={name!r} is not one of {', '.join(COMPRESSORS)}")
+    if not isinstance(warmup, int | np.integer) or warmup < 0:
+        raise ConfigError(f"grad_sync.warmup_steps={warmup} must be an integer >= 0")
+    if mc and name not in ("topk", "sign"):
+        raise ConfigError(
+            f"grad_sync.momentum_correction applies to compression='topk' or 'sign', not {name!r}"
+        )
     if name == "none":
         return none(axis_name)
     if name == "bf16":
@@ -603,16 +673,31 @@ def from_config(grad_sync_cfg: Any, axis_name: AxisName) -> optax.GradientTransf
     if name == "int8":
         return int8(axis_name)
     if name == "sign":
-        return sign(axis_name, error_feedback=ef)
+        return sign(
+            axis_name,
+            error_feedback=ef,
+            momentum_correction=mc,
+            momentum=momentum,
+            start_step=int(warmup),
+        )
     if name == "topk":
         ratio = get("topk_ratio", 0.01)
         if not 0 < ratio <= 1:
             raise ConfigError(f"grad_sync.topk_ratio={ratio} must be in (0, 1], e.g. 0.01")
-        return topk(axis_name, ratio, error_feedback=ef)
+        return topk(
+            axis_name,
+            ratio,
+            error_feedback=ef,
+            momentum_correction=mc,
+            momentum=momentum,
+            warmup_steps=int(warmup),
+        )
     rank = get("rank", 2)
     if not isinstance(rank, int | np.integer) or rank <= 0:
         raise ConfigError(f"grad_sync.rank={rank} must be a positive integer, e.g. 2")
-    return powersgd(axis_name, int(rank), error_feedback=ef)
+    return powersgd(
+        axis_name, int(rank), start_iter=int(warmup), error_feedback=ef, batch_dims=batch_dims
+    )
 
 
 def _data_spec(data_axes: AxisName) -> str | tuple[str, ...]:

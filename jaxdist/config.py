@@ -101,6 +101,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_sync.topk_ratio = 0.01
     c.grad_sync.error_feedback = True
     c.grad_sync.local_steps = 1
+    c.grad_sync.warmup_steps = 0  # topk: density warm-up; powersgd/sign: uncompressed first steps
+    c.grad_sync.momentum_correction = False  # topk (DGC) / sign (1-bit Adam): SGD momentum inside
 
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = ()  # steps to trace with jax.profiler, e.g. (10, 11)
@@ -279,6 +281,26 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
             "already reduces stage gradients over data inside its own shard_map); use compression='none'",
         )
         _need(config.grad_sync.rank > 0, f"grad_sync.rank={config.grad_sync.rank} must be > 0")
+        _need(
+            config.grad_sync.warmup_steps >= 0,
+            f"grad_sync.warmup_steps={config.grad_sync.warmup_steps} must be >= 0",
+        )
+        if config.grad_sync.momentum_correction:
+            _need(
+                config.grad_sync.compression in ("topk", "sign"),
+                "grad_sync.momentum_correction applies to compression='topk' (DGC) or 'sign' "
+                f"(1-bit Adam), not {config.grad_sync.compression!r}",
+            )
+            _need(
+                config.train.optimizer == "sgd" and config.train.momentum > 0,
+                "grad_sync.momentum_correction moves the SGD momentum into the compressor: it "
+                f"needs train.optimizer='sgd' with train.momentum > 0, not "
+                f"{config.train.optimizer!r} with momentum {config.train.momentum}",
+            )
+            _need(
+                config.grad_sync.error_feedback,
+                "grad_sync.momentum_correction needs grad_sync.error_feedback=True",
+            )
         _need(
             0 < config.grad_sync.topk_ratio <= 1,
             f"grad_sync.topk_ratio={config.grad_sync.topk_ratio} must be in (0, 1]",

@@ -130,7 +130,15 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         paths, [tuple(v.get_metadata()["logical_axes"]) for v in variables]
     )
 
-    tx, lr_schedule = optim.build(config.train, param_axes)
+    # DGC / 1-bit Adam: with grad_sync.momentum_correction the SGD momentum is applied per replica
+    # inside the compressor (jaxdist/compression.py), and each replica clips its own gradient
+    # before it; the optimizer then runs without momentum or clipping of its own.
+    momentum_in_sync = config.grad_sync.momentum_correction and mesh.shape["data"] > 1
+    opt_cfg = config.train
+    if momentum_in_sync:
+        opt_cfg = config.train.copy_and_resolve_references()
+        opt_cfg.momentum, opt_cfg.grad_clip = 0.0, 0.0
+    tx, lr_schedule = optim.build(opt_cfg, param_axes)
     param_shardings = sharding.tree_shardings(param_axes, abstract_params, mesh)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     repl = sharding.replicated(mesh)
@@ -237,12 +245,19 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         from jaxdist import collectives, compression
 
         data_axes = ("data",)
-        tx_sync = compression.from_config(config.grad_sync, data_axes)
-        aux_box = {}
+        batch_dims = jax.tree.map(
+            lambda axes: next((i for i, a in enumerate(axes) if a != "layers"), len(axes)),
+            param_axes,
+            is_leaf=_is_axes,
+        )
+        tx_sync = compression.from_config(
+            config.grad_sync, data_axes, momentum=t.momentum, batch_dims=batch_dims
+        )
 
         def local_grads(params, local_batch):
-            loss, aux, grads = gradients(params, local_batch)
-            aux_box["aux"] = aux  # aux metrics are not reduced on this path
+            loss, _, grads = gradients(params, local_batch)  # aux metrics: not reduced here
+            if momentum_in_sync and t.grad_clip > 0:
+                grads, _ = optax.clip_by_global_norm(t.grad_clip).update(grads, None)
             return loss, grads
 
         sync = collectives.sync_grads(local_grads, tx_sync, mesh, data_axes)

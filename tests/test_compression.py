@@ -230,16 +230,19 @@ def test_topk_warmup_starts_dense_and_momentum_correction_matches_host():
 
 
 def test_powersgd_factors_give_rank_r_approximation_of_mean():
-    assert C.powersgd_shape((13, 7), 2, 1.0) == (13, 7)
+    assert C.powersgd_shape((13, 7), 2, 1.0) == (1, 13, 7)
     assert C.powersgd_shape((5,), 2, 1.0) is None
     assert C.powersgd_shape((4, 3), 2, 1.0) is None  # 2 * (4 + 3) >= 12
+    # Stacked layers are a batch; the rest is cut where it is most nearly square: 24 + 20 < 8 + 60.
+    assert C.powersgd_shape((2, 8, 3, 4, 5), 2, 1.0, batch_dims=1) == (2, 24, 20)
+    assert C.powersgd_shape((2, 7), 2, 1.0, batch_dims=1) is None
     steps = [_grads(11), _grads(12)]
     results = _run(C.powersgd("data", rank=2), steps)
     residual = np.zeros((R, 13, 7), F32)
     for g, (out, old, new) in zip(steps, results, strict=True):
         np.testing.assert_allclose(out["b"], g["b"].mean(0), rtol=0, atol=1e-6)  # 1-D: plain mean
         m = (g["w"] + residual).astype(np.float64)  # [R, n, m]
-        q0 = old.q["w"][0].astype(np.float64)
+        q0 = old.q["w"][0, 0].astype(np.float64)
         assert all(np.array_equal(old.q["w"][i], old.q["w"][0]) for i in range(R))
         mbar = m.mean(0)
         p, _ = np.linalg.qr(mbar @ q0)  # P = orthonormal(pmean(M_i Q))
@@ -247,10 +250,27 @@ def test_powersgd_factors_give_rank_r_approximation_of_mean():
         np.testing.assert_allclose(out["w"], approx, rtol=0, atol=1e-5)
         assert np.linalg.matrix_rank(out["w"], tol=1e-4) <= 2
         q_new = mbar.T @ p  # equal to the stored Q up to the sign of each column (QR convention)
-        signs = np.sign(np.sum(q_new * new.q["w"][0], axis=0))
-        np.testing.assert_allclose(new.q["w"][0] * signs, q_new, rtol=0, atol=1e-5)
+        signs = np.sign(np.sum(q_new * new.q["w"][0, 0], axis=0))
+        np.testing.assert_allclose(new.q["w"][0, 0] * signs, q_new, rtol=0, atol=1e-5)
         expect_residual = m - np.einsum("nr,imr->inm", p, np.einsum("inm,nr->imr", m, p))
         np.testing.assert_allclose(new.residual["w"], expect_residual, rtol=0, atol=1e-5)
+        residual = new.residual["w"]
+
+
+def test_powersgd_compresses_each_stacked_layer_separately():
+    shapes = {"w": (3, 9, 6)}
+    params = {"w": jnp.zeros(shapes["w"])}
+    steps = [_grads(40, shapes=shapes), _grads(41, shapes=shapes)]
+    results = _run(C.powersgd("data", rank=2, batch_dims={"w": 1}), steps, params=params)
+    residual = np.zeros((R, *shapes["w"]), F32)
+    for g, (out, old, new) in zip(steps, results, strict=True):
+        assert old.q["w"].shape == (R, 3, 6, 2)
+        m = (g["w"] + residual).astype(np.float64)
+        for layer in range(3):
+            mbar = m[:, layer].mean(0)
+            p, _ = np.linalg.qr(mbar @ old.q["w"][0, layer].astype(np.float64))
+            np.testing.assert_allclose(out["w"][layer], p @ p.T @ mbar, rtol=0, atol=1e-5)
+            assert np.linalg.matrix_rank(out["w"][layer], tol=1e-4) <= 2
         residual = new.residual["w"]
 
 
@@ -307,6 +327,35 @@ def test_sign_two_phase_matches_host_replay():
             np.testing.assert_allclose(out[k], ref, rtol=0, atol=1e-6)
             np.testing.assert_allclose(new.worker[k], worker, rtol=0, atol=1e-6)
             np.testing.assert_allclose(new.server[k], server, rtol=0, atol=1e-6)
+
+
+def test_sign_momentum_correction_compresses_the_synchronized_momentum():
+    """1-bit Adam: replica i compresses beta * m + g_i (+ its residual); the result is the new m."""
+    beta = 0.9
+    steps = [_grads(50), _grads(51), _grads(52)]
+    results = _run(C.sign("data", chunk=16, momentum_correction=True, momentum=beta), steps)
+    for k in SHAPES:
+        worker, server = results[0][1].worker[k], results[0][1].server[k]
+        m = np.zeros(SHAPES[k], F32)
+        for g, (out, _, new) in zip(steps, results, strict=True):
+            ref, worker, server = _np_sign(beta * m + g[k], worker, server, chunk=16)
+            np.testing.assert_allclose(out[k], ref, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(
+                new.momentum[k], np.broadcast_to(ref, (R, *ref.shape)), rtol=0, atol=1e-5
+            )
+            m = ref
+
+
+def test_sign_start_step_is_dense_then_compressed():
+    steps = [_grads(53), _grads(54)]
+    (out0, _, s0), (out1, _, s1) = _run(C.sign("data", chunk=16, start_step=1), steps)
+    for k in SHAPES:
+        np.testing.assert_allclose(out0[k], steps[0][k].mean(0), rtol=0, atol=1e-6)
+        assert not s0.worker[k].any() and not s0.server[k].any()
+        zeros = np.zeros((R, C.shard_layout(int(np.prod(SHAPES[k])), R, 16, 8)[0]), F32)
+        ref, _, _ = _np_sign(steps[1][k], np.zeros_like(steps[1][k]), zeros, 16)
+        np.testing.assert_allclose(out1[k], ref, rtol=0, atol=1e-6)
+    assert s1.count.tolist() == [2] * R
 
 
 def test_sign_without_error_feedback_is_plain_scaled_sign():
@@ -464,7 +513,7 @@ def test_from_config_and_errors():
     state = jax.eval_shape(
         lambda p: C.init_global(C.from_config(cfg, "data"), p, MESH, "data"), PARAMS
     )
-    assert state.q["w"].shape == (R, 7, 4) and state.residual["w"] is None
+    assert state.q["w"].shape == (R, 1, 7, 4) and state.residual["w"] is None
     for name in C.COMPRESSORS:
         cfg.compression = name
         assert isinstance(C.from_config(cfg, "data"), optax.GradientTransformation)
@@ -473,6 +522,8 @@ def test_from_config_and_errors():
         ({"compression": "powersgd", "rank": 0}, "grad_sync.rank"),
         ({"compression": "topk", "topk_ratio": 0.0}, "grad_sync.topk_ratio"),
         ({"compression": "topk", "topk_ratio": 1.5}, "grad_sync.topk_ratio"),
+        ({"compression": "sign", "warmup_steps": -1}, "grad_sync.warmup_steps"),
+        ({"compression": "powersgd", "momentum_correction": True}, "grad_sync.momentum_correction"),
     ]
     for fields, field in bad:
         with pytest.raises(ConfigError, match=field) as e:
@@ -501,7 +552,7 @@ def test_state_layout_and_partition_specs():
     abstract = jax.eval_shape(lambda p: C.init_global(tx, p, mesh, "data"), params)
     specs = C.state_partition_spec(abstract, "data", params, param_specs)
     assert specs.residual == {"w": P("data", None, "fsdp"), "b": None}
-    assert specs.q == {"w": P("data", None, None), "b": None} and specs.count == P("data")
+    assert specs.q == {"w": P("data", None, None, None), "b": None} and specs.count == P("data")
 
 
 @pytest.mark.parametrize(
