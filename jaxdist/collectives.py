@@ -76,7 +76,7 @@ class LocalSGDState(NamedTuple):
 
 class LocalSGD(NamedTuple):
     init: Callable[[Any], LocalSGDState]
-    step: Callable[[LocalSGDState, Any], tuple[LocalSGDState, jax.Array]]
+    step: Callable[[LocalSGDState, Any], tuple[LocalSGDState, dict[str, jax.Array]]]
 
 
 def diloco_outer(learning_rate: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformation:
@@ -104,7 +104,8 @@ def local_sgd(
 
     Returns:
       `LocalSGD(init, step)`: `init(params) -> LocalSGDState` and
-      `step(state, batch) -> (state, mean loss)`, both traceable; batch leaves split on dim 0.
+      `step(state, batch) -> (state, {"loss", "grad_norm"})`, both traceable; batch leaves split
+      on dim 0. loss and grad_norm (of each replica's own gradient) are means over replicas.
     """
     if local_steps < 1:
         raise ValueError(f"local_sgd: local_steps={local_steps} must be >= 1")
@@ -124,6 +125,7 @@ def local_sgd(
     def body(step, anchor, outer_state, local, inner, batch):
         local, inner = _local(local), _local(inner)
         loss, grads = grad_fn(local, batch)
+        grad_norm = optax.tree.norm(grads)
         updates, inner = inner_tx.update(grads, inner, local)
         local = optax.apply_updates(local, updates)
 
@@ -140,7 +142,9 @@ def local_sgd(
         anchor, outer_state, local = jax.lax.cond(
             (step + 1) % local_steps == 0, sync, keep, anchor, outer_state, local
         )
-        return jax.lax.pmean(loss, axes), anchor, outer_state, _stacked(local), _stacked(inner)
+        metrics = {"loss": loss, "grad_norm": grad_norm}
+        metrics = jax.lax.pmean(metrics, axes)
+        return metrics, anchor, outer_state, _stacked(local), _stacked(inner)
 
     stepped = jax.shard_map(
         body,
@@ -151,7 +155,7 @@ def local_sgd(
     )
 
     def step(state, batch):
-        loss, anchor, outer_state, local, inner = stepped(
+        metrics, anchor, outer_state, local, inner = stepped(
             state.step,
             state.params,
             state.outer_state,
@@ -159,6 +163,6 @@ def local_sgd(
             state.inner_state,
             batch,
         )
-        return LocalSGDState(state.step + 1, anchor, outer_state, local, inner), loss
+        return LocalSGDState(state.step + 1, anchor, outer_state, local, inner), metrics
 
     return LocalSGD(init, step)

@@ -100,7 +100,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_sync.rank = 2
     c.grad_sync.topk_ratio = 0.01
     c.grad_sync.error_feedback = True
-    c.grad_sync.local_steps = 1
+    c.grad_sync.local_steps = 1  # H > 1: local SGD, replicas average their parameters every H steps
+    c.grad_sync.outer_optimizer = "average"  # local SGD's outer step: average | nesterov (DiLoCo)
+    c.grad_sync.outer_learning_rate = 0.7  # nesterov: DiLoCo's outer learning rate and momentum
+    c.grad_sync.outer_momentum = 0.9
     c.grad_sync.warmup_steps = 0  # topk: density warm-up; powersgd/sign: uncompressed first steps
     c.grad_sync.momentum_correction = False  # topk (DGC) / sign (1-bit Adam): SGD momentum inside
 
@@ -305,11 +308,26 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
             0 < config.grad_sync.topk_ratio <= 1,
             f"grad_sync.topk_ratio={config.grad_sync.topk_ratio} must be in (0, 1]",
         )
-    _need(
-        config.grad_sync.local_steps == 1,
-        f"grad_sync.local_steps={config.grad_sync.local_steps}: local SGD exists as "
-        "jaxdist.collectives.local_sgd but is not wired into scripts/train.py yet; use 1",
-    )
+    _choice(config, "grad_sync.outer_optimizer", ("average", "nesterov"))
+    if config.grad_sync.local_steps > 1:
+        g = config.grad_sync
+        _need(
+            mesh["data"] > 1,
+            f"grad_sync.local_steps={g.local_steps} averages replicas over the data axis, but "
+            f"mesh.data={mesh['data']}; set mesh.data > 1 or local_steps=1",
+        )
+        _need(
+            g.compression == "none",
+            f"grad_sync.local_steps={g.local_steps} sends no gradients to compress; set "
+            f"grad_sync.compression='none' (not {g.compression!r})",
+        )
+        _need(
+            mesh["pipeline"] == 1 and sum(mesh[a] > 1 for a in ("fsdp", "tensor")) <= 1,
+            f"grad_sync.local_steps={g.local_steps} supports data with at most one of fsdp, "
+            "tensor and no pipeline (the same XLA SPMD partitioner limit as compression)",
+        )
+        _need(g.outer_learning_rate > 0, "grad_sync.outer_learning_rate must be > 0")
+        _need(0 <= g.outer_momentum < 1, "grad_sync.outer_momentum must be in [0, 1)")
     src = config.data.source
     if src not in ("stdlib", "digits"):
         _need(os.path.exists(src), f"data.source={src!r}: no such file or directory")

@@ -31,6 +31,7 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
     """What the compiled step costs per device: memory (memory_analysis) and collective bytes (HLO)."""
     st = engine.abstract_state
     mem = compiled.memory_analysis()
+    local_steps = config.grad_sync.local_steps if "local" in st else 1
     shard_bytes = lambda tree: sum(
         int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
         for x in jax.tree.leaves(tree)
@@ -50,12 +51,20 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
             "outputs": int(mem.output_size_in_bytes) if mem is not None else None,
             "aliased": int(mem.alias_size_in_bytes) if mem is not None else None,
         },
-        "collective_bytes_per_step": metrics.collective_bytes(compiled.as_text()),
+        # Local SGD averages inside a conditional taken every H-th step: bytes are per step on average.
+        "collective_bytes_per_step": metrics.collective_bytes(
+            compiled.as_text(), conditional_period=local_steps
+        ),
         "global_batch": config.train.batch_size,
         "grad_accum": config.train.grad_accum,
         "compute_dtype": config.train.compute_dtype,
         "remat": config.train.remat,
     }
+    for key in ("grad_sync", "local"):  # per-replica compressor / local SGD state
+        if key in st:
+            record["bytes_per_device"][f"{key}_state"] = shard_bytes(st[key])
+    if local_steps > 1:
+        record["local_steps"] = local_steps
     if engine.schedule is not None:
         record["pipeline"] = engine.schedule.describe()
         record["bubble_fraction"] = engine.schedule.bubble_fraction
@@ -102,6 +111,12 @@ def summary(record: dict[str, Any]) -> str:
         f"temp {_fmt_bytes(b['temp'])}",
         f"wire    │ per device per step: {wire} (total {_fmt_bytes(sum(coll.values()))})",
     ]
+    extra = {"grad_sync_state": "compressor state", "local_state": "local SGD replica state"}
+    for key, what in extra.items():
+        if key in b:
+            lines[2] += f", {what} {_fmt_bytes(b[key])}"
+    if "local_steps" in record:
+        lines[3] += f"; parameters averaged every {record['local_steps']} steps"
     if "predicted_bytes_per_device" in record:
         p = record["predicted_bytes_per_device"]
         lines.append(

@@ -105,6 +105,8 @@ class CollectiveOp:
       wire_bytes: bytes one device sends for this op per execution of the module, all ``count``
         runs together.
       name: the instruction's name in the HLO text, for finding it again.
+      conditional: inside a ``conditional`` branch (charged as if it ran every execution), e.g.
+        local SGD's every-H-steps parameter average.
     """
 
     kind: str
@@ -113,6 +115,7 @@ class CollectiveOp:
     count: int
     wire_bytes: float
     name: str = ""
+    conditional: bool = False
 
 
 def collective_ops(hlo_text: str) -> list[CollectiveOp]:
@@ -140,11 +143,13 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
     return _Analysis(_parse_module(hlo_text)).run()
 
 
-def collective_bytes(hlo_text: str) -> dict[str, float]:
+def collective_bytes(hlo_text: str, conditional_period: int = 1) -> dict[str, float]:
     """Bytes one device sends per execution of a compiled module, per collective kind.
 
     Args:
       hlo_text: a compiled module, ``jax.jit(f).lower(...).compile().as_text()``.
+      conditional_period: ops inside a ``conditional`` run once every this many executions (local
+        SGD's parameter average every H steps): their bytes are divided by it.
 
     Returns:
       ``{kind: bytes}`` over ``COLLECTIVE_KINDS``, only kinds that send something; ``{}`` when
@@ -153,7 +158,8 @@ def collective_bytes(hlo_text: str) -> dict[str, float]:
     totals: dict[str, float] = {}
     for op in collective_ops(hlo_text):
         if op.wire_bytes > 0:
-            totals[op.kind] = totals.get(op.kind, 0.0) + op.wire_bytes
+            share = op.wire_bytes / (conditional_period if op.conditional else 1)
+            totals[op.kind] = totals.get(op.kind, 0.0) + share
     return {kind: totals[kind] for kind in COLLECTIVE_KINDS if kind in totals}
 
 
@@ -519,7 +525,8 @@ class _Analysis:
     def _conditional(self, inst: _Instruction) -> list[tuple[str, CollectiveOp]]:
         # One branch runs per execution; which one is data-dependent, so charge the most expensive.
         branches = [self._collect(callee) for callee in _callees(inst)]
-        return max(branches, key=lambda ops: sum(op.wire_bytes for _, op in ops), default=[])
+        ops = max(branches, key=lambda ops: sum(op.wire_bytes for _, op in ops), default=[])
+        return [(key, dataclasses.replace(op, conditional=True)) for key, op in ops]
 
     # -- trip counts ------------------------------------------------------------------------------
 

@@ -139,11 +139,26 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         opt_cfg = config.train.copy_and_resolve_references()
         opt_cfg.momentum, opt_cfg.grad_clip = 0.0, 0.0
     tx, lr_schedule = optim.build(opt_cfg, param_axes)
+    # Local SGD / DiLoCo (grad_sync.local_steps > 1): `tx` is each replica's inner optimizer;
+    # state["opt_state"] holds the outer optimizer's state and state["local"] the replicas' own
+    # parameters and inner states ([R, ...] over `data`). state["params"] is the last average.
+    local_steps = config.grad_sync.local_steps if mesh.shape["data"] > 1 else 1
+    outer_tx = None
+    if local_steps > 1:
+        from jaxdist import collectives
+
+        g = config.grad_sync
+        outer_tx = (
+            optax.sgd(1.0)
+            if g.outer_optimizer == "average"
+            else collectives.diloco_outer(g.outer_learning_rate, g.outer_momentum)
+        )
+    state_tx = outer_tx or tx
     param_shardings = sharding.tree_shardings(param_axes, abstract_params, mesh)
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    abstract_opt = jax.eval_shape(state_tx.init, abstract_params)
     repl = sharding.replicated(mesh)
     opt_shardings = optax.tree_map_params(
-        tx,
+        state_tx,
         lambda _, s: s,
         abstract_opt,
         param_shardings,
@@ -185,12 +200,15 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         state = {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
-            "opt_state": tx.init(params),
+            "opt_state": state_tx.init(params),
             "rng": jax.random.key_data(jax.random.fold_in(key, 1)),
             "skipped": jnp.zeros((), jnp.int32),
         }
         if sync is not None:
             state["grad_sync"] = compression.init_global(tx_sync, params, mesh, data_axes)
+        if local is not None:
+            ls = local.init(params)
+            state["local"] = {"params": ls.local_params, "opt_state": ls.inner_state}
         return state
 
     def loss_fn(params, batch):
@@ -275,7 +293,33 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
             state_shardings["grad_sync"],
         )
 
+    local = None
+    if local_steps > 1:
+        from jaxdist import collectives, compression
+
+        data_axes = ("data",)
+
+        def replica_grads(params, local_batch):
+            loss, _, grads = gradients(params, local_batch)  # aux metrics: not reduced here
+            return loss, grads
+
+        local = collectives.local_sgd(replica_grads, tx, mesh, data_axes, local_steps, outer_tx)
+        abstract_ls = jax.eval_shape(local.init, abstract_params)
+        abstract_local = {"params": abstract_ls.local_params, "opt_state": abstract_ls.inner_state}
+        param_specs = jax.tree.map(lambda s: s.spec, param_shardings)
+        local_specs = compression.state_partition_spec(
+            abstract_local, data_axes, abstract_params, param_specs
+        )
+        state_shardings["local"] = jax.tree.map(lambda sp: NamedSharding(mesh, sp), local_specs)
+        abstract_state["local"] = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract_local,
+            state_shardings["local"],
+        )
+
     def train_step(state: State, batch: Batch) -> tuple[State, dict]:
+        if local is not None:
+            return local_train_step(state, batch)
         params = state["params"]
         extra = {}
         if sync is not None:
@@ -307,6 +351,37 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
             "finite": finite,
             "skipped": skipped,
             **aux,
+        }
+        return new_state, metrics
+
+    def local_train_step(state: State, batch: Batch) -> tuple[State, dict]:
+        ls = collectives.LocalSGDState(
+            state["step"],
+            state["params"],
+            state["opt_state"],
+            state["local"]["params"],
+            state["local"]["opt_state"],
+        )
+        ls, m = local.step(ls, batch)
+        new = {
+            "params": ls.params,
+            "opt_state": ls.outer_state,
+            "local": {"params": ls.local_params, "opt_state": ls.inner_state},
+        }
+        finite = jnp.isfinite(m["loss"]) & jnp.isfinite(m["grad_norm"])
+        skipped = state["skipped"]
+        if skip_nonfinite:  # drop the whole step, replicas included
+            new = jax.tree.map(
+                lambda n, o: jnp.where(finite, n, o), new, {k: state[k] for k in new}
+            )
+            skipped = skipped + (~finite).astype(jnp.int32)
+        new_state = {**state, **new, "step": state["step"] + 1, "skipped": skipped}
+        metrics = {
+            "loss": m["loss"],
+            "grad_norm": m["grad_norm"],
+            "learning_rate": lr_schedule(state["step"]),
+            "finite": finite,
+            "skipped": skipped,
         }
         return new_state, metrics
 

@@ -1,0 +1,122 @@
+"""Local SGD / DiLoCo (`grad_sync.local_steps` > 1) inside the real train step."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdist import config as config_lib
+from jaxdist import loop, metrics
+from jaxdist.errors import ConfigError
+from tests.helpers import compile_step, engine_for, n_devices, tiny_gpt_config
+
+R = 4  # replicas
+
+
+def local_config(local_steps: int, **mesh_sizes):
+    c = tiny_gpt_config(data=R, **mesh_sizes)
+    c.train.optimizer = "sgd"
+    c.train.learning_rate = 0.3
+    c.train.momentum = 0.9
+    c.grad_sync.local_steps = local_steps
+    return c
+
+
+def test_local_sgd_step_matches_independent_replicas_averaged_every_h_steps():
+    """Each replica trains on its own rows of the global batch with its own optimizer state; every
+    H-th step the parameters are averaged. Reference: one 1-device engine per replica."""
+    h, steps = 3, 5  # ends two steps after a sync: the replicas differ again
+    eng, batches = engine_for(local_config(h))
+    state = eng.init()
+    for i in range(steps):
+        state, m = eng.train_step(state, batches.get(i))
+        assert np.isfinite(float(m["loss"]))
+
+    ref_cfg = local_config(1)
+    ref_cfg.mesh.data = 1
+    ref_cfg.train.batch_size //= R
+    ref_eng, _ = engine_for(ref_cfg)
+    replicas = [ref_eng.init() for _ in range(R)]
+    rows = ref_cfg.train.batch_size
+    anchor = jax.device_get(replicas[0]["params"])
+    for i in range(steps):
+        batch = {k: np.asarray(v) for k, v in batches.get(i).items()}
+        for j in range(R):
+            mine = {k: v[j * rows : (j + 1) * rows] for k, v in batch.items()}
+            replicas[j], _ = ref_eng.train_step(replicas[j], mine)
+        if (i + 1) % h == 0:
+            params = [jax.device_get(r["params"]) for r in replicas]
+            anchor = jax.tree.map(lambda *xs: np.mean(np.stack(xs), 0), *params)
+            replicas = [
+                {**r, "params": jax.device_put(anchor, ref_eng.state_shardings["params"])}
+                for r in replicas
+            ]
+
+    got_anchor = jax.device_get(state["params"])
+    got_local = jax.device_get(state["local"]["params"])
+    for want, got in zip(jax.tree.leaves(anchor), jax.tree.leaves(got_anchor), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    for j in range(R):
+        want = jax.device_get(replicas[j]["params"])
+        got = jax.tree.map(lambda x, j=j: x[j], got_local)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_allclose(b, a, rtol=0, atol=2e-5)
+    assert int(state["step"]) == steps
+
+
+def test_local_sgd_sends_parameters_once_every_h_steps():
+    h = 4
+    c = local_config(h)
+    eng, compiled = compile_step(c)
+    ops = metrics.collective_ops(compiled.as_text())
+    param_bytes = sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(eng.abstract_state["params"])
+    )
+    ring = 2 * (R - 1) / R
+    averaged = sum(op.wire_bytes for op in ops if op.conditional)
+    every_step = sum(op.wire_bytes for op in ops if not op.conditional)
+    assert averaged == pytest.approx(ring * param_bytes, rel=1e-3)  # f32 all-reduce of params
+    assert every_step <= ring * 8  # the loss and gradient-norm scalars only
+    record = loop.layout_record(eng, compiled, c)
+    total = sum(record["collective_bytes_per_step"].values())
+    assert total == pytest.approx(averaged / h + every_step, rel=1e-6)
+    assert record["local_steps"] == h and record["bytes_per_device"]["local_state"] > 0
+
+
+@pytest.mark.parametrize("outer", ["average", "nesterov"])
+def test_local_sgd_with_fsdp_trains(outer):
+    c = local_config(2, fsdp=2)
+    c.grad_sync.outer_optimizer = outer
+    eng, batches = engine_for(c)
+    state = eng.init()
+    losses = []
+    for i in range(6):
+        state, m = eng.train_step(state, batches.get(i))
+        losses.append(float(m["loss"]))
+    assert losses[-1] < losses[0], losses
+    spec = state["local"]["params"]["embed"].sharding.spec
+    assert spec[0] == "data" and "fsdp" in jax.tree.leaves(tuple(spec[1:])), spec
+
+
+@pytest.mark.parametrize(
+    "field,value,mesh_sizes,match",
+    [
+        ("grad_sync.compression", "int8", {}, "compression='none'"),
+        ("grad_sync.outer_optimizer", "adam", {}, "grad_sync.outer_optimizer"),
+        ("grad_sync.outer_momentum", 1.0, {}, "outer_momentum"),
+        (None, None, {"fsdp": 2, "tensor": 2}, "at most one of fsdp"),
+    ],
+)
+def test_local_sgd_bad_config_is_one_line(field, value, mesh_sizes, match):
+    c = local_config(2, **mesh_sizes)
+    if field:
+        section, name = field.split(".")
+        c[section][name] = value
+    with pytest.raises(ConfigError, match=match) as e:
+        config_lib.validate(c, n_devices(c))
+    assert "\n" not in str(e.value)
+    c = tiny_gpt_config(fsdp=8)
+    c.grad_sync.local_steps = 2
+    with pytest.raises(ConfigError, match="mesh.data=1"):
+        config_lib.validate(c, 8)
