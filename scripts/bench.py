@@ -11,9 +11,11 @@ Studies:
   batch     statistical efficiency: steps and examples to reach --target_loss on `stdlib` validation
             data for each global batch, adamw vs lamb, learning rate scaled by train.lr_scaling
             (sqrt by default here) from the smallest batch, warmup on. Table, JSON and a PNG plot.
-  compression  for each grad_sync.compression on the config's mesh (data=8 is the usual choice):
-            bytes on the wire per step (compiled HLO), ratio to `none`, median step time, and the
-            loss after --max_steps steps vs `none` (error feedback on).
+  compression  for each grad_sync.compression (and local SGD) on the config's mesh (data=8 is the
+            usual choice): bytes on the wire per step (compiled HLO), ratio to `none`, median step
+            time, and the loss after --max_steps steps vs the uncompressed run with the same
+            optimizer (error feedback on; topk and sign with their momentum-SGD recipes).
+            --max_steps=0 compiles only: bytes and ratios for models too big to train here.
   compile   lower+compile time of the train step for 4 and 48 layers (layers are scanned, so it
             should stay flat: target ≤ 1.5×).
 
@@ -46,7 +48,11 @@ _BATCHES = flags.DEFINE_list(
     "batch_sizes", ["16", "32", "64", "128", "256", "512"], "--study=batch: global batches."
 )
 _TARGET = flags.DEFINE_float("target_loss", 2.6, "--study=batch: validation loss to reach.")
-_MAX_STEPS = flags.DEFINE_integer("max_steps", 400, "--study=batch: give up after this many steps.")
+_MAX_STEPS = flags.DEFINE_integer(
+    "max_steps",
+    400,
+    "--study=batch: give up after this many steps; --study=compression: steps run.",
+)
 _LAMB_LR = flags.DEFINE_float(
     "lamb_learning_rate",
     2e-2,
@@ -304,7 +310,42 @@ def study_batch(config) -> dict:
     return out
 
 
+# (label, grad_sync fields, train overrides, the uncompressed run it is compared with). topk and
+# sign run their methods' recipes: DGC's momentum correction (with density warm-up) and 1-bit
+# Adam's compressed momentum, both with momentum SGD; they are compared with uncompressed momentum
+# SGD at the same settings. The rest keep the config's optimizer (AdamW by default).
+_SGD = {"optimizer": "sgd", "momentum": 0.9}
+COMPRESSION_SETTINGS = [
+    ("none", {}, {}, "none"),
+    ("bf16", {"compression": "bf16"}, {}, "none"),
+    ("int8", {"compression": "int8"}, {}, "none"),
+    ("powersgd", {"compression": "powersgd", "rank": 2, "warmup_steps": 10}, {}, "none"),
+    ("local_sgd(H=4)", {"local_steps": 4}, {}, "none"),
+    ("none+sgd", {}, _SGD, "none+sgd"),
+    ("powersgd+sgd", {"compression": "powersgd", "rank": 2}, _SGD, "none+sgd"),
+    (
+        "topk(DGC)",
+        {
+            "compression": "topk",
+            "topk_ratio": 0.01,
+            "momentum_correction": True,
+            "warmup_steps": 20,
+        },
+        _SGD,
+        "none+sgd",
+    ),
+    ("sign(1-bit)", {"compression": "sign", "momentum_correction": True}, _SGD, "none+sgd"),
+]
+_METHODS = flags.DEFINE_list(
+    "methods", [], "--study=compression: run only these rows (labels as printed); default all."
+)
+_SGD_LR = flags.DEFINE_float(
+    "sgd_learning_rate", 0.3, "--study=compression: learning rate of the momentum-SGD runs."
+)
+
+
 def study_compression(config) -> dict:
+    """Bytes, step time and loss per compressor; --max_steps=0 compiles only (bytes, no loss)."""
     import jax
     import numpy as np
 
@@ -312,61 +353,85 @@ def study_compression(config) -> dict:
 
     ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
     m = mesh.make_mesh(config.mesh)
-    settings = [
-        ("none", {}),
-        ("bf16", {}),
-        ("int8", {}),
-        ("topk", {"topk_ratio": 0.01}),
-        ("powersgd", {"rank": 2}),
-        ("sign", {}),
-    ]
+    steps = _MAX_STEPS.value
     out = {
         "study": "compression",
         "device": jax.devices()[0].device_kind,
         "mesh": mesh.mesh_shape(m),
-        "steps": _MAX_STEPS.value,
+        "model": {k: config.model[k] for k in ("num_layers", "d_model", "seq_len")},
+        "global_batch": config.train.batch_size,
+        "steps": steps,
         "runs": [],
     }
     print(
-        f"{'compression':<12}{'wire/step':>12}{'ratio':>8}{'step ms':>9}{'loss':>9}{'vs none':>9}"
+        f"{'method':<16}{'wire/step':>12}{'ratio':>8}{'step ms':>9}{'loss':>9}{'vs base':>9}  base"
     )
-    base = None
-    for name, fields in settings:
+    wire_none, losses_of = None, {}
+    chosen = set(_METHODS.value)
+    unknown = chosen - {row[0] for row in COMPRESSION_SETTINGS}
+    if unknown:
+        raise ConfigError(
+            f"--methods: unknown {', '.join(sorted(unknown))}; valid: "
+            + ", ".join(row[0] for row in COMPRESSION_SETTINGS)
+        )
+    for label, fields, train_fields, base_label in COMPRESSION_SETTINGS:
+        if chosen and label not in chosen | {"none", base_label}:
+            continue
         cfg = config.copy_and_resolve_references()
         with cfg.unlocked():
-            cfg.grad_sync.compression = name
             cfg.grad_sync.error_feedback = True
-            cfg.train.steps = _MAX_STEPS.value
+            cfg.train.steps = max(steps, 1)
             for k, v in fields.items():
                 cfg.grad_sync[k] = v
+            for k, v in train_fields.items():
+                cfg.train[k] = v
+            if train_fields.get("optimizer") == "sgd":
+                cfg.train.learning_rate = _SGD_LR.value
         engine, batches = _build(cfg, m, ds)
         compiled = engine.train_step.lower(engine.abstract_state, batches.get(0)).compile()
         wire = sum(loop.layout_record(engine, compiled, cfg)["collective_bytes_per_step"].values())
-        state, times, losses = engine.init(), [], []
-        for step in range(_MAX_STEPS.value):
-            batch = batches.get(step)
-            t0 = time.perf_counter()
-            state, mets = compiled(state, batch)
-            jax.block_until_ready(mets)
-            times.append(time.perf_counter() - t0)
-            losses.append(float(mets["loss"]))
-        final = float(np.mean(losses[-10:]))  # last 10 steps: less batch noise than one
-        base = base or {"wire": wire, "loss": final}
+        if cfg.grad_sync.warmup_steps:  # the HLO charges the warm-up's dense branch: compile the
+            steady = cfg.copy_and_resolve_references()  # steady state without it for the bytes
+            with steady.unlocked():
+                steady.grad_sync.warmup_steps = 0
+            eng_s, _ = _build(steady, m, ds)
+            comp_s = eng_s.train_step.lower(eng_s.abstract_state, batches.get(0)).compile()
+            wire = sum(
+                loop.layout_record(eng_s, comp_s, steady)["collective_bytes_per_step"].values()
+            )
+        wire_none = wire_none or wire
         run = {
-            "compression": name,
-            **fields,
+            "method": label,
+            "grad_sync": fields,
+            "train": {**train_fields, **({"learning_rate": _SGD_LR.value} if train_fields else {})},
             "wire_bytes_per_step": wire,
-            "ratio": base["wire"] / wire,
-            "step_time_s": statistics.median(times[3:]),
-            "final_loss": final,
-            "loss_vs_none": final / base["loss"] - 1,
+            "ratio": wire_none / wire,
+            "baseline": base_label,
         }
+        if steps > 0:
+            state, times, losses = engine.init(), [], []
+            for step in range(steps):
+                batch = batches.get(step)
+                t0 = time.perf_counter()
+                state, mets = compiled(state, batch)
+                jax.block_until_ready(mets)
+                times.append(time.perf_counter() - t0)
+                losses.append(float(mets["loss"]))
+            final = float(np.mean(losses[-10:]))  # last 10 steps: less batch noise than one
+            losses_of[label] = final
+            run.update(
+                step_time_s=statistics.median(times[min(3, len(times) - 1) :]),
+                final_loss=final,
+                loss_vs_baseline=final / losses_of[base_label] - 1,
+            )
         out["runs"].append(run)
-        print(
-            f"{name:<12}{wire / 2**20:>10.2f}Mi{run['ratio']:>8.1f}{run['step_time_s'] * 1e3:>9.1f}"
-            f"{final:>9.3f}{run['loss_vs_none']:>+9.1%}",
-            flush=True,
+        timing = (
+            f"{run['step_time_s'] * 1e3:>9.1f}{run['final_loss']:>9.3f}"
+            f"{run['loss_vs_baseline']:>+9.1%}  {base_label}"
+            if steps > 0
+            else f"{'-':>9}{'-':>9}{'-':>9}"
         )
+        print(f"{label:<16}{wire / 2**20:>10.3f}Mi{run['ratio']:>8.1f}{timing}", flush=True)
     return out
 
 

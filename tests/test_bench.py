@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,3 +43,41 @@ def test_overhead_study_end_to_end(tmp_path):
     assert result["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "pipeline": 1}
     assert "mfu" not in result  # no peak FLOP/s for a CPU
     assert "ratio framework / hand-written" in proc.stdout
+
+
+def test_compression_study_end_to_end(tmp_path):
+    out = tmp_path / "compression.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench.py",
+            "--study=compression",
+            "--config.mesh.data=8",
+            "--config.mesh.fsdp=1",
+            "--config.mesh.tensor=1",
+            "--config.model.num_layers=1",
+            "--config.model.d_model=32",
+            "--config.model.seq_len=16",
+            "--config.train.batch_size=16",
+            "--config.data.max_bytes=200000",
+            "--max_steps=12",
+            "--methods=bf16,local_sgd(H=4),topk(DGC),sign(1-bit)",
+            f"--out={out}",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs["none"]["ratio"] == 1.0 and runs["none"]["loss_vs_baseline"] == 0.0
+    assert runs["bf16"]["ratio"] > 1.9 and runs["sign(1-bit)"]["ratio"] > 15
+    assert runs["local_sgd(H=4)"]["ratio"] > 3.5  # one parameter all-reduce every 4 steps
+    # Warm-ups are excluded from the bytes: the steady state is what the table reports.
+    assert runs["topk(DGC)"]["ratio"] > 5
+    assert set(runs) == {"none", "bf16", "local_sgd(H=4)", "none+sgd", "topk(DGC)", "sign(1-bit)"}
+    for r in runs.values():
+        assert np.isfinite(r["final_loss"]) and r["step_time_s"] > 0
+    assert runs["sign(1-bit)"]["baseline"] == "none+sgd"
