@@ -1,8 +1,16 @@
-"""Test setup: 8 simulated CPU devices, configured before any JAX backend starts."""
+"""Test setup: 8 simulated CPU devices, configured before any JAX backend starts.
+
+The whole session, subprocesses included (they inherit the environment), shares one persistent
+XLA compilation cache in a fresh temporary folder: many tests compile the same small programs, and
+a fresh folder per session means no result is ever carried over from an earlier run.
+"""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxdist-test-xla-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 

@@ -60,8 +60,8 @@ def test_compression_study_end_to_end(tmp_path):
             "--config.model.seq_len=16",
             "--config.train.batch_size=16",
             "--config.data.max_bytes=200000",
-            "--max_steps=12",
-            "--methods=bf16,local_sgd(H=4),topk(DGC),sign(1-bit)",
+            "--max_steps=4",
+            "--methods=local_sgd(H=4),topk(DGC),sign(1-bit)",
             f"--out={out}",
         ],
         cwd=ROOT,
@@ -73,11 +73,12 @@ def test_compression_study_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
     assert runs["none"]["ratio"] == 1.0 and runs["none"]["loss_vs_baseline"] == 0.0
-    assert runs["bf16"]["ratio"] > 1.9 and runs["sign(1-bit)"]["ratio"] > 15
+    assert runs["sign(1-bit)"]["ratio"] > 15
     assert runs["local_sgd(H=4)"]["ratio"] > 3.5  # one parameter all-reduce every 4 steps
-    # Warm-ups are excluded from the bytes: the steady state is what the table reports.
+    # Warm-ups are compiled out of the bytes: the steady state is what the table reports (the
+    # 1/4-density warm-up stage would cost more than `none`).
     assert runs["topk(DGC)"]["ratio"] > 5
-    assert set(runs) == {"none", "bf16", "local_sgd(H=4)", "none+sgd", "topk(DGC)", "sign(1-bit)"}
+    assert set(runs) == {"none", "local_sgd(H=4)", "none+sgd", "topk(DGC)", "sign(1-bit)"}
     for r in runs.values():
         assert np.isfinite(r["final_loss"]) and r["step_time_s"] > 0
     assert runs["sign(1-bit)"]["baseline"] == "none+sgd"
