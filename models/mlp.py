@@ -42,10 +42,14 @@ class MLP(nnx.Module):
 
     def loss(self, batch, *, remat: str = "none"):
         del remat
-        logits = self(batch["inputs"]).astype(jnp.float32)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-        acc = jnp.mean(jnp.argmax(logits, -1) == batch["targets"])
-        return loss, {"accuracy": acc}
+        return classification_loss(self(batch["inputs"]), batch["targets"])
+
+
+def classification_loss(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict]:
+    """Mean softmax cross-entropy in float32, and accuracy: the classifiers' `loss`."""
+    logits = logits.astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == targets)}
 
 
 def batch_axes(image_ndim: int = 3) -> dict[str, tuple]:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jaxdist.sharding import constrain
+from models.mlp import classification_loss
 
 _DN = ("NHWC", "HWIO", "NHWC")
 
@@ -77,7 +77,4 @@ class ResNet(nnx.Module):
 
     def loss(self, batch, *, remat: str = "none"):
         del remat
-        logits = self(batch["inputs"]).astype(jnp.float32)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-        acc = jnp.mean(jnp.argmax(logits, -1) == batch["targets"])
-        return loss, {"accuracy": acc}
+        return classification_loss(self(batch["inputs"]), batch["targets"])
