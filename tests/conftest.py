@@ -5,11 +5,16 @@ XLA compilation cache in a fresh temporary folder: many tests compile the same s
 a fresh folder per session means no result is ever carried over from an earlier run.
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxdist-test-xla-"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the session makes it
+    _cache = tempfile.mkdtemp(prefix="jaxdist-test-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
