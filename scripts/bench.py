@@ -47,6 +47,11 @@ _STUDY = flags.DEFINE_enum(
 _BATCHES = flags.DEFINE_list(
     "batch_sizes", ["16", "32", "64", "128", "256", "512"], "--study=batch: global batches."
 )
+_BASE_BATCH = flags.DEFINE_integer(
+    "base_batch_size",
+    0,
+    "--study=batch: the batch the learning rate is scaled from (0 = smallest).",
+)
 _TARGET = flags.DEFINE_float("target_loss", 2.6, "--study=batch: validation loss to reach.")
 _MAX_STEPS = flags.DEFINE_integer(
     "max_steps",
@@ -224,11 +229,12 @@ def study_batch(config) -> dict:
     from jaxdist import data, mesh
 
     sizes = [int(b) for b in _BATCHES.value]
+    base_batch = _BASE_BATCH.value or min(sizes)
     out = {
         "study": "batch",
         "device": jax.devices()[0].device_kind,
         "target_loss": _TARGET.value,
-        "base_batch_size": sizes[0],
+        "base_batch_size": base_batch,
         "runs": [],
     }
     ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
@@ -242,7 +248,7 @@ def study_batch(config) -> dict:
                 if opt == "lamb":
                     cfg.train.learning_rate = _LAMB_LR.value
                 cfg.train.batch_size = b
-                cfg.train.base_batch_size = sizes[0]
+                cfg.train.base_batch_size = base_batch
                 if cfg.train.lr_scaling == "none":
                     cfg.train.lr_scaling = "sqrt"
                 cfg.train.steps = _MAX_STEPS.value
