@@ -607,25 +607,41 @@ def _non_negative_int(value: Any, field: str, meaning: str) -> int:
     return value
 
 
+# Train-state subtrees that exist only with some grad_sync settings, with a leading replica axis.
+_PER_REPLICA = {"grad_sync": "grad_sync.compression", "local": "grad_sync.local_steps"}
+
+
+def _setting_hint(path: str) -> str | None:
+    field = _PER_REPLICA.get(path.split("/", 1)[0])
+    return f"keep the saved {field} or use a new workdir" if field else None
+
+
 def _check_matches(saved: Mapping[str, Any], expected: Mapping[str, Any], where: str) -> None:
     """ConfigError naming the first array whose path, shape or dtype differs from the model's."""
     for path, want in expected.items():
         if path not in saved:
+            hint = _setting_hint(path) or "a different model?"
             raise ConfigError(
                 f"{where} has no array {path}, which the model expects as "
-                f"{_fmt_array(want.shape, want.dtype)} (a different model?)"
+                f"{_fmt_array(want.shape, want.dtype)} ({hint})"
             )
         have_shape, have_dtype = _shape_of(saved[path]), _dtype_of(saved[path])
         if have_shape != tuple(want.shape) or have_dtype != np.dtype(want.dtype):
+            hint = ""
+            if _setting_hint(path) and have_shape[1:] == tuple(want.shape)[1:] and have_shape:
+                hint = (
+                    f" (per-replica state of {have_shape[0]} data-parallel replicas: resume with "
+                    f"{have_shape[0]}, or use a new workdir)"
+                )
             raise ConfigError(
                 f"{where}: {path} is saved as {_fmt_array(have_shape, have_dtype)} "
-                f"but the model expects {_fmt_array(want.shape, want.dtype)}"
+                f"but the model expects {_fmt_array(want.shape, want.dtype)}{hint}"
             )
     extra = [path for path in saved if path not in expected]
     if extra:
+        hint = _setting_hint(extra[0]) or "a different model?"
         raise ConfigError(
-            f"{where} has array {extra[0]} that the model lacks ({len(extra)} "
-            "such; a different model?)"
+            f"{where} has array {extra[0]} that the model lacks ({len(extra)} such; {hint})"
         )
 
 

@@ -283,6 +283,21 @@ def test_verify_reports_non_finite_values(tmp_path):
     assert report.problems == ["params/dense/b has non-finite values (1 of 64)"]
 
 
+def test_per_replica_state_mismatch_says_which_setting_and_replica_count():
+    """Compression and local SGD state has a leading replica axis: the error says how to resume."""
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    saved = {"params/w": f32(4, 3), "grad_sync/residual/w": f32(8, 4, 3)}
+    expected = {"params/w": f32(4, 3), "grad_sync/residual/w": f32(4, 4, 3)}
+    with pytest.raises(ConfigError, match="state of 8 data-parallel replicas: resume with 8"):
+        checkpoint._check_matches(saved, expected, "ckpt")
+    with pytest.raises(ConfigError, match="keep the saved grad_sync.compression"):
+        checkpoint._check_matches(saved, {"params/w": f32(4, 3)}, "ckpt")
+    with pytest.raises(ConfigError, match="keep the saved grad_sync.local_steps"):
+        checkpoint._check_matches(saved, {**saved, "local/params/w": f32(8, 4, 3)}, "ckpt")
+    with pytest.raises(ConfigError, match="a different model"):
+        checkpoint._check_matches(saved, {**saved, "params/b": f32(3)}, "ckpt")
+
+
 def test_check_config_compatible_names_the_first_differing_field():
     checkpoint.check_config_compatible(CONFIG, {**CONFIG, "train": {"steps": 99}})
     checkpoint.check_config_compatible(None, CONFIG)
