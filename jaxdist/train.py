@@ -256,6 +256,19 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
             config, mesh, lambda p: _merge(graphdef, template, p), param_axes, batch_axes
         )
 
+    def add_per_replica_state(key: str, abstract: Any) -> None:
+        """state[key]: leaves [R, ...] over `data`, sharded like their parameters on the rest."""
+        from jaxdist import compression
+
+        param_specs = jax.tree.map(lambda s: s.spec, param_shardings)
+        specs = compression.state_partition_spec(abstract, ("data",), abstract_params, param_specs)
+        state_shardings[key] = jax.tree.map(lambda sp: NamedSharding(mesh, sp), specs)
+        abstract_state[key] = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract,
+            state_shardings[key],
+        )
+
     # Explicit gradient synchronisation (jaxdist/compression.py): per-replica gradients inside a
     # shard_map over `data`, reduced by the configured compressor; fsdp/tensor stay automatic.
     sync = None
@@ -279,23 +292,16 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
             return loss, grads
 
         sync = collectives.sync_grads(local_grads, tx_sync, mesh, data_axes)
-        abstract_sync = jax.eval_shape(
-            lambda p: compression.init_global(tx_sync, p, mesh, data_axes), abstract_params
-        )
-        param_specs = jax.tree.map(lambda s: s.spec, param_shardings)
-        sync_specs = compression.state_partition_spec(
-            abstract_sync, data_axes, abstract_params, param_specs
-        )
-        state_shardings["grad_sync"] = jax.tree.map(lambda sp: NamedSharding(mesh, sp), sync_specs)
-        abstract_state["grad_sync"] = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            abstract_sync,
-            state_shardings["grad_sync"],
+        add_per_replica_state(
+            "grad_sync",
+            jax.eval_shape(
+                lambda p: compression.init_global(tx_sync, p, mesh, data_axes), abstract_params
+            ),
         )
 
     local = None
     if local_steps > 1:
-        from jaxdist import collectives, compression
+        from jaxdist import collectives
 
         data_axes = ("data",)
 
@@ -305,16 +311,8 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
 
         local = collectives.local_sgd(replica_grads, tx, mesh, data_axes, local_steps, outer_tx)
         abstract_ls = jax.eval_shape(local.init, abstract_params)
-        abstract_local = {"params": abstract_ls.local_params, "opt_state": abstract_ls.inner_state}
-        param_specs = jax.tree.map(lambda s: s.spec, param_shardings)
-        local_specs = compression.state_partition_spec(
-            abstract_local, data_axes, abstract_params, param_specs
-        )
-        state_shardings["local"] = jax.tree.map(lambda sp: NamedSharding(mesh, sp), local_specs)
-        abstract_state["local"] = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            abstract_local,
-            state_shardings["local"],
+        add_per_replica_state(
+            "local", {"params": abstract_ls.local_params, "opt_state": abstract_ls.inner_state}
         )
 
     def train_step(state: State, batch: Batch) -> tuple[State, dict]:
