@@ -288,25 +288,25 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
             config.grad_sync.warmup_steps >= 0,
             f"grad_sync.warmup_steps={config.grad_sync.warmup_steps} must be >= 0",
         )
-        if config.grad_sync.momentum_correction:
-            _need(
-                config.grad_sync.compression in ("topk", "sign"),
-                "grad_sync.momentum_correction applies to compression='topk' (DGC) or 'sign' "
-                f"(1-bit Adam), not {config.grad_sync.compression!r}",
-            )
-            _need(
-                config.train.optimizer == "sgd" and config.train.momentum > 0,
-                "grad_sync.momentum_correction moves the SGD momentum into the compressor: it "
-                f"needs train.optimizer='sgd' with train.momentum > 0, not "
-                f"{config.train.optimizer!r} with momentum {config.train.momentum}",
-            )
-            _need(
-                config.grad_sync.error_feedback,
-                "grad_sync.momentum_correction needs grad_sync.error_feedback=True",
-            )
         _need(
             0 < config.grad_sync.topk_ratio <= 1,
             f"grad_sync.topk_ratio={config.grad_sync.topk_ratio} must be in (0, 1]",
+        )
+    if config.grad_sync.momentum_correction:
+        _need(
+            config.grad_sync.compression in ("topk", "sign"),
+            "grad_sync.momentum_correction applies to compression='topk' (DGC) or 'sign' "
+            f"(1-bit Adam), not {config.grad_sync.compression!r}",
+        )
+        _need(
+            config.train.optimizer == "sgd" and config.train.momentum > 0,
+            "grad_sync.momentum_correction moves the SGD momentum into the compressor: it "
+            f"needs train.optimizer='sgd' with train.momentum > 0, not "
+            f"{config.train.optimizer!r} with momentum {config.train.momentum}",
+        )
+        _need(
+            config.grad_sync.error_feedback,
+            "grad_sync.momentum_correction needs grad_sync.error_feedback=True",
         )
     _choice(config, "grad_sync.outer_optimizer", ("average", "nesterov"))
     if config.grad_sync.local_steps > 1:
@@ -324,7 +324,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
         _need(
             mesh["pipeline"] == 1 and sum(mesh[a] > 1 for a in ("fsdp", "tensor")) <= 1,
             f"grad_sync.local_steps={g.local_steps} supports data with at most one of fsdp, "
-            "tensor and no pipeline (the same XLA SPMD partitioner limit as compression)",
+            "tensor (XLA SPMD partitioner limit, as for compression) and no pipeline",
         )
         _need(g.outer_learning_rate > 0, "grad_sync.outer_learning_rate must be > 0")
         _need(0 <= g.outer_momentum < 1, "grad_sync.outer_momentum must be in [0, 1)")

@@ -300,9 +300,7 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         )
 
     local = None
-    if local_steps > 1:
-        from jaxdist import collectives
-
+    if local_steps > 1:  # (collectives is imported above, with outer_tx)
         data_axes = ("data",)
 
         def replica_grads(params, local_batch):

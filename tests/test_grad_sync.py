@@ -155,3 +155,8 @@ def test_momentum_correction_is_validated():
     )
     with pytest.raises(ConfigError, match="'topk' .DGC. or 'sign'"):
         config_lib.validate(c, 8)
+    c = convergence_config(
+        "none", **{"train.optimizer": "sgd", "grad_sync.momentum_correction": True}
+    )
+    with pytest.raises(ConfigError, match="'topk' .DGC. or 'sign'"):
+        config_lib.validate(c, 8)  # without a compressor it would be silently ignored
