@@ -71,6 +71,9 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
     if config.model.name == "gpt":
         record["tokens_per_step"] = config.train.batch_size * config.model.seq_len
         record["flops_per_token"] = flops_per_token(engine, config)
+    if config.model.name == "gpt" and local_steps == 1:
+        # The planner models one optimizer state per parameter shard; local SGD keeps an outer
+        # state plus a copy of the model and optimizer per replica, which it does not model.
         from jaxdist import plan
 
         predicted = plan.predict(config, num_devices=engine.mesh.size).memory

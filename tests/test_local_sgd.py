@@ -82,6 +82,7 @@ def test_local_sgd_sends_parameters_once_every_h_steps():
     total = sum(record["collective_bytes_per_step"].values())
     assert total == pytest.approx(averaged / h + every_step, rel=1e-6)
     assert record["local_steps"] == h and record["bytes_per_device"]["local_state"] > 0
+    assert "predicted_bytes_per_device" not in record  # the planner does not model local SGD
 
 
 def test_diloco_with_fsdp_trains():
