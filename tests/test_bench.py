@@ -11,32 +11,32 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "--config.model.num_layers=1",
+    "--config.model.d_model=32",
+    "--config.model.seq_len=16",
+    "--config.train.batch_size=16",
+    "--config.data.max_bytes=200000",
+]
+
+
+def run_bench(*flags: str) -> subprocess.CompletedProcess:
+    """scripts/bench.py on the tiny GPT with `flags`; fails the test unless it exits 0."""
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench.py", *TINY, *flags],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
 
 
 def test_overhead_study_end_to_end(tmp_path):
     out = tmp_path / "bench.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "scripts/bench.py",
-            "--config.model.num_layers=1",
-            "--config.model.d_model=32",
-            "--config.model.seq_len=16",
-            "--config.train.batch_size=16",
-            "--config.data.max_bytes=200000",
-            "--steps=3",
-            "--warmup=1",
-            "--repeats=1",
-            f"--out={out}",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_bench(f"--out={out}", "--steps=3", "--warmup=1", "--repeats=1")
     result = json.loads(out.read_text())
     assert result["study"] == "overhead" and result["framework"]["n"] == 3
     assert result["ratio"] == result["framework"]["median_s"] / result["hand_written"]["median_s"]
@@ -47,30 +47,15 @@ def test_overhead_study_end_to_end(tmp_path):
 
 def test_compression_study_end_to_end(tmp_path):
     out = tmp_path / "compression.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "scripts/bench.py",
-            "--study=compression",
-            "--config.mesh.data=8",
-            "--config.mesh.fsdp=1",
-            "--config.mesh.tensor=1",
-            "--config.model.num_layers=1",
-            "--config.model.d_model=32",
-            "--config.model.seq_len=16",
-            "--config.train.batch_size=16",
-            "--config.data.max_bytes=200000",
-            "--max_steps=4",
-            "--methods=local_sgd(H=4),topk(DGC),sign(1-bit)",
-            f"--out={out}",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run_bench(
+        f"--out={out}",
+        "--study=compression",
+        "--config.mesh.data=8",
+        "--config.mesh.fsdp=1",
+        "--config.mesh.tensor=1",
+        "--max_steps=4",
+        "--methods=local_sgd(H=4),topk(DGC),sign(1-bit)",
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
     runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
     assert runs["none"]["ratio"] == 1.0 and runs["none"]["loss_vs_baseline"] == 0.0
     assert runs["sign(1-bit)"]["ratio"] > 15
