@@ -29,8 +29,24 @@ from jaxdist.compression import (
 GradFn = Callable[[Any, Any], tuple[jax.Array, Any]]
 
 
+def _only(spec: P, axes: set[str]) -> P:
+    """`spec` with every mesh axis outside `axes` dropped (a shard_map names only its manual axes)."""
+    out = []
+    for entry in spec:
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in axes)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*out)
+
+
 def sync_grads(
-    grad_fn: GradFn, tx_sync: optax.GradientTransformation, mesh: Mesh, data_axes: AxisName
+    grad_fn: GradFn,
+    tx_sync: optax.GradientTransformation,
+    mesh: Mesh,
+    data_axes: AxisName,
+    *,
+    layer_axes: tuple[str, ...] = (),
+    param_specs: Any = None,
+    state_specs: Any = None,
 ) -> Callable[[Any, Any, Any], tuple[jax.Array, Any, Any]]:
     """Per-replica gradients, reduced over `data_axes` by `tx_sync`.
 
@@ -39,6 +55,13 @@ def sync_grads(
       tx_sync: a compressor from `jaxdist.compression` built with `axis_name=data_axes`.
       mesh: the device mesh.
       data_axes: the data-parallel mesh axes (a name or tuple of names).
+      layer_axes: mesh axes that shard only the leading stacked-layer axes of the parameters
+        (`pipeline`). The compressor then runs in a second shard_map, manual over these too, so
+        each device compresses and exchanges only its own layers: XLA's partitioner replicates
+        automatic axes around a collective in a partially manual region, so on an automatic
+        `pipeline` every stage would gather and send all layers. Needs the compressor built with
+        per-layer `batch_dims`, and
+      param_specs, state_specs: the PartitionSpecs of the parameters and of the global sync state.
 
     Returns:
       `step(params, batch, sync_state) -> (loss, grads, sync_state)`: params replicated over the
@@ -50,18 +73,55 @@ def sync_grads(
     axes = _axes(data_axes)
     lead = P(_data_spec(axes))
 
-    def body(params, batch, state):
-        loss, grads = grad_fn(replica_local(params, axes), batch)
-        grads, state = tx_sync.update(grads, state, params)
-        return jax.lax.pmean(loss, axes), grads, state
+    if not layer_axes:
 
-    return jax.shard_map(
-        body,
+        def body(params, batch, state):
+            loss, grads = grad_fn(replica_local(params, axes), batch)
+            grads, state = tx_sync.update(grads, state, params)
+            return jax.lax.pmean(loss, axes), grads, state
+
+        return jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(), lead, lead),
+            out_specs=(P(), P(), lead),
+            axis_names=set(axes),
+        )
+
+    manual = set(axes) | set(layer_axes)
+
+    def local_grads(params, batch):
+        loss, grads = grad_fn(replica_local(params, axes), batch)
+        return jax.lax.pmean(loss, axes), _stacked(grads)
+
+    grads_of = jax.shard_map(
+        local_grads,
         mesh=mesh,
-        in_specs=(P(), lead, lead),
-        out_specs=(P(), P(), lead),
+        in_specs=(P(), lead),
+        out_specs=(P(), lead),
         axis_names=set(axes),
     )
+    g_specs = jax.tree.map(lambda sp: _only(P(_data_spec(axes), *sp), manual), param_specs)
+    mean_specs = jax.tree.map(lambda sp: _only(sp, manual), param_specs)
+    s_specs = jax.tree.map(lambda sp: _only(sp, manual), state_specs)
+
+    def reduce(grads, state):
+        return tx_sync.update(_local(grads), state)
+
+    reduce_of = jax.shard_map(
+        reduce,
+        mesh=mesh,
+        in_specs=(g_specs, s_specs),
+        out_specs=(mean_specs, s_specs),
+        axis_names=manual,
+    )
+
+    def step(params, batch, state):
+        loss, grads = grads_of(params, batch)
+        grads, state = reduce_of(grads, state)
+        return loss, grads, state
+
+    return step
 
 
 class LocalSGDState(NamedTuple):

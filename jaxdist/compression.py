@@ -26,7 +26,6 @@ See docs/COMPRESSION.md for when to use which.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -91,6 +90,26 @@ def _stacked(state: Any) -> Any:
     return jax.tree.map(lambda x: x[None], state)
 
 
+def _leaf_batch_dims(batch_dims: Any, treedef: Any, n: int) -> list[int]:
+    """Per leaf, how many leading stacked-layer axes it has (`batch_dims`: None, an int or a tree)."""
+    if batch_dims is None or isinstance(batch_dims, int):
+        return [batch_dims or 0] * n
+    return list(treedef.flatten_up_to(batch_dims))
+
+
+def _per_layer(fn: Any, batch_dims: int) -> Any:
+    """`fn` on one layer's slice, mapped over `batch_dims` leading stacked-layer axes.
+
+    Compressing each layer of a stacked `[L, ...]` tensor on its own keeps the layer axis where it
+    is: when the pipeline axis shards it, every stage compresses and exchanges only its own layers
+    (flattening the whole tensor would gather it first). It is also what per-tensor methods mean
+    for a model whose layers are separate tensors (DGC's top-k, per-layer scales).
+    """
+    for _ in range(batch_dims):
+        fn = jax.vmap(fn)
+    return fn
+
+
 def _is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
@@ -141,14 +160,17 @@ def _from_bf16_bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16).astype(jnp.float32)
 
 
-def bf16(axis_name: AxisName, two_phase: bool = True) -> optax.GradientTransformation:
+def bf16(
+    axis_name: AxisName, two_phase: bool = True, batch_dims: Any = None
+) -> optax.GradientTransformation:
     """bfloat16 on the wire, f32 accumulation: 2x fewer bytes than `none`.
 
     With `two_phase` (default), per tensor: cast to bf16, all-to-all so replica j receives every
     replica's bf16 shard j, sum those in f32, cast the mean to bf16, all-gather. Only the inputs
     and the result are rounded. The bf16 travels bitcast to uint16, since XLA:CPU widens bf16
     collectives to f32. `two_phase=False` is one bf16 psum: f32 on the wire on CPU, bf16 on GPUs
-    (NCCL), where it also accumulates in bf16.
+    (NCCL), where it also accumulates in bf16. `batch_dims` (an int or a tree like the params)
+    marks leading stacked-layer axes: each layer is cut into shards on its own.
     """
 
     def update(grads, state, params=None):
@@ -166,7 +188,9 @@ def bf16(axis_name: AxisName, two_phase: bool = True) -> optax.GradientTransform
             mean = jnp.sum(_from_bf16_bits(x), axis=0) / r  # [1, shard], this replica's part
             return _from_rows(_from_bf16_bits(_gather(_bf16_bits(mean), axis_name)), g)
 
-        return jax.tree.map(one, grads), state
+        leaves, treedef = jax.tree.flatten(grads)
+        dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
+        return treedef.unflatten([_per_layer(one, b)(g) for g, b in zip(leaves, dims)]), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
@@ -204,7 +228,11 @@ class Int8State(NamedTuple):
 
 
 def int8(
-    axis_name: AxisName, chunk: int = 256, stochastic_rounding: bool = False, seed: int = 0
+    axis_name: AxisName,
+    chunk: int = 256,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    batch_dims: Any = None,
 ) -> optax.GradientTransformation:
     """Two-phase int8 all-reduce (reduce-scatter then all-gather), int8 on the wire in both phases.
 
@@ -212,6 +240,8 @@ def int8(
     all-to-all so replica j receives every replica's int8 copy of shard j; dequantize and average;
     re-quantize the averaged shard; all-gather int8 + scales; dequantize. Wire: ~(1 + 4 / chunk)
     bytes per element per phase against 4 for an f32 ring all-reduce: ~3.9x fewer at chunk=256.
+    `batch_dims` (an int or a tree like the params) marks leading stacked-layer axes: each layer
+    is cut into shards on its own.
     """
     if chunk <= 0:
         raise ValueError(f"int8: chunk={chunk} must be > 0")
@@ -226,21 +256,26 @@ def int8(
         key = jax.random.wrap_key_data(state.key[0])
         replica_key = jax.random.fold_in(key, jax.lax.axis_index(_axes(axis_name)))
         leaves, treedef = jax.tree.flatten(grads)
-        out = []
-        for i, g in enumerate(leaves):
-            if not _is_float(g):
-                out.append(g)
-                continue
-            k1, k2 = jax.random.split(jax.random.fold_in(replica_key, i))
-            if not stochastic_rounding:
-                k1 = k2 = None
+
+        def one(g, key):
+            k1, k2 = jax.random.split(key) if stochastic_rounding else (None, None)
             shard, c = shard_layout(g.size, r, chunk)
             q, scale = quantize_int8(_to_rows(g, r, shard, c), k1)  # [R, s/c, c], [R, s/c]
             q, scale = _all_to_all(q, axis_name), _all_to_all(scale, axis_name)
             mean = jnp.sum(dequantize_int8(q, scale), axis=0) / r  # [s/c, c]: my shard
             q2, scale2 = quantize_int8(mean, k2)
             full = dequantize_int8(_gather(q2, axis_name), _gather(scale2, axis_name))
-            out.append(_from_rows(full, g))
+            return _from_rows(full, g)
+
+        out = []
+        dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
+        for i, (g, b) in enumerate(zip(leaves, dims)):
+            if not _is_float(g):
+                out.append(g)
+                continue
+            lead = g.shape[:b]
+            keys = jax.random.split(jax.random.fold_in(replica_key, i), math.prod(lead))
+            out.append(_per_layer(one, b)(g, keys.reshape(*lead, *keys.shape[1:])))
         new_key = jax.random.key_data(jax.random.split(key)[0])
         return treedef.unflatten(out), Int8State(new_key[None])
 
@@ -278,6 +313,7 @@ def topk(
     momentum_correction: bool = False,
     momentum: float = 0.9,
     warmup_steps: int = 0,
+    batch_dims: Any = None,
 ) -> optax.GradientTransformation:
     """Per-tensor top-k sparsification by magnitude (Deep Gradient Compression).
 
@@ -287,6 +323,8 @@ def topk(
     u <- m u + g is accumulated instead of the gradient and zeroed where sent (DGC); follow it with
     momentum-free SGD. With `warmup_steps` the density steps down 1, 1/4, 1/16, ... to `ratio`
     over that many steps. Wire: R k 8 bytes gathered vs 8 size for f32: ~1 / (R ratio) x fewer.
+    `batch_dims` (an int or a tree like the params) marks leading stacked-layer axes: each layer
+    is a tensor of its own, with its own k.
     """
     if not 0 < ratio <= 1:
         raise ValueError(f"topk: ratio={ratio} must be in (0, 1]")
@@ -324,19 +362,15 @@ def topk(
         if len(densities) > 1:
             per = max(1, warmup_steps // (len(densities) - 1))
             stage = jnp.minimum(count // per, len(densities) - 1)
-        out, new_res, new_vel = [], [], []
-        for g, e, u in zip(leaves, res, vel, strict=True):
-            if not _is_float(g):
-                out.append(g)
-                new_res.append(e)
-                new_vel.append(u)
-                continue
+
+        def one(g, e, u):
+            """One layer: g its gradient, e / u its residual and velocity (or None)."""
             flat = g.reshape(-1).astype(jnp.float32)
             if u is not None:  # DGC: accumulate the locally momentum-corrected gradient
-                u = momentum * u[0].reshape(-1).astype(jnp.float32) + flat
-                acc = e[0].reshape(-1).astype(jnp.float32) + u
+                u = momentum * u.reshape(-1) + flat
+                acc = e.reshape(-1) + u
             elif e is not None:
-                acc = e[0].reshape(-1).astype(jnp.float32) + flat
+                acc = e.reshape(-1) + flat
             else:
                 acc = flat
             ks = [_topk_k(d, flat.size) for d in densities]
@@ -346,9 +380,26 @@ def topk(
                 mean, left, v = branches[0](acc, v)
             else:
                 mean, left, v = jax.lax.switch(stage, branches, acc, v)
-            out.append(mean.reshape(g.shape).astype(g.dtype))
-            new_res.append(None if e is None else left.reshape(e.shape).astype(e.dtype))
-            new_vel.append(None if u is None else v.reshape(e.shape).astype(e.dtype))
+            left = None if e is None else left.reshape(g.shape)
+            return (
+                mean.reshape(g.shape).astype(g.dtype),
+                left,
+                None if u is None else v.reshape(g.shape),
+            )
+
+        out, new_res, new_vel = [], [], []
+        dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
+        for g, e, u, b in zip(leaves, res, vel, dims, strict=True):
+            if not _is_float(g):
+                out.append(g)
+                new_res.append(e)
+                new_vel.append(u)
+                continue
+            e0, u0 = (None if x is None else x[0].astype(jnp.float32) for x in (e, u))
+            mean, left, v = _per_layer(one, b)(g, e0, u0)
+            out.append(mean)
+            new_res.append(None if e is None else left[None].astype(e.dtype))
+            new_vel.append(None if u is None else v[None].astype(u.dtype))
         residual = treedef.unflatten(new_res) if error_feedback else None
         velocity = treedef.unflatten(new_vel) if momentum_correction else None
         return treedef.unflatten(out), TopKState(state.count + 1, residual, velocity)
@@ -522,6 +573,7 @@ def sign(
     momentum_correction: bool = False,
     momentum: float = 0.9,
     start_step: int = 0,
+    batch_dims: Any = None,
 ) -> optax.GradientTransformation:
     """Two-phase 1-bit reduction with worker- and server-side error feedback (1-bit Adam style).
 
@@ -537,23 +589,26 @@ def sign(
     synchronized (compressed) momentum, the same on every replica, and the result is the new m.
     Follow it with momentum-free SGD. Without it, scaled signs of raw gradients are slow to
     converge (docs/COMPRESSION.md). The first `start_step` steps send an exact f32 pmean of the
-    same quantity instead (1-bit Adam's full-precision warm-up).
+    same quantity instead (1-bit Adam's full-precision warm-up). `batch_dims` (an int or a tree
+    like the params) marks leading stacked-layer axes: each layer is cut into shards on its own,
+    and the server residual of a leaf [L, ...] is [L, s].
     """
     if chunk <= 0 or chunk % 8:
         raise ValueError(f"sign: chunk={chunk} must be a positive multiple of 8")
 
     def init(params):
         r = num_replicas(axis_name)
+        leaves, treedef = jax.tree.flatten(params)
+        dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
 
         def worker(p):
             return jnp.zeros((1, *p.shape), jnp.float32) if _is_float(p) else None
 
-        def server(p):
-            return (
-                jnp.zeros((1, shard_layout(p.size, r, chunk, 8)[0]), jnp.float32)
-                if _is_float(p)
-                else None
-            )
+        def server(p, b):
+            if not _is_float(p):
+                return None
+            shard = shard_layout(math.prod(p.shape[b:]), r, chunk, 8)[0]
+            return jnp.zeros((1, *p.shape[:b], shard), jnp.float32)
 
         momentum_buf = jax.tree.map(worker, params) if momentum_correction else None
         if not error_feedback:
@@ -561,7 +616,7 @@ def sign(
         return SignState(
             jnp.zeros((1,), jnp.int32),
             jax.tree.map(worker, params),
-            jax.tree.map(server, params),
+            treedef.unflatten([server(p, b) for p, b in zip(leaves, dims)]),
             momentum_buf,
         )
 
@@ -591,7 +646,8 @@ def sign(
         ss = treedef.flatten_up_to(state.server) if error_feedback else [None] * len(leaves)
         vs = treedef.flatten_up_to(state.momentum) if momentum_correction else [None] * len(leaves)
         out, new_w, new_s, new_v = [], [], [], []
-        for g, ew, es, u in zip(leaves, ws, ss, vs, strict=True):
+        dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
+        for g, ew, es, u, b in zip(leaves, ws, ss, vs, dims, strict=True):
             if not _is_float(g):
                 out.append(g)
                 new_w.append(ew)
@@ -605,15 +661,18 @@ def sign(
                 acc = acc + ew[0]
             es0 = None if es is None else es[0]
 
-            def dense(acc, es0, g=g):
-                mean = jax.lax.pmean(acc, _axes(axis_name)).astype(g.dtype)
+            def dense(acc, es0, like):
+                mean = jax.lax.pmean(acc, _axes(axis_name)).astype(like.dtype)
                 return mean, jnp.zeros_like(acc), es0
 
-            if start_step > 0:
-                sparse = functools.partial(compressed, like=g)
-                mean, w, s = jax.lax.cond(state.count[0] < start_step, dense, sparse, acc, es0)
-            else:
-                mean, w, s = compressed(acc, es0, g)
+            def one(acc, es0, like):
+                if start_step > 0:
+                    return jax.lax.cond(
+                        state.count[0] < start_step, dense, compressed, acc, es0, like
+                    )
+                return compressed(acc, es0, like)
+
+            mean, w, s = _per_layer(one, b)(acc, es0, g)
             out.append(mean)
             new_v.append(None if u is None else mean.astype(jnp.float32)[None])
             new_w.append(None if ew is None else w[None])
@@ -642,7 +701,8 @@ def from_config(
     (topk), `error_feedback` (topk, powersgd, sign), `warmup_steps` (topk: density warm-up;
     powersgd: `start_iter`; sign: `start_step`) and `momentum_correction` (topk, sign: the SGD
     `momentum` is applied inside the compressor); accepts a ConfigDict or a plain dict.
-    `batch_dims` (a tree like the params) marks stacked-layer axes for PowerSGD.
+    `batch_dims` (a tree like the params) marks stacked-layer axes: every compressor treats each
+    layer as a tensor of its own.
 
     Raises:
       ConfigError: an unknown compressor, `rank` <= 0, `topk_ratio` outside (0, 1],
@@ -669,9 +729,9 @@ def from_config(
     if name == "none":
         return none(axis_name)
     if name == "bf16":
-        return bf16(axis_name)
+        return bf16(axis_name, batch_dims=batch_dims)
     if name == "int8":
-        return int8(axis_name)
+        return int8(axis_name, batch_dims=batch_dims)
     if name == "sign":
         return sign(
             axis_name,
@@ -679,6 +739,7 @@ def from_config(
             momentum_correction=mc,
             momentum=momentum,
             start_step=int(warmup),
+            batch_dims=batch_dims,
         )
     if name == "topk":
         ratio = get("topk_ratio", 0.01)
@@ -691,6 +752,7 @@ def from_config(
             momentum_correction=mc,
             momentum=momentum,
             warmup_steps=int(warmup),
+            batch_dims=batch_dims,
         )
     rank = get("rank", 2)
     if not isinstance(rank, int | np.integer) or rank <= 0:
@@ -721,7 +783,11 @@ def init_global(
 
 
 def state_partition_spec(
-    state: Any, data_axes: AxisName, params: Any = None, param_specs: Any = None
+    state: Any,
+    data_axes: AxisName,
+    params: Any = None,
+    param_specs: Any = None,
+    batch_dims: Any = None,
 ) -> Any:
     """PartitionSpecs for the global sync state: `P(data_axes, ...)` on every leaf.
 
@@ -731,7 +797,10 @@ def state_partition_spec(
       params, param_specs: optional; parameter-shaped subtrees of the state (residuals, where
         leaves may be None) then get `P(data_axes, *param_spec)`, sharded like their parameters on
         the fsdp/tensor axes. Other leaves (PowerSGD Q, sign server residuals, counters, keys) are
-        replicated beyond the leading axis.
+        replicated beyond the leading axis, except that with
+      batch_dims (a tree of ints like the params: leading stacked-layer axes), per-layer state of a
+        leaf with b > 0 such axes ([R, L, ...], as PowerSGD's Q and sign's server residual) is
+        sharded like the parameter's layer axes, e.g. over `pipeline`.
     """
     lead = _data_spec(data_axes)
 
@@ -757,7 +826,33 @@ def state_partition_spec(
             for leaf, shape in zip(leaves, pshapes, strict=True)
         )
 
+    dims = None if batch_dims is None else _leaf_batch_dims(batch_dims, pdef, len(pshapes))
+
+    def per_layer(x):
+        """A subtree structured like params whose leaves start [1, *the param's layer axes]."""
+        if dims is None or x is None or isinstance(x, jax.ShapeDtypeStruct | jax.Array):
+            return False
+        try:
+            leaves = pdef.flatten_up_to(x)
+        except (ValueError, TypeError):
+            return False
+        pairs = [(leaf, shape, b) for leaf, shape, b in zip(leaves, pshapes, dims, strict=True)]
+        layered = [(leaf, shape, b) for leaf, shape, b in pairs if leaf is not None and b > 0]
+        return bool(layered) and all(
+            hasattr(leaf, "shape") and tuple(leaf.shape[1 : 1 + b]) == shape[:b]
+            for leaf, shape, b in layered
+        )
+
     def spec(x):
+        if per_layer(x) and not params_like(x):
+            out = []
+            for leaf, pspec, b in zip(pdef.flatten_up_to(x), pspecs, dims, strict=True):
+                if leaf is None:
+                    out.append(None)
+                    continue
+                layers = (tuple(pspec) + (None,) * b)[:b]
+                out.append(P(lead, *layers, *(None,) * (leaf.ndim - 1 - b)))
+            return pdef.unflatten(out)
         if not params_like(x):
             return replicated(x)
         out = []
@@ -766,4 +861,4 @@ def state_partition_spec(
             out.append(None if leaf is None else P(lead, *rest))
         return pdef.unflatten(out)
 
-    return jax.tree.map(spec, state, is_leaf=params_like)
+    return jax.tree.map(spec, state, is_leaf=lambda x: params_like(x) or per_layer(x))

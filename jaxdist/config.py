@@ -276,12 +276,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
         _need(
             len(others) <= 1,
             f"grad_sync.compression with mesh axes {'×'.join(['data', *others])} > 1 is not "
-            "supported (XLA SPMD partitioner limit); combine data with at most one of fsdp, tensor",
-        )
-        _need(
-            mesh["pipeline"] == 1,
-            "grad_sync.compression with mesh.pipeline > 1 is not supported yet (the pipeline "
-            "already reduces stage gradients over data inside its own shard_map); use compression='none'",
+            "supported (XLA SPMD partitioner limit); combine data with at most one of fsdp, "
+            "tensor, pipeline",
         )
         _need(config.grad_sync.rank > 0, f"grad_sync.rank={config.grad_sync.rank} must be > 0")
         _need(
@@ -322,9 +318,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
             f"grad_sync.compression='none' (not {g.compression!r})",
         )
         _need(
-            mesh["pipeline"] == 1 and sum(mesh[a] > 1 for a in ("fsdp", "tensor")) <= 1,
+            sum(mesh[a] > 1 for a in ("fsdp", "tensor", "pipeline")) <= 1,
             f"grad_sync.local_steps={g.local_steps} supports data with at most one of fsdp, "
-            "tensor (XLA SPMD partitioner limit, as for compression) and no pipeline",
+            "tensor, pipeline (XLA SPMD partitioner limit, as for compression)",
         )
         _need(g.outer_learning_rate > 0, "grad_sync.outer_learning_rate must be > 0")
         _need(0 <= g.outer_momentum < 1, "grad_sync.outer_momentum must be in [0, 1)")

@@ -501,6 +501,47 @@ def _one_f_one_b(
     return loss, g_c, g_h, dx0
 
 
+def _looped_gradients(
+    stage_fn,
+    head_loss,
+    chunks,
+    head,
+    x0,
+    targets,
+    *,
+    p: int,
+    v: int,
+    scale: float,
+    valid,
+    micro,
+    virtual,
+):
+    """gpipe / interleaved with the backward inside the stages' shard_map (see `make_gradients`).
+
+    The forward ticks of `_looped_forward`, the head and mean loss on the last stage, and their
+    autodiff (the ticks in reverse), all on one stage. Same contract as `_one_f_one_b`: returns
+    (loss, chunk gradients [v, Lc, ...], head gradients, d loss / d x0), per device and not yet
+    summed over the manual axes; `chunks` is this device's [v, Lc, ...], float32. The loss is
+    the mean over this replica's rows times `scale` (1 / the replicas the caller sums over).
+    """
+    d = jax.lax.axis_index(AXIS)
+    # Differentiate with respect to per-device copies: the sums over the stages come after.
+    chunks, head = jax.tree.map(_varying, (chunks, head))
+    x0 = _varying(x0.astype(jnp.float32))
+    tgt = targets.reshape(-1, *targets.shape[2:])  # [m·b, T]: microbatch-major, as outs
+
+    def loss_fn(chunks, head, x0):
+        outs = _looped_forward(
+            stage_fn, chunks, x0, p=p, v=v, valid=valid, micro=micro, virtual=virtual
+        )
+        y = outs.reshape(-1, *outs.shape[2:])  # [m·b, T, D]
+        zero = lambda: _varying(jnp.zeros((), jnp.float32))
+        return jax.lax.cond(d == p - 1, lambda: scale * head_loss(head, y, tgt), zero)
+
+    loss, (g_c, g_h, dx0) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(chunks, head, x0)
+    return loss, g_c, g_h, dx0
+
+
 def one_f_one_b_exec_tables(sched: Schedule) -> dict[str, np.ndarray]:
     """What the 1F1B executor reads: actions (last stage's forwards folded into its backwards) and
     the stash / gradient-buffer slots arrivals go to, checked to never overwrite a live slot."""
@@ -549,6 +590,8 @@ def make_gradients(
     merge: Callable[[Any], Any],
     param_axes: Any,
     batch_axes: dict[str, tuple],
+    *,
+    data_manual: bool = False,
 ) -> tuple[Callable, Schedule]:
     """The pipelined replacement for `train.build`'s `gradients(params, batch)`.
 
@@ -559,6 +602,10 @@ def make_gradients(
       merge: params (pure dict) -> GPT module, for its embedding and head.
       param_axes: logical axes of every parameter (pure dict, like the params).
       batch_axes: logical axes of the batch entries.
+      data_manual: `gradients` is called inside a `jax.shard_map` that is already manual over
+        `data` (the explicit gradient-sync and local SGD paths of `jaxdist.collectives`): it sees
+        one replica's rows and returns that replica's own loss and gradients, unreduced over
+        `data`; the stages' shard_map then nests inside, manual over `pipeline` only.
     Returns:
       (gradients, schedule): `gradients(params, batch) -> (loss, aux, grads)` with grads shaped
       and sharded like params, and the schedule tables it executes.
@@ -577,14 +624,17 @@ def make_gradients(
     accum, L, dtype = t.grad_accum, mc.num_layers, jnp.dtype(t.compute_dtype)
     Lc = L // (p * v)
     n_data = shape.get("data", 1)
+    rows_per_replica = t.batch_size // (n_data * shape.get("fsdp", 1) * accum)
     # `data` is manual too: each replica accumulates its own gradients over the microbatches and
     # they are summed once per step, not once per tick (as XLA does for an automatic batch axis).
-    manual = (AXIS, "data") if n_data > 1 else (AXIS,)
-    inner_rules = _without(sharding.COMPUTE_RULES, manual)
-    rows_per_replica = t.batch_size // (n_data * shape.get("fsdp", 1) * accum)
+    # With data_manual the caller's shard_map owns `data` and sums (or compresses) the gradients.
+    data_in_stages = n_data > 1 and not data_manual
+    manual = (AXIS, "data") if data_in_stages else (AXIS,)
+    n_summed = n_data if data_in_stages else 1  # replicas whose losses the stages' psum adds
+    inner_rules = _without(sharding.COMPUTE_RULES, (*manual, "data") if data_manual else manual)
     outer_rules = _outer_rules(rows_per_replica, p)
     act_axes = ("batch", "length", "embed")
-    batch_spec = PartitionSpec(None, "data") if n_data > 1 else PartitionSpec()  # [m, b, ...]
+    batch_spec = PartitionSpec(None, "data") if data_in_stages else PartitionSpec()  # [m, b, ...]
 
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
     storage = lambda names: NamedSharding(
@@ -602,38 +652,42 @@ def make_gradients(
         With v = 1 this is a reshape that moves nothing; with v > 1 the looped placement differs
         from the contiguous storage split, so the layers are exchanged (all-to-all) every step.
         """
-        one = lambda x, sh: jax.lax.with_sharding_constraint(
+        one = lambda x, sh: sharding.constrain_to(
             x.reshape(v, p, Lc, *x.shape[1:]).swapaxes(0, 1), sh
         )
         return jax.tree.map(one, blocks, stage_shardings)
 
     def from_stages(chunks):
-        one = lambda x, sh: jax.lax.with_sharding_constraint(
-            x.swapaxes(0, 1).reshape(L, *x.shape[3:]), sh
-        )
+        one = lambda x, sh: sharding.constrain_to(x.swapaxes(0, 1).reshape(L, *x.shape[3:]), sh)
         return jax.tree.map(one, chunks, block_shardings)
 
     def micro_split(x, axes):
         """[B, ...] -> [m, B/m, ...]; microbatch a takes rows a, a+m, ...: no row changes device."""
         x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
         spec = sharding.logical_to_spec((None, *axes), sharding.COMPUTE_RULES, mesh)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        return sharding.constrain_to(x, NamedSharding(mesh, spec))
 
     def micro_merge(x, axes):
         x = x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
         spec = sharding.logical_to_spec(axes, outer_rules, mesh)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        return sharding.constrain_to(x, NamedSharding(mesh, spec))
 
     def layers(chunk, x, remat: str):
         with sharding.activation_rules(jax.sharding.get_abstract_mesh(), inner_rules):
             return gpt.scan_blocks(_cast(chunk, dtype), x, remat=remat, attention=mc.attention)
 
     def shard_map(body, in_specs, out_specs):
-        return jax.shard_map(
-            body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual)
-        )
+        def run(*args):
+            # Nested in the caller's shard_map (data_manual) it takes the tracing mesh, where
+            # `data` is already manual.
+            on = jax.sharding.get_abstract_mesh() if data_manual else mesh
+            return jax.shard_map(
+                body, mesh=on, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual)
+            )(*args)
 
-    if sched.name in ("gpipe", "interleaved"):
+        return run
+
+    if sched.name in ("gpipe", "interleaved") and not data_manual:
         # Forward ticks in the shard_map; the backward is their autodiff, ticks in reverse.
         valid, micro, virtual = looped_forward_table(p, m, v)
         stage_fn = lambda chunk, x: layers(chunk, x, "none")
@@ -667,9 +721,34 @@ def make_gradients(
             return loss, aux, grads
 
     else:
-        # 1F1B: explicit per-microbatch backward inside the schedule, head and loss on the last stage.
-        tables = one_f_one_b_exec_tables(sched)
-        stage_fn = lambda chunk, x: layers(chunk, x, t.remat)
+        # The backward inside the stages' shard_map, head and loss on the last stage: 1F1B's
+        # explicit per-microbatch backward, or (nested in the caller's shard_map over `data`) the
+        # autodiff of gpipe / interleaved's forward ticks. Nested, the backward must stay inside:
+        # jax (0.10) types the residuals an outer autodiff would take out of this shard_map as
+        # varying over the outer `data` axis too, which Shardy rejects.
+        if sched.name == "1f1b":
+            tables = one_f_one_b_exec_tables(sched)
+            stage_fn = lambda chunk, x: layers(chunk, x, t.remat)
+
+            def execute(head_loss, chunks, head, x0, targets):
+                chunk = jax.tree.map(lambda a: a[0], chunks)  # [Lc, ...]
+                loss, g_c, g_h, dx0 = _one_f_one_b(
+                    stage_fn, head_loss, chunk, head, x0, targets,
+                    p=p, scale=1.0 / (m * n_summed), **tables,
+                )  # fmt: skip
+                return loss, jax.tree.map(lambda g: g[None], g_c), g_h, dx0
+
+        else:
+            valid, micro, virtual = looped_forward_table(p, m, v)
+            stage_fn = lambda chunk, x: layers(chunk, x, "none")
+            if t.remat != "none":
+                stage_fn = jax.checkpoint(stage_fn, policy=gpt.REMAT_POLICIES[t.remat])
+
+            def execute(head_loss, chunks, head, x0, targets):
+                return _looped_gradients(
+                    stage_fn, head_loss, chunks, head, x0, targets,
+                    p=p, v=v, scale=1.0 / n_summed, valid=valid, micro=micro, virtual=virtual,
+                )  # fmt: skip
 
         def chunk_gradients(params, batch):
             blocks, embed = params["blocks"], params["embed"]
@@ -687,15 +766,12 @@ def make_gradients(
                     return _cross_entropy_one_hot(model.logits(y), tgt)
 
             def body(chunks, head, x0, targets):
-                chunk = jax.tree.map(lambda a: a[0, 0], chunks)  # [Lc, ...]
-                loss, g_c, g_h, dx0 = _one_f_one_b(
-                    stage_fn, head_loss, chunk, head, x0, targets,
-                    p=p, scale=1.0 / (m * n_data), **tables,
-                )  # fmt: skip
+                chunks = jax.tree.map(lambda a: a[0], chunks)  # [v, Lc, ...]
+                loss, g_c, g_h, dx0 = execute(head_loss, chunks, head, x0, targets)
                 psum = lambda tree, axes: jax.tree.map(lambda g: jax.lax.psum(g, axes), tree)
                 data = tuple(a for a in manual if a != AXIS)
                 g_c = psum(g_c, data) if data else g_c
-                g_c = jax.tree.map(lambda g: g[None, None], g_c)
+                g_c = jax.tree.map(lambda g: g[None], g_c)  # [1, v, Lc, ...]
                 dx0 = psum(dx0.astype(jnp.float32), AXIS)  # float32: as in _looped_forward
                 return psum(loss, manual), g_c, psum(g_h, manual), dx0
 
@@ -725,7 +801,7 @@ def make_gradients(
         def split(x, axes):
             x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
             spec = sharding.logical_to_spec((None, *axes), sharding.COMPUTE_RULES, mesh)
-            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+            return sharding.constrain_to(x, NamedSharding(mesh, spec))
 
         chunks = {k: split(x, batch_axes[k]) for k, x in batch.items()}
 
@@ -735,7 +811,9 @@ def make_gradients(
             return (jax.tree.map(jnp.add, g_sum, g), l_sum + loss), aux
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (g_sum, l_sum), aux = jax.lax.scan(step, (zeros, jnp.zeros((), jnp.float32)), chunks)
+        # zeros_like of a parameter: per-replica ("varying") like the losses when data_manual.
+        loss0 = jnp.zeros_like(jax.tree.leaves(zeros)[0], shape=(), dtype=jnp.float32)
+        (g_sum, l_sum), aux = jax.lax.scan(step, (zeros, loss0), chunks)
         grads = jax.tree.map(lambda g: g / accum, g_sum)
         return l_sum / accum, jax.tree.map(jnp.mean, aux), grads
 

@@ -252,16 +252,34 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
     if mesh.shape["pipeline"] > 1:  # stages over the pipeline axis (jaxdist/pipeline.py)
         from jaxdist import pipeline
 
-        gradients, schedule = pipeline.make_gradients(
-            config, mesh, lambda p: _merge(graphdef, template, p), param_axes, batch_axes
+        # Compression and local SGD call `gradients` per replica, inside their shard_map over data.
+        per_replica = mesh.shape["data"] > 1 and (
+            config.grad_sync.compression != "none" or local_steps > 1
         )
+        gradients, schedule = pipeline.make_gradients(
+            config,
+            mesh,
+            lambda p: _merge(graphdef, template, p),
+            param_axes,
+            batch_axes,
+            data_manual=per_replica,
+        )
+
+    # Leading stacked-layer axes per parameter: compressors treat each layer as its own tensor.
+    batch_dims = jax.tree.map(
+        lambda axes: next((i for i, a in enumerate(axes) if a != "layers"), len(axes)),
+        param_axes,
+        is_leaf=_is_axes,
+    )
 
     def add_per_replica_state(key: str, abstract: Any) -> None:
         """state[key]: leaves [R, ...] over `data`, sharded like their parameters on the rest."""
         from jaxdist import compression
 
         param_specs = jax.tree.map(lambda s: s.spec, param_shardings)
-        specs = compression.state_partition_spec(abstract, ("data",), abstract_params, param_specs)
+        specs = compression.state_partition_spec(
+            abstract, ("data",), abstract_params, param_specs, batch_dims
+        )
         state_shardings[key] = jax.tree.map(lambda sp: NamedSharding(mesh, sp), specs)
         abstract_state[key] = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -276,11 +294,6 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         from jaxdist import collectives, compression
 
         data_axes = ("data",)
-        batch_dims = jax.tree.map(
-            lambda axes: next((i for i, a in enumerate(axes) if a != "layers"), len(axes)),
-            param_axes,
-            is_leaf=_is_axes,
-        )
         tx_sync = compression.from_config(
             config.grad_sync, data_axes, momentum=t.momentum, batch_dims=batch_dims
         )
@@ -291,12 +304,21 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
                 grads, _ = optax.clip_by_global_norm(t.grad_clip).update(grads, None)
             return loss, grads
 
-        sync = collectives.sync_grads(local_grads, tx_sync, mesh, data_axes)
         add_per_replica_state(
             "grad_sync",
             jax.eval_shape(
                 lambda p: compression.init_global(tx_sync, p, mesh, data_axes), abstract_params
             ),
+        )
+        # With pipeline stages each compresses only its own layers (see collectives.sync_grads).
+        sync = collectives.sync_grads(
+            local_grads,
+            tx_sync,
+            mesh,
+            data_axes,
+            layer_axes=("pipeline",) if mesh.shape["pipeline"] > 1 else (),
+            param_specs=jax.tree.map(lambda s: s.spec, param_shardings),
+            state_specs=jax.tree.map(lambda s: s.spec, state_shardings["grad_sync"]),
         )
 
     local = None

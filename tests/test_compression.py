@@ -668,3 +668,68 @@ def test_local_sgd_matches_reference(local_steps, outer):
             p = jax.tree.map(lambda a, b: a - lr * b, p, g)
         for k in p:
             np.testing.assert_allclose(state.params[k], p[k], rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# Stacked layers (batch_dims): each layer compressed as a tensor of its own
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda bd: C.bf16("data", batch_dims=bd),
+        lambda bd: C.int8("data", batch_dims=bd),
+        lambda bd: C.topk("data", 0.1, momentum_correction=True, batch_dims=bd),
+        lambda bd: C.powersgd("data", rank=2, batch_dims=bd),
+        lambda bd: C.sign("data", chunk=16, batch_dims=bd),
+    ],
+    ids=["bf16", "int8", "topk", "powersgd", "sign"],
+)
+def test_stacked_layers_compress_like_separate_tensors(make):
+    """A [3, 13, 7] leaf with batch_dims=1 gives, for 3 steps (state included), exactly what three
+    [13, 7] leaves give: the layer axis is a batch of independent tensors (per-layer top-k, scales
+    and shards)."""
+    L = 3
+    stacked = {"w": jnp.zeros((L, 13, 7), jnp.float32)}
+    separate = {f"w{i}": jnp.zeros((13, 7), jnp.float32) for i in range(L)}
+    steps = [_grads(s, shapes={"w": (L, 13, 7)}) for s in range(3)]
+    got = _run(make({"w": 1}), steps, params=stacked)
+    # PowerSGD's initial Q is drawn per leaf: give the separate run the stacked run's Q.
+    tx = make(None)
+    if got[0][1].__class__ is C.PowerSGDState:
+        q0 = got[0][1].q["w"]  # [R, L, m, r]
+        init = tx.init
+        tx = tx._replace(
+            init=lambda p: init(p)._replace(
+                q={f"w{i}": jnp.asarray(q0[:1, i : i + 1]) for i in range(L)}
+            )
+        )
+    split = [{f"w{i}": g["w"][:, i] for i in range(L)} for g in steps]
+    want = _run(tx, split, params=separate)
+    for (m_got, _, _), (m_want, _, _) in zip(got, want, strict=True):
+        for i in range(L):
+            np.testing.assert_allclose(m_got["w"][i], m_want[f"w{i}"], rtol=1e-6, atol=1e-6)
+
+
+def test_per_layer_state_is_sharded_like_the_layers():
+    """Per-layer state that is not parameter-shaped (PowerSGD's Q, sign's server residual) follows
+    the parameter's layer axis (e.g. over `pipeline`); the rest stays as before."""
+    mesh = jax.make_mesh(
+        (R // 2, 2), ("data", "pipeline"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+    params = {"blocks": jnp.zeros((2, 16, 8)), "embed": jnp.zeros((12, 8))}
+    param_specs = {"blocks": P("pipeline", None, None), "embed": P()}
+    batch_dims = {"blocks": 1, "embed": 0}
+    for tx, field in [
+        (C.powersgd("data", rank=2, batch_dims=batch_dims), "q"),
+        (C.sign("data", batch_dims=batch_dims), "server"),
+    ]:
+        abstract = jax.eval_shape(lambda p, tx=tx: C.init_global(tx, p, mesh, "data"), params)
+        specs = C.state_partition_spec(abstract, "data", params, param_specs, batch_dims)
+        leaf = getattr(abstract, field)["blocks"]
+        assert leaf.shape[:2] == (R // 2, 2)
+        assert getattr(specs, field)["blocks"] == P("data", "pipeline", *(None,) * (leaf.ndim - 2))
+        embed = getattr(specs, field)["embed"]
+        assert embed is None or embed == P("data", *(None,) * (embed.__len__() - 1))
+        residual = specs.residual if field == "q" else specs.worker
+        assert residual["blocks"] == P("data", "pipeline", None, None)

@@ -9,7 +9,7 @@ import pytest
 from jaxdist import config as config_lib
 from jaxdist import loop, metrics
 from jaxdist.errors import ConfigError
-from tests.helpers import compile_step, engine_for, n_devices, tiny_gpt_config
+from tests.helpers import compile_step, engine_for, n_devices, tiny_gpt_config, train_steps
 
 R = 4  # replicas
 
@@ -100,6 +100,39 @@ def test_diloco_with_fsdp_trains():
     assert spec[0] == "data" and "fsdp" in jax.tree.leaves(tuple(spec[1:])), spec
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_local_sgd_with_pipeline_stages_matches_flat(schedule):
+    """data=4 x pipeline=2: each stage keeps and averages only its own layers, and the run equals
+    the same local SGD on data=4 without stages."""
+
+    def config(**pipe):
+        c = local_config(2, **pipe)
+        c.model.num_layers = 4
+        if pipe:
+            c.pipeline.schedule, c.pipeline.microbatches = schedule, 2
+        return c
+
+    ref, ref_params = train_steps(config(), steps=3)  # steps 0, 1 local, the average, step 2
+    losses, params = train_steps(config(pipeline=2), steps=3)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+    def averaged_bytes(c):
+        _, compiled = compile_step(c)
+        return sum(
+            o.wire_bytes for o in metrics.collective_ops(compiled.as_text()) if o.conditional
+        )
+
+    eng, _ = engine_for(config(pipeline=2))
+    params = eng.abstract_state["params"]
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    # Every stage all-reduces half the layers plus the (unstaged) embedding and head.
+    per_stage = nbytes(params) - nbytes(params["blocks"]) / 2
+    ring = 2 * (R - 1) / R
+    assert averaged_bytes(config(pipeline=2)) == pytest.approx(ring * per_stage, rel=1e-3)
+
+
 @pytest.mark.parametrize(
     "field,value,mesh_sizes,match",
     [
@@ -107,6 +140,7 @@ def test_diloco_with_fsdp_trains():
         ("grad_sync.outer_optimizer", "adam", {}, "grad_sync.outer_optimizer"),
         ("grad_sync.outer_momentum", 1.0, {}, "outer_momentum"),
         (None, None, {"fsdp": 2, "tensor": 2}, "at most one of fsdp"),
+        (None, None, {"tensor": 2, "pipeline": 2}, "at most one of fsdp"),
     ],
 )
 def test_local_sgd_bad_config_is_one_line(field, value, mesh_sizes, match):
