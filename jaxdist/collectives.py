@@ -7,6 +7,7 @@ those axes and per-replica state carries a leading replica axis (see `jaxdist.co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,11 +17,13 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxdist import sharding
 from jaxdist.compression import (
     AxisName,
     _axes,
     _data_spec,
     _local,
+    _only,
     _stacked,
     _varying_like,
     replica_local,
@@ -29,24 +32,16 @@ from jaxdist.compression import (
 GradFn = Callable[[Any, Any], tuple[jax.Array, Any]]
 
 
-def _only(spec: P, axes: set[str]) -> P:
-    """`spec` with every mesh axis outside `axes` dropped (a shard_map names only its manual axes)."""
-    out = []
-    for entry in spec:
-        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in axes)
-        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return P(*out)
-
-
 def sync_grads(
     grad_fn: GradFn,
     tx_sync: optax.GradientTransformation,
     mesh: Mesh,
     data_axes: AxisName,
     *,
-    layer_axes: tuple[str, ...] = (),
+    shard_axes: tuple[str, ...] = (),
     param_specs: Any = None,
     state_specs: Any = None,
+    per_replica: str = "shard_map",
 ) -> Callable[[Any, Any, Any], tuple[jax.Array, Any, Any]]:
     """Per-replica gradients, reduced over `data_axes` by `tx_sync`.
 
@@ -55,25 +50,25 @@ def sync_grads(
       tx_sync: a compressor from `jaxdist.compression` built with `axis_name=data_axes`.
       mesh: the device mesh.
       data_axes: the data-parallel mesh axes (a name or tuple of names).
-      layer_axes: mesh axes that shard only the leading stacked-layer axes of the parameters
-        (`pipeline`). The compressor then runs in a second shard_map, manual over these too, so
-        each device compresses and exchanges only its own layers: XLA's partitioner replicates
-        automatic axes around a collective in a partially manual region, so on an automatic
-        `pipeline` every stage would gather and send all layers. Needs the compressor built with
-        per-layer `batch_dims`, and
-      param_specs, state_specs: the PartitionSpecs of the parameters and of the global sync state.
+      shard_axes: the mesh axes that shard the parameters (fsdp, tensor, pipeline), if any. The
+        compressor then runs in a second shard_map, manual over these too, on each device's shard
+        of its replica's gradient (per-shard scales, top-k, low-rank factors): XLA's partitioner
+        replicates the automatic axes around a collective in a partially manual region, so with
+        them automatic every fsdp/tensor/pipeline shard would gather and send the whole gradient.
+      param_specs, state_specs: with shard_axes, the PartitionSpecs of the parameters and of the
+        sync state (`compression.sharded_state`).
 
     Returns:
       `step(params, batch, sync_state) -> (loss, grads, sync_state)`: params replicated over the
       data axes, every batch leaf split on dim 0 over them, sync_state the global state from
-      `compression.init_global` ([R, ...] leaves). loss and grads are means over replicas,
+      `compression.init_global` ([R, ...] leaves) or, with shard_axes, `sharded_state`. loss and grads are means over replicas,
       replicated. Traceable: call it inside the jitted train step. grad_fn is differentiated with
       respect to `replica_local(params)`, so its gradients are local (no hidden f32 all-reduce).
     """
     axes = _axes(data_axes)
     lead = P(_data_spec(axes))
 
-    if not layer_axes:
+    if not shard_axes:
 
         def body(params, batch, state):
             loss, grads = grad_fn(replica_local(params, axes), batch)
@@ -88,19 +83,33 @@ def sync_grads(
             axis_names=set(axes),
         )
 
-    manual = set(axes) | set(layer_axes)
+    manual = set(axes) | set(shard_axes)
 
-    def local_grads(params, batch):
-        loss, grads = grad_fn(replica_local(params, axes), batch)
-        return jax.lax.pmean(loss, axes), _stacked(grads)
+    if per_replica == "vmap":
 
-    grads_of = jax.shard_map(
-        local_grads,
-        mesh=mesh,
-        in_specs=(P(), lead),
-        out_specs=(P(), lead),
-        axis_names=set(axes),
-    )
+        def grads_of(params, batch):
+            # [B, ...] -> [R, B / R, ...]: replica j's rows are the j-th block, as on the mesh.
+            r = math.prod(mesh.shape[a] for a in axes)
+            stacked = jax.tree.map(lambda x: x.reshape(r, -1, *x.shape[1:]), batch)
+            with sharding.mapped_axes(axes):
+                losses, grads = jax.vmap(grad_fn, in_axes=(None, 0), spmd_axis_name=axes)(
+                    params, stacked
+                )
+            return jnp.mean(losses), grads
+
+    else:
+
+        def local_grads(params, batch):
+            loss, grads = grad_fn(replica_local(params, axes), batch)
+            return jax.lax.pmean(loss, axes), _stacked(grads)
+
+        grads_of = jax.shard_map(
+            local_grads,
+            mesh=mesh,
+            in_specs=(P(), lead),
+            out_specs=(P(), lead),
+            axis_names=set(axes),
+        )
     g_specs = jax.tree.map(lambda sp: _only(P(_data_spec(axes), *sp), manual), param_specs)
     mean_specs = jax.tree.map(lambda sp: _only(sp, manual), param_specs)
     s_specs = jax.tree.map(lambda sp: _only(sp, manual), state_specs)

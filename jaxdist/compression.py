@@ -26,6 +26,7 @@ See docs/COMPRESSION.md for when to use which.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -480,9 +481,11 @@ def powersgd(
                 qs.append(None)
                 res.append(None)
                 continue
+            # One draw per tensor, shared by its layers: a stage holding some of the layers (a
+            # pipeline shard) starts from the same Q as the whole stack would.
             b, _, m = bnm
-            q = jax.random.normal(jax.random.fold_in(key, i), (b, m, rank), jnp.float32)
-            qs.append(q[None])
+            q = jax.random.normal(jax.random.fold_in(key, i), (m, rank), jnp.float32)
+            qs.append(jnp.broadcast_to(q, (1, b, m, rank)))
             res.append(jnp.zeros((1, *p.shape), jnp.float32) if error_feedback else None)
         return PowerSGDState(
             jnp.zeros((1,), jnp.int32), treedef.unflatten(qs), treedef.unflatten(res)
@@ -782,12 +785,118 @@ def init_global(
     return init(params)
 
 
+def _params_like(x: Any, pdef: Any, shapes: Sequence[tuple[int, ...]]) -> bool:
+    """A state subtree structured like the params, each leaf [1 or R, *shape] or None."""
+    if x is None or isinstance(x, jax.ShapeDtypeStruct | jax.Array):
+        return False
+    try:
+        leaves = pdef.flatten_up_to(x)
+    except (ValueError, TypeError):
+        return False
+    return all(
+        leaf is None or (hasattr(leaf, "shape") and tuple(leaf.shape[1:]) == shape)
+        for leaf, shape in zip(leaves, shapes, strict=True)
+    )
+
+
+def _only(spec: P, axes: set[str]) -> P:
+    """`spec` with every mesh axis outside `axes` dropped (a shard_map names only its manual axes)."""
+    out = []
+    for entry in spec:
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in axes)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*out)
+
+
+def sharded_state(
+    tx: optax.GradientTransformation,
+    params: Any,
+    param_specs: Any,
+    mesh: Mesh,
+    data_axes: AxisName,
+    shard_axes: Sequence[str],
+) -> tuple[Any, Any]:
+    """The sync state when the compressor runs on each device's shard of the gradients.
+
+    Inside `jax.shard_map` manual over `data_axes` and `shard_axes` (the axes that shard the
+    parameters: fsdp, tensor, pipeline), `tx` sees this device's shard of its replica's gradient
+    and keeps state for that shard alone (see `collectives.sync_grads`).
+
+    Args:
+      tx: a compressor built with `axis_name=data_axes`.
+      params: the parameters (arrays or `jax.ShapeDtypeStruct`s), global shapes.
+      param_specs: their PartitionSpecs (a tree like params).
+      mesh: the device mesh.
+      data_axes, shard_axes: the manual axes.
+
+    Returns:
+      (init, specs): `init(params) -> state`, traceable (run it inside the jitted init), and the
+      PartitionSpecs of that state. Parameter-shaped leaves (residuals, momenta) are
+      `P(data, *param_spec)`: [R, *param shape], sharded like their parameters. Other per-parameter
+      leaves (PowerSGD's Q, sign's server residual) put the shards' own copies side by side along
+      their first axis after the replica axis, over the mesh axes that split that parameter.
+      Counters and keys are `P(data, ...)`, the same on every shard.
+    """
+    axes = _axes(data_axes)
+    manual = set(axes) | set(shard_axes)
+    lead = _data_spec(axes)
+    shards = tuple(a for a in mesh.axis_names if a in set(shard_axes))
+    p_specs = jax.tree.map(lambda sp: _only(sp, manual), param_specs)
+    pdef = jax.tree.structure(params)
+    local_shapes = [
+        tuple(jax.sharding.NamedSharding(mesh, sp).shard_shape(tuple(p.shape)))
+        for p, sp in zip(pdef.flatten_up_to(params), pdef.flatten_up_to(p_specs), strict=True)
+    ]
+    # Each device's own [1, ...] state, side by side on the leading axis: shapes of one shard.
+    probe = jax.shard_map(
+        tx.init,
+        mesh=mesh,
+        in_specs=(p_specs,),
+        out_specs=P((*axes, *shards)),
+        axis_names=manual,
+    )
+    local = jax.eval_shape(probe, params)
+
+    def structured(x):
+        if x is None or isinstance(x, jax.ShapeDtypeStruct | jax.Array):
+            return False
+        try:
+            pdef.flatten_up_to(x)
+        except (ValueError, TypeError):
+            return False
+        return True
+
+    def leaf_spec(leaf, shape, pspec):
+        if leaf is None:
+            return None
+        if tuple(leaf.shape[1:]) == shape:
+            return P(lead, *pspec)
+        # The shards' own copies, side by side: over the axes this parameter is split on (state of
+        # a parameter replicated over an axis is the same on all its shards, typed so).
+        split = [a for a in mesh.axis_names if a in jax.tree.leaves(tuple(pspec))]
+        if leaf.ndim < 2 or not split:
+            return P(lead, *(None,) * (leaf.ndim - 1))
+        return P(lead, split[0] if len(split) == 1 else tuple(split), *(None,) * (leaf.ndim - 2))
+
+    def spec(x):
+        if structured(x):
+            leaves = pdef.flatten_up_to(x)
+            specs = pdef.flatten_up_to(p_specs)
+            return pdef.unflatten(list(map(leaf_spec, leaves, local_shapes, specs)))
+        return P(lead, *(None,) * (x.ndim - 1))  # counters, keys: the same on every shard
+
+    specs = jax.tree.map(spec, local, is_leaf=structured)
+    init = jax.shard_map(
+        tx.init, mesh=mesh, in_specs=(p_specs,), out_specs=specs, axis_names=manual
+    )
+    return init, specs
+
+
 def state_partition_spec(
     state: Any,
     data_axes: AxisName,
     params: Any = None,
     param_specs: Any = None,
-    batch_dims: Any = None,
 ) -> Any:
     """PartitionSpecs for the global sync state: `P(data_axes, ...)` on every leaf.
 
@@ -797,10 +906,8 @@ def state_partition_spec(
       params, param_specs: optional; parameter-shaped subtrees of the state (residuals, where
         leaves may be None) then get `P(data_axes, *param_spec)`, sharded like their parameters on
         the fsdp/tensor axes. Other leaves (PowerSGD Q, sign server residuals, counters, keys) are
-        replicated beyond the leading axis, except that with
-      batch_dims (a tree of ints like the params: leading stacked-layer axes), per-layer state of a
-        leaf with b > 0 such axes ([R, L, ...], as PowerSGD's Q and sign's server residual) is
-        sharded like the parameter's layer axes, e.g. over `pipeline`.
+        replicated beyond the leading axis. (The train step's compressor works on each device's
+        shard instead: see `sharded_state`.)
     """
     lead = _data_spec(data_axes)
 
@@ -813,46 +920,9 @@ def state_partition_spec(
     pshapes = [tuple(p.shape) for p in pdef.flatten_up_to(params)]
     pspecs = pdef.flatten_up_to(param_specs)
 
-    def params_like(x):
-        """A subtree shaped like params plus the leading axis, some leaves possibly None."""
-        if x is None or isinstance(x, jax.ShapeDtypeStruct | jax.Array):
-            return False
-        try:
-            leaves = pdef.flatten_up_to(x)
-        except (ValueError, TypeError):
-            return False
-        return all(
-            leaf is None or (hasattr(leaf, "shape") and tuple(leaf.shape[1:]) == shape)
-            for leaf, shape in zip(leaves, pshapes, strict=True)
-        )
-
-    dims = None if batch_dims is None else _leaf_batch_dims(batch_dims, pdef, len(pshapes))
-
-    def per_layer(x):
-        """A subtree structured like params whose leaves start [1, *the param's layer axes]."""
-        if dims is None or x is None or isinstance(x, jax.ShapeDtypeStruct | jax.Array):
-            return False
-        try:
-            leaves = pdef.flatten_up_to(x)
-        except (ValueError, TypeError):
-            return False
-        pairs = [(leaf, shape, b) for leaf, shape, b in zip(leaves, pshapes, dims, strict=True)]
-        layered = [(leaf, shape, b) for leaf, shape, b in pairs if leaf is not None and b > 0]
-        return bool(layered) and all(
-            hasattr(leaf, "shape") and tuple(leaf.shape[1 : 1 + b]) == shape[:b]
-            for leaf, shape, b in layered
-        )
+    params_like = functools.partial(_params_like, pdef=pdef, shapes=pshapes)
 
     def spec(x):
-        if per_layer(x) and not params_like(x):
-            out = []
-            for leaf, pspec, b in zip(pdef.flatten_up_to(x), pspecs, dims, strict=True):
-                if leaf is None:
-                    out.append(None)
-                    continue
-                layers = (tuple(pspec) + (None,) * b)[:b]
-                out.append(P(lead, *layers, *(None,) * (leaf.ndim - 1 - b)))
-            return pdef.unflatten(out)
         if not params_like(x):
             return replicated(x)
         out = []
@@ -861,4 +931,4 @@ def state_partition_spec(
             out.append(None if leaf is None else P(lead, *rest))
         return pdef.unflatten(out)
 
-    return jax.tree.map(spec, state, is_leaf=lambda x: params_like(x) or per_layer(x))
+    return jax.tree.map(spec, state, is_leaf=params_like)

@@ -271,13 +271,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
             f"grad_sync.compression={config.grad_sync.compression!r} compresses the data-parallel "
             f"reduction, but mesh.data={mesh['data']}; set mesh.data > 1 or compression='none'",
         )
-        # XLA's SPMD partitioner (jax 0.10) aborts on a shard_map manual over `data` while two or
-        # more other axes stay automatic; refuse it here instead of crashing in compilation.
+        # With stages, each replica's pipelined gradients come from a shard_map manual over `data`,
+        # and XLA's SPMD partitioner (jax 0.10) aborts on one while two or more other axes stay
+        # automatic; refuse it here instead of crashing in compilation.
         _need(
-            len(others) <= 1,
+            mesh["pipeline"] == 1 or len(others) <= 1,
             f"grad_sync.compression with mesh axes {'×'.join(['data', *others])} > 1 is not "
-            "supported (XLA SPMD partitioner limit); combine data with at most one of fsdp, "
-            "tensor, pipeline",
+            "supported (XLA SPMD partitioner limit); with mesh.pipeline > 1 set fsdp = tensor = 1",
         )
         _need(config.grad_sync.rank > 0, f"grad_sync.rank={config.grad_sync.rank} must be > 0")
         _need(

@@ -155,22 +155,40 @@ def _manual_axes() -> tuple[Any, set[str]]:
     return am, set(manual or ())
 
 
-def constrain_to(x: jax.Array, target: NamedSharding) -> jax.Array:
-    """with_sharding_constraint that also works inside a partially manual shard_map.
+_mapped = threading.local()
 
-    Inside `shard_map(..., axis_names={"data"})` (the explicit gradient-sync path) the `data` axis is
-    manual: each body sees its own slice, so the constraint drops that axis and targets the
-    tracing mesh's remaining (automatic) axes.
+
+@contextlib.contextmanager
+def mapped_axes(axes: Sequence[str]):
+    """Mesh axes an enclosing `jax.vmap(..., spmd_axis_name=axes)` already shards the mapped
+    dimension over (per-replica gradients, `jaxdist.collectives.sync_grads`): constraints traced
+    inside leave them out, and vmap puts them on the mapped dimension."""
+    prev = getattr(_mapped, "value", frozenset())
+    _mapped.value = prev | frozenset(axes)
+    try:
+        yield
+    finally:
+        _mapped.value = prev
+
+
+def constrain_to(x: jax.Array, target: NamedSharding) -> jax.Array:
+    """with_sharding_constraint that also works inside a partially manual shard_map or a vmap.
+
+    Inside `shard_map(..., axis_names={"data"})` the `data` axis is manual: each body sees its own
+    slice, so the constraint drops that axis and targets the tracing mesh's remaining (automatic)
+    axes. Inside `mapped_axes` the constraint drops those axes too.
     """
     am, manual = _manual_axes()
-    if not manual:
+    drop = manual | getattr(_mapped, "value", frozenset())
+    if not drop:
         return jax.lax.with_sharding_constraint(x, target)
     spec = []
     for entry in target.spec:
         axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        kept = tuple(a for a in axes if a not in manual)
+        kept = tuple(a for a in axes if a not in drop)
         spec.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(am, PartitionSpec(*spec)))
+    mesh = am if manual else target.mesh
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -205,7 +205,7 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
             "skipped": jnp.zeros((), jnp.int32),
         }
         if sync is not None:
-            state["grad_sync"] = compression.init_global(tx_sync, params, mesh, data_axes)
+            state["grad_sync"] = sync_init(params)
         if local is not None:
             ls = local.init(params)
             state["local"] = {"params": ls.local_params, "opt_state": ls.inner_state}
@@ -277,9 +277,7 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         from jaxdist import compression
 
         param_specs = jax.tree.map(lambda s: s.spec, param_shardings)
-        specs = compression.state_partition_spec(
-            abstract, ("data",), abstract_params, param_specs, batch_dims
-        )
+        specs = compression.state_partition_spec(abstract, ("data",), abstract_params, param_specs)
         state_shardings[key] = jax.tree.map(lambda sp: NamedSharding(mesh, sp), specs)
         abstract_state[key] = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -304,21 +302,28 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
                 grads, _ = optax.clip_by_global_norm(t.grad_clip).update(grads, None)
             return loss, grads
 
-        add_per_replica_state(
-            "grad_sync",
-            jax.eval_shape(
-                lambda p: compression.init_global(tx_sync, p, mesh, data_axes), abstract_params
-            ),
+        # Every device compresses its own shard of its replica's gradient: manual over the axes
+        # that shard the parameters too (see collectives.sync_grads).
+        shard_axes = tuple(a for a in ("fsdp", "tensor", "pipeline") if mesh.shape[a] > 1)
+        param_specs = jax.tree.map(lambda s: s.spec, param_shardings)
+        sync_init, sync_specs = compression.sharded_state(
+            tx_sync, abstract_params, param_specs, mesh, data_axes, shard_axes
         )
-        # With pipeline stages each compresses only its own layers (see collectives.sync_grads).
+        state_shardings["grad_sync"] = jax.tree.map(lambda sp: NamedSharding(mesh, sp), sync_specs)
+        abstract_state["grad_sync"] = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+            jax.eval_shape(sync_init, abstract_params),
+            state_shardings["grad_sync"],
+        )
         sync = collectives.sync_grads(
             local_grads,
             tx_sync,
             mesh,
             data_axes,
-            layer_axes=("pipeline",) if mesh.shape["pipeline"] > 1 else (),
-            param_specs=jax.tree.map(lambda s: s.spec, param_shardings),
-            state_specs=jax.tree.map(lambda s: s.spec, state_shardings["grad_sync"]),
+            shard_axes=shard_axes,
+            param_specs=param_specs,
+            state_specs=sync_specs,
+            per_replica="shard_map" if mesh.shape["pipeline"] > 1 else "vmap",
         )
 
     local = None
