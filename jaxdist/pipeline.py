@@ -680,7 +680,8 @@ def make_gradients(
         def run(*args):
             # Nested in the caller's shard_map (data_manual) it takes the tracing mesh, where
             # `data` is already manual.
-            on = jax.sharding.get_abstract_mesh() if data_manual else mesh
+            am = jax.sharding.get_abstract_mesh()
+            on = am if data_manual and not am.empty else mesh
             return jax.shard_map(
                 body, mesh=on, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual)
             )(*args)

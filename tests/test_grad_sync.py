@@ -189,16 +189,22 @@ def pipelined(compression: str, schedule: str, **sizes):
 
 
 @functools.cache
-def _flat_powersgd_run():
-    return train_steps(pipelined("powersgd", "gpipe", data=4), steps=3)
+def _flat_powersgd_run(accum: int):
+    c = pipelined("powersgd", "gpipe", data=4)
+    c.train.grad_accum = accum
+    return train_steps(c, steps=3)
 
 
 # PowerSGD is continuous in the gradient, so the pipelined run's float rounding cannot flip a
 # discrete choice (a rounding boundary, a top-k index) and the runs must agree to float precision.
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
-def test_compression_with_pipeline_matches_flat_data_parallel(schedule):
-    ref_losses, ref_params = _flat_powersgd_run()
-    losses, params = train_steps(pipelined("powersgd", schedule), steps=3)
+@pytest.mark.parametrize(
+    "schedule,accum", [("gpipe", 1), ("1f1b", 1), ("interleaved", 1), ("1f1b", 2)]
+)
+def test_compression_with_pipeline_matches_flat_data_parallel(schedule, accum):
+    ref_losses, ref_params = _flat_powersgd_run(accum)
+    c = pipelined("powersgd", schedule)
+    c.train.grad_accum = accum
+    losses, params = train_steps(c, steps=3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert ref_losses[-1] < ref_losses[0]
     for (path, p), r in zip(
