@@ -706,25 +706,75 @@ def predict(
     act = rows_mb * T * D * wire_dt(cdt)  # [b, T, D] of one microbatch
     act_chunk = chunk_rows * T * D * wire_dt(cdt)
     act_edge = edge_rows * T * D * wire_dt(cdt)
+    # 1F1B (jaxdist.pipeline._one_f_one_b): 2 (m + p - 1) ticks, each a switch over idle /
+    # forward / backward whose collectives are charged as the backward branch's (the costliest
+    # branch, as jaxdist.metrics counts conditionals): it recomputes the stage's forward, and the
+    # head and loss run inside the stage, per microbatch, on the last stage.
+    one_f_one_b = p > 1 and config.pipeline.schedule == "1f1b"
+    ticks_1f1b = 2 * (m + p - 1)
     if tp > 1:
         tpa = tensor_axes
         add("tp: embedding lookup output (vocab-parallel)", "all-reduce", tpa, act_edge, A, False)
-        add(
-            "tp: attention, MLP outputs (row-parallel), fwd",
-            "all-reduce",
-            tpa,
-            act_chunk,
-            2 * reps,
-            False,
-        )
-        add(
-            "tp: QKV, up-projection input grads, bwd", "all-reduce", tpa, act_chunk, 2 * reps, False
-        )
-        if remat == "full":
-            add("tp: attention output recomputed, bwd", "all-reduce", tpa, act_chunk, reps, False)
-        add("tp: head input grad, bwd", "all-reduce", tpa, act_edge, A, False)
-        ce = 3 * edge_rows * T * 4  # max, sum of exp, target logit: [b, T] float32 each
-        add("tp: cross-entropy over vocab shards", "all-reduce", tpa, ce, A, False)
+        if one_f_one_b:
+            layer_ticks = Lp * ticks_1f1b * A
+            add(
+                "tp: attention, MLP outputs (row-parallel), fwd recomputed in 1F1B's bwd",
+                "all-reduce",
+                tpa,
+                act_chunk,
+                2 * layer_ticks,
+                False,
+            )
+            add(
+                "tp: QKV, up-projection input grads, bwd",
+                "all-reduce",
+                tpa,
+                act_chunk,
+                2 * layer_ticks,
+                False,
+            )
+            add(
+                "tp: head input grad, per tick", "all-reduce", tpa, act_chunk, ticks_1f1b * A, False
+            )
+            # max and sum of exp, [b, T] float32 each, per tick (the one-hot target needs none)
+            ce = 2 * chunk_rows * T * 4
+            add(
+                "tp: cross-entropy over vocab shards, per tick",
+                "all-reduce",
+                tpa,
+                ce,
+                ticks_1f1b * A,
+                False,
+            )
+        else:
+            add(
+                "tp: attention, MLP outputs (row-parallel), fwd",
+                "all-reduce",
+                tpa,
+                act_chunk,
+                2 * reps,
+                False,
+            )
+            add(
+                "tp: QKV, up-projection input grads, bwd",
+                "all-reduce",
+                tpa,
+                act_chunk,
+                2 * reps,
+                False,
+            )
+            if remat == "full":
+                add(
+                    "tp: attention output recomputed, bwd",
+                    "all-reduce",
+                    tpa,
+                    act_chunk,
+                    reps,
+                    False,
+                )
+            add("tp: head input grad, bwd", "all-reduce", tpa, act_edge, A, False)
+            ce = 3 * edge_rows * T * 4  # max, sum of exp, target logit: [b, T] float32 each
+            add("tp: cross-entropy over vocab shards", "all-reduce", tpa, ce, A, False)
 
     regather = 2 if remat != "none" else 1
     grad_dt = wire_dt(cdt)
@@ -777,17 +827,28 @@ def predict(
 
     if p > 1:
         pa = ("pipeline",)
-        add(
-            "pp: stage activations, fwd + bwd",
-            "collective-permute",
-            pa,
-            act_chunk,
-            2 * ticks * A,
-            False,
-        )
-        add("pp: batch into / out of the stages", "collective-permute", pa, act, A, False)
+        if one_f_one_b:  # an activation forward and a gradient back at every tick
+            add(
+                "pp: stage activations and gradients, every 1F1B tick",
+                "collective-permute",
+                pa,
+                act_chunk,
+                2 * ticks_1f1b * A,
+                False,
+            )
+        else:
+            add(
+                "pp: stage activations, fwd + bwd",
+                "collective-permute",
+                pa,
+                act_chunk,
+                2 * ticks * A,
+                False,
+            )
+            # the last stage's outputs go back to the batch split over the stages for the head
+            add("pp: batch into / out of the stages", "collective-permute", pa, act, A, False)
+            add("pp: batch split over stages (all-to-all)", "all-to-all", pa, act, 2 * A, False)
         add("pp: batch split over stages (gather)", "all-gather", pa, act, A, False)
-        add("pp: batch split over stages (all-to-all)", "all-to-all", pa, act, 2 * A, False)
         add("pp: stage-0 input grad summed over stages", "all-reduce", pa, act, A, False)
 
     # -- memory -----------------------------------------------------------------------------------

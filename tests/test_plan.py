@@ -43,6 +43,19 @@ LAYOUTS = {
         dict(data=2, fsdp=2, tensor=2),
         {"train.compute_dtype": "bfloat16", "train.remat": "dots"},
     ),
+    "data4_pipeline2_gpipe": (dict(data=4, pipeline=2), {"pipeline.microbatches": 2}),
+    "data4_pipeline2_1f1b": (
+        dict(data=4, pipeline=2),
+        {"pipeline.microbatches": 2, "pipeline.schedule": "1f1b"},
+    ),
+    "data2_pipeline4_1f1b": (
+        dict(data=2, pipeline=4),
+        {"pipeline.microbatches": 4, "pipeline.schedule": "1f1b", "model.num_layers": 4},
+    ),
+    "d2p2t2_1f1b": (
+        dict(data=2, pipeline=2, tensor=2),
+        {"pipeline.microbatches": 4, "pipeline.schedule": "1f1b"},
+    ),
 }
 
 
