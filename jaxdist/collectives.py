@@ -160,6 +160,7 @@ def local_sgd(
     data_axes: AxisName,
     local_steps: int,
     outer_tx: optax.GradientTransformation | None = None,
+    per_replica: str = "shard_map",
 ) -> LocalSGD:
     """Local SGD: H = `local_steps` inner steps per replica without gradient sync, then a sync.
 
@@ -171,11 +172,18 @@ def local_sgd(
     `outer_tx=None` is plain averaging (the same as `optax.sgd(1.0)`). H = 1 with plain averaging
     and inner SGD is synchronous data-parallel SGD.
 
+    `per_replica` says how the replicas' steps run: "shard_map" (manual over `data_axes`, the
+    other mesh axes automatic; what pipelined gradients need) or "vmap" (`jax.vmap` over the
+    leading replica axis with `spmd_axis_name=data_axes`, nothing manual: any mesh, e.g.
+    data x fsdp x tensor, where XLA's partitioner aborts on the partially manual form).
+
     Returns:
       `LocalSGD(init, step)`: `init(params) -> LocalSGDState` and
       `step(state, batch) -> (state, {"loss", "grad_norm"})`, both traceable; batch leaves split
       on dim 0. loss and grad_norm (of each replica's own gradient) are means over replicas.
     """
+    if per_replica not in ("shard_map", "vmap"):
+        raise ValueError(f"local_sgd: per_replica={per_replica!r} is not 'shard_map' or 'vmap'")
     if local_steps < 1:
         raise ValueError(f"local_sgd: local_steps={local_steps} must be >= 1")
     outer = optax.sgd(1.0) if outer_tx is None else outer_tx
@@ -183,11 +191,17 @@ def local_sgd(
     lead = P(_data_spec(axes))
 
     def init(params):
-        def per_replica(p):
+        if per_replica == "vmap":
+            r = math.prod(mesh.shape[a] for a in axes)
+            local = jax.tree.map(lambda p: jnp.broadcast_to(p, (r, *p.shape)), params)
+            inner = jax.vmap(inner_tx.init)(local)
+            return LocalSGDState(jnp.zeros((), jnp.int32), params, outer.init(params), local, inner)
+
+        def one(p):
             return _stacked(p), _stacked(inner_tx.init(p))
 
         local, inner = jax.shard_map(
-            per_replica, mesh=mesh, in_specs=P(), out_specs=lead, axis_names=set(axes)
+            one, mesh=mesh, in_specs=P(), out_specs=lead, axis_names=set(axes)
         )(params)
         return LocalSGDState(jnp.zeros((), jnp.int32), params, outer.init(params), local, inner)
 
@@ -199,10 +213,7 @@ def local_sgd(
         local = optax.apply_updates(local, updates)
 
         def sync(anchor, outer_state, local):
-            mean = jax.lax.pmean(local, axes)
-            delta = jax.tree.map(lambda a, m: a - m, anchor, mean)  # the outer "gradient"
-            upd, outer_state = outer.update(delta, outer_state, anchor)
-            anchor = optax.apply_updates(anchor, upd)
+            anchor, outer_state = outer_step(anchor, outer_state, jax.lax.pmean(local, axes))
             return anchor, outer_state, jax.tree.map(_varying_like, anchor, local)
 
         def keep(anchor, outer_state, local):
@@ -223,7 +234,44 @@ def local_sgd(
         axis_names=set(axes),
     )
 
+    def outer_step(anchor, outer_state, mean):
+        delta = jax.tree.map(lambda a, m: a - m, anchor, mean)  # the outer "gradient"
+        upd, outer_state = outer.update(delta, outer_state, anchor)
+        return optax.apply_updates(anchor, upd), outer_state
+
+    def vmapped_step(state, batch):
+        r = math.prod(mesh.shape[a] for a in axes)
+
+        def inner_step(local, inner, rows):
+            loss, grads = grad_fn(local, rows)
+            updates, inner = inner_tx.update(grads, inner, local)
+            return optax.apply_updates(local, updates), inner, loss, optax.tree.norm(grads)
+
+        # [B, ...] -> [R, B / R, ...]: replica j's rows are the j-th block, as on the mesh.
+        stacked = jax.tree.map(lambda x: x.reshape(r, -1, *x.shape[1:]), batch)
+        with sharding.mapped_axes(axes):
+            local, inner, losses, norms = jax.vmap(inner_step, spmd_axis_name=axes)(
+                state.local_params, state.inner_state, stacked
+            )
+
+        def sync(anchor, outer_state, local):
+            mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), local)  # all-reduce over data
+            anchor, outer_state = outer_step(anchor, outer_state, mean)
+            restart = jax.tree.map(lambda a, x: jnp.broadcast_to(a, x.shape), anchor, local)
+            return anchor, outer_state, restart
+
+        def keep(anchor, outer_state, local):
+            return anchor, outer_state, local
+
+        anchor, outer_state, local = jax.lax.cond(
+            (state.step + 1) % local_steps == 0, sync, keep, state.params, state.outer_state, local
+        )
+        metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(norms)}
+        return LocalSGDState(state.step + 1, anchor, outer_state, local, inner), metrics
+
     def step(state, batch):
+        if per_replica == "vmap":
+            return vmapped_step(state, batch)
         metrics, anchor, outer_state, local, inner = stepped(
             state.step,
             state.params,

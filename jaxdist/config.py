@@ -318,9 +318,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
             f"grad_sync.compression='none' (not {g.compression!r})",
         )
         _need(
-            sum(mesh[a] > 1 for a in ("fsdp", "tensor", "pipeline")) <= 1,
-            f"grad_sync.local_steps={g.local_steps} supports data with at most one of fsdp, "
-            "tensor, pipeline (XLA SPMD partitioner limit, as for compression)",
+            mesh["pipeline"] == 1 or (mesh["fsdp"] == 1 and mesh["tensor"] == 1),
+            f"grad_sync.local_steps={g.local_steps} with mesh.pipeline > 1 needs fsdp = tensor = 1 "
+            "(XLA SPMD partitioner limit, as for compression)",
         )
         _need(g.outer_learning_rate > 0, "grad_sync.outer_learning_rate must be > 0")
         _need(0 <= g.outer_momentum < 1, "grad_sync.outer_momentum must be in [0, 1)")

@@ -334,7 +334,16 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
             loss, _, grads = gradients(params, local_batch)  # aux metrics: not reduced here
             return loss, grads
 
-        local = collectives.local_sgd(replica_grads, tx, mesh, data_axes, local_steps, outer_tx)
+        local = collectives.local_sgd(
+            replica_grads,
+            tx,
+            mesh,
+            data_axes,
+            local_steps,
+            outer_tx,
+            # pipelined gradients need the shard_map (see collectives.sync_grads)
+            per_replica="shard_map" if mesh.shape["pipeline"] > 1 else "vmap",
+        )
         abstract_ls = jax.eval_shape(local.init, abstract_params)
         add_per_replica_state(
             "local", {"params": abstract_ls.local_params, "opt_state": abstract_ls.inner_state}
