@@ -715,66 +715,24 @@ def predict(
     if tp > 1:
         tpa = tensor_axes
         add("tp: embedding lookup output (vocab-parallel)", "all-reduce", tpa, act_edge, A, False)
-        if one_f_one_b:
-            layer_ticks = Lp * ticks_1f1b * A
-            add(
-                "tp: attention, MLP outputs (row-parallel), fwd recomputed in 1F1B's bwd",
-                "all-reduce",
-                tpa,
-                act_chunk,
-                2 * layer_ticks,
-                False,
-            )
-            add(
-                "tp: QKV, up-projection input grads, bwd",
-                "all-reduce",
-                tpa,
-                act_chunk,
-                2 * layer_ticks,
-                False,
-            )
-            add(
-                "tp: head input grad, per tick", "all-reduce", tpa, act_chunk, ticks_1f1b * A, False
-            )
-            # max and sum of exp, [b, T] float32 each, per tick (the one-hot target needs none)
-            ce = 2 * chunk_rows * T * 4
-            add(
-                "tp: cross-entropy over vocab shards, per tick",
-                "all-reduce",
-                tpa,
-                ce,
-                ticks_1f1b * A,
-                False,
-            )
+        # Layer executions whose all-reduces run: 1F1B charges every tick's backward branch.
+        layer_runs = Lp * ticks_1f1b * A if one_f_one_b else reps
+        fwd = "fwd recomputed in 1F1B's bwd" if one_f_one_b else "fwd"
+        for name in (
+            f"attention, MLP outputs (row-parallel), {fwd}",
+            "QKV, up-projection input grads, bwd",
+        ):
+            add(f"tp: {name}", "all-reduce", tpa, act_chunk, 2 * layer_runs, False)
+        if remat == "full" and not one_f_one_b:
+            add("tp: attention output recomputed, bwd", "all-reduce", tpa, act_chunk, reps, False)
+        if one_f_one_b:  # the head runs per microbatch in the last stage, every tick
+            head_rows, head_count, ce_terms = chunk_rows, ticks_1f1b * A, 2  # one-hot target
         else:
-            add(
-                "tp: attention, MLP outputs (row-parallel), fwd",
-                "all-reduce",
-                tpa,
-                act_chunk,
-                2 * reps,
-                False,
-            )
-            add(
-                "tp: QKV, up-projection input grads, bwd",
-                "all-reduce",
-                tpa,
-                act_chunk,
-                2 * reps,
-                False,
-            )
-            if remat == "full":
-                add(
-                    "tp: attention output recomputed, bwd",
-                    "all-reduce",
-                    tpa,
-                    act_chunk,
-                    reps,
-                    False,
-                )
-            add("tp: head input grad, bwd", "all-reduce", tpa, act_edge, A, False)
-            ce = 3 * edge_rows * T * 4  # max, sum of exp, target logit: [b, T] float32 each
-            add("tp: cross-entropy over vocab shards", "all-reduce", tpa, ce, A, False)
+            head_rows, head_count, ce_terms = edge_rows, A, 3  # max, sum of exp, target logit
+        head_act = head_rows * T * D * wire_dt(cdt)
+        add("tp: head input grad, bwd", "all-reduce", tpa, head_act, head_count, False)
+        ce = ce_terms * head_rows * T * 4  # [b, T] float32 each
+        add("tp: cross-entropy over vocab shards", "all-reduce", tpa, ce, head_count, False)
 
     regather = 2 if remat != "none" else 1
     grad_dt = wire_dt(cdt)
