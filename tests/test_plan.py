@@ -22,10 +22,9 @@ import pytest
 from jaxdist import config as config_lib
 from jaxdist import loop, plan
 from jaxdist.errors import ConfigError
-from tests.helpers import engine_for, tiny_gpt_config
+from tests.helpers import FAST_COMPILE, engine_for, tiny_gpt_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 # name → (mesh sizes, other config fields)
 LAYOUTS = {
