@@ -32,6 +32,25 @@ from jaxdist.compression import (
 GradFn = Callable[[Any, Any], tuple[jax.Array, Any]]
 
 
+def _replica_vmap(fn: Callable, in_axes: tuple, mesh: Mesh, axes: tuple[str, ...]) -> Callable:
+    """`fn` on each replica's slice: vmapped over a leading replica axis sharded over `axes`.
+
+    The last argument is the batch, [B, ...] per leaf, cut into [R, B / R, ...] (replica j's rows
+    are the j-th block, as on the mesh). Nothing is manual, so any mesh works; the model's sharding
+    constraints leave `axes` out (`sharding.mapped_axes`), vmap puts them on the replica axis.
+    """
+    r = math.prod(mesh.shape[a] for a in axes)
+    mapped = jax.vmap(fn, in_axes=(*in_axes, 0), spmd_axis_name=axes)
+
+    def run(*args):
+        *rest, batch = args
+        stacked = jax.tree.map(lambda x: x.reshape(r, -1, *x.shape[1:]), batch)
+        with sharding.mapped_axes(axes):
+            return mapped(*rest, stacked)
+
+    return run
+
+
 def sync_grads(
     grad_fn: GradFn,
     tx_sync: optax.GradientTransformation,
@@ -86,15 +105,10 @@ def sync_grads(
     manual = set(axes) | set(shard_axes)
 
     if per_replica == "vmap":
+        replica_grads = _replica_vmap(grad_fn, (None,), mesh, axes)
 
         def grads_of(params, batch):
-            # [B, ...] -> [R, B / R, ...]: replica j's rows are the j-th block, as on the mesh.
-            r = math.prod(mesh.shape[a] for a in axes)
-            stacked = jax.tree.map(lambda x: x.reshape(r, -1, *x.shape[1:]), batch)
-            with sharding.mapped_axes(axes):
-                losses, grads = jax.vmap(grad_fn, in_axes=(None, 0), spmd_axis_name=axes)(
-                    params, stacked
-                )
+            losses, grads = replica_grads(params, batch)
             return jnp.mean(losses), grads
 
     else:
@@ -239,20 +253,15 @@ def local_sgd(
         upd, outer_state = outer.update(delta, outer_state, anchor)
         return optax.apply_updates(anchor, upd), outer_state
 
+    def inner_step(local, inner, rows):
+        loss, grads = grad_fn(local, rows)
+        updates, inner = inner_tx.update(grads, inner, local)
+        return optax.apply_updates(local, updates), inner, loss, optax.tree.norm(grads)
+
+    replica_steps = _replica_vmap(inner_step, (0, 0), mesh, axes)
+
     def vmapped_step(state, batch):
-        r = math.prod(mesh.shape[a] for a in axes)
-
-        def inner_step(local, inner, rows):
-            loss, grads = grad_fn(local, rows)
-            updates, inner = inner_tx.update(grads, inner, local)
-            return optax.apply_updates(local, updates), inner, loss, optax.tree.norm(grads)
-
-        # [B, ...] -> [R, B / R, ...]: replica j's rows are the j-th block, as on the mesh.
-        stacked = jax.tree.map(lambda x: x.reshape(r, -1, *x.shape[1:]), batch)
-        with sharding.mapped_axes(axes):
-            local, inner, losses, norms = jax.vmap(inner_step, spmd_axis_name=axes)(
-                state.local_params, state.inner_state, stacked
-            )
+        local, inner, losses, norms = replica_steps(state.local_params, state.inner_state, batch)
 
         def sync(anchor, outer_state, local):
             mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), local)  # all-reduce over data

@@ -265,13 +265,6 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
             data_manual=per_replica,
         )
 
-    # Leading stacked-layer axes per parameter: compressors treat each layer as its own tensor.
-    batch_dims = jax.tree.map(
-        lambda axes: next((i for i, a in enumerate(axes) if a != "layers"), len(axes)),
-        param_axes,
-        is_leaf=_is_axes,
-    )
-
     def add_per_replica_state(key: str, abstract: Any) -> None:
         """state[key]: leaves [R, ...] over `data`, sharded like their parameters on the rest."""
         from jaxdist import compression
@@ -292,6 +285,12 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         from jaxdist import collectives, compression
 
         data_axes = ("data",)
+        # Leading stacked-layer axes per parameter: compressors treat each layer as its own tensor.
+        batch_dims = jax.tree.map(
+            lambda axes: next((i for i, a in enumerate(axes) if a != "layers"), len(axes)),
+            param_axes,
+            is_leaf=_is_axes,
+        )
         tx_sync = compression.from_config(
             config.grad_sync, data_axes, momentum=t.momentum, batch_dims=batch_dims
         )
