@@ -77,6 +77,9 @@ class Hardware:
         all-reduce + dynamic-slice (XLA:CPU) for gradients of FSDP-sharded parameters.
       bf16_collectives: whether bf16 collectives run in bf16 (GPU, TPU); XLA:CPU promotes them to
         float32.
+      bf16_activations: whether bf16 compute keeps its activations in bf16 (GPU, TPU); XLA:CPU
+        computes bf16 operations in float32, so its activations are float32 (next to the bf16
+        copies of the weights).
       usable_fraction: share of `memory_bytes` a step may use (allocator, runtime and fragmentation
         take the rest); a layout fits if its predicted peak is below it.
     """
@@ -93,6 +96,7 @@ class Hardware:
     overlap: float = 0.0
     native_reduce_scatter: bool = True
     bf16_collectives: bool = True
+    bf16_activations: bool = True
     usable_fraction: float = 0.9
 
 
@@ -155,6 +159,7 @@ PROFILES: dict[str, Hardware] = {
         overlap=0.0,
         native_reduce_scatter=False,
         bf16_collectives=False,
+        bf16_activations=False,
     ),
 }
 
@@ -548,25 +553,36 @@ def _term_time(term: CommTerm, local: dict[str, int], hw: Hardware) -> float:
     return term.count * t
 
 
-# Activations the backward keeps per token of one layer, in elements of the compute dtype, split
-# into the part replicated over the tensor axis ([b, T, D] residual stream, norms) and the part
-# divided by it (heads, MLP units), per remat policy, as XLA:CPU's buffer assignment shows them for
-# this model (D d_model, F mlp width, NT = heads × length attention scores per query):
-#   none:          6 [b,T,D] (x, norms, residual sums)   | q, k, v, o (4 D), scores and probs (2 NT),
-#                                                          6 [b,T,F] (up, GELU's tanh pieces, output)
-#   dots:          x, attn out, mlp out (3 D)            | qkv, o (4 D), scores (NT), up (F)
-#   dots_no_batch: x, attn out, mlp out (3 D)            | qkv (3 D), up (F)
-#   full:          x (D)                                 | —
-# GPU and TPU fuse GELU's elementwise pieces, so there `none` keeps fewer [b,T,F] copies: the
-# figure is conservative off CPU.
-def _saved_per_token(remat: str, D: int, F: int, NT: int) -> tuple[float, float]:
+# Activations the backward keeps per token of one layer, in elements, split into the part
+# replicated over the tensor axis ([b, T, D] residual stream, norms), the part divided by it (heads,
+# MLP units) and the attention scores (divided by it too, always float32: jax.nn.dot_product_attention
+# computes logits and softmax in float32), per remat policy, as XLA:CPU's buffer assignment shows
+# them for this model (D d_model, F mlp width, NT = heads × length scores per query; they agree
+# with what `jax.vjp` of the layer scan saves):
+#   none:          6 [b,T,D] (x, norms, residual sums)   | q, k, v, o (4 D), 6 [b,T,F] (up, GELU's
+#                                                          tanh pieces, output) | scores, probs (2 NT)
+#   dots:          x, attention out (2 D)                | qkv, o (4 D), up (F) | scores (NT)
+#   dots_no_batch: x, attention out (2 D)                | qkv (3 D), up (F)    | —
+#   full:          x (D)                                 | —                    | —
+# Flash attention (`model.attention="cudnn"`) keeps no scores. GPU and TPU fuse GELU's elementwise
+# pieces, so there `none` keeps fewer [b,T,F] copies: the figure is conservative off CPU.
+def _saved_per_token(remat: str, D: int, F: int, NT: int) -> tuple[float, float, float]:
     if remat == "none":
-        return 6 * D, 4 * D + 2 * NT + 6 * F
+        return 6 * D, 4 * D + 6 * F, 2 * NT
     if remat == "dots":
-        return 3 * D, 4 * D + NT + F
+        return 2 * D, 4 * D + F, NT
     if remat == "dots_no_batch":
-        return 3 * D, 3 * D + F
-    return D, 0
+        return 2 * D, 3 * D + F, 0
+    return D, 0, 0
+
+
+# Working set of one layer's backward (cotangents, slices of the saved stacks, what the policy
+# recomputes) as a multiple of the layer's full (remat none) activation set. Read from XLA:CPU's
+# buffer assignment (`--xla_dump_to`, memory-usage report) of the GPT at d_model 128-256, T 64-128,
+# F 512-1024, from the change in temp between 2 and 4 rows: none 0.70-0.83, dots 0.65-0.97,
+# dots_no_batch 0.65-0.90. With `full` that marginal figure is 1.24-1.33 but the whole working set
+# at 1-2 rows per device is 0.9 of the layer's activations (the peak moves).
+_WORKING_SET = {"none": 0.75, "dots": 0.7, "dots_no_batch": 0.7, "full": 0.9}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -810,32 +826,59 @@ def predict(
         add("pp: stage-0 input grad summed over stages", "all-reduce", pa, act, A, False)
 
     # -- memory -----------------------------------------------------------------------------------
-    # temp is the peak of the backward layer loop: saved activations of every layer, the weights it
-    # saved (remat none) or re-gathers, the stacked gradient buffers, one layer's recomputed
-    # activations (remat), plus what stays live around it (gathered embedding / head, bf16 casts).
-    NT = model.num_heads * T
-    rep, split = _saved_per_token(remat, D, F, NT)
-    if p > 1 and config.pipeline.schedule == "1f1b":
-        inflight_rows = rows_mb // m * min(m, p)
+    # temp is the peak of the backward layer loop: the residuals saved for it, the working set of
+    # one layer's backward (with what the policy recomputes), the stacked gradient buffers, the
+    # weights it saved (remat none) or re-gathers, plus what stays live around it (logits, casts).
+    # XLA:CPU computes bf16 in float32: activations there are float32 whatever the compute dtype.
+    adt = cdt if hw.bf16_activations else 4
+    NT = model.num_heads * T if config.model.attention != "cudnn" else 0
+    rep, split, scores = _saved_per_token(remat, D, F, NT)
+    # one row of one layer, bytes
+    row_bytes = lambda r, s, sc: T * ((r + s / tp) * adt + sc / tp * 4)
+    full_row = row_bytes(*_saved_per_token("none", D, F, NT))
+    # A stage's layer scan of one layer is no loop for XLA (trip count 1): nothing is stacked twice.
+    Lc = Lp // v  # layers one tick runs
+    stage_grads = 0  # a second float32 copy of the stage's layer grads (1F1B's per-tick vjp)
+    weight_copies = 1  # copies of the layers' weights the backward saved, remat none
+    if p == 1:
+        saved = rows_mb * Lp * row_bytes(rep, split, scores)
+        work_rows, logit_rows = rows_mb, rows_mb
+    elif one_f_one_b:
+        # Stash and gradient buffers of p slots, the embedded microbatches and their gradient; a
+        # tick's backward branch re-runs the stage forward on one microbatch (jax.vjp) and keeps
+        # that microbatch's residuals only, next to the gradients it adds to the running sum; the
+        # head runs there per microbatch.
+        buffers = (2 * p + 2 * m) * chunk_rows * T * D * adt
+        saved = buffers + chunk_rows * Lp * row_bytes(rep, split, scores)
+        work_rows, logit_rows = chunk_rows, chunk_rows
+        stage_grads = 1 if Lc > 1 else 0
     else:
-        inflight_rows = rows_mb
-    saved = inflight_rows * T * Lp * (rep + split / tp) * cdt
-    full_rep, full_split = _saved_per_token("none", D, F, NT)
-    # One layer's recomputed activations (what the policy did not save) live during its backward.
-    one_layer = rows_mb * T * ((full_rep - rep) + (full_split - split) / tp) * cdt
-    activations = saved + one_layer
+        # Autodiff through the ticks keeps every tick's residuals and (remat none) its weights, idle
+        # ticks included (SPMD), plus the stacks of the tick it is in.
+        saved = (ticks + (Lc > 1)) * chunk_rows * Lc * row_bytes(rep, split, scores)
+        work_rows, logit_rows = chunk_rows, rows_mb
+        weight_copies = ticks / v
+    working = _WORKING_SET[remat] * work_rows * full_row
+    activations = saved + working
     fsdp_gathered = [bool(g) for g in sh.gathered]
     layer_compute = sum(
         n // Lp for x, n, g in zip(model.params, computed, fsdp_gathered) if x.stacked and g
     )
-    grads_b = sum(n * 4 for n in stored) + layer_compute * 4
-    weights_b = 0  # compute-sharded weights the backward holds: all layers' without remat
+    stacked_compute = sum(n for x, n in zip(model.params, computed) if x.stacked)
+    grads_b = sum(n * 4 for n in stored) + layer_compute * 4 + stage_grads * stacked_compute * 4
+    # Compute-sharded layer weights the backward loop holds: all layers' without remat (the scan
+    # saves them), one re-gathered layer with it. The gathered embedding and head are dead by then
+    # (the head's backward runs before the loop, the embedding's needs no weights) unless gradient
+    # accumulation hoists their gather out of its loop.
+    weights_b = 0
     for x, n_cp, g in zip(model.params, computed, fsdp_gathered):
         if x.stacked and remat == "none":
+            weights_b += n_cp * cdt * weight_copies
+        elif x.stacked and g:
+            weights_b += n_cp // Lp * cdt
+        elif g and A > 1:
             weights_b += n_cp * cdt
-        elif g:
-            weights_b += (n_cp // Lp if x.stacked else n_cp) * cdt
-    logits_b = rows_mb * T * (V // tp) * 4
+    logits_b = logit_rows * T * (V // tp) * 4
     cast_b = sum(n * cdt for n in stored) if cdt < 4 else 0
     other = weights_b + logits_b + cast_b
     temp = grads_b + activations + other

@@ -92,9 +92,11 @@ def test_prediction_matches_compiled_step(name):
     assert _rel(got["params"], want["params"]) <= 0.10, (got, want)
     assert _rel(got["opt_state"], want["opt_state"]) <= 0.10, (got, want)
     assert _rel(got["arguments"], want["arguments"]) <= 0.10, (got, want)
-    # Temporaries are best effort (docs/PLANNER.md has the table); a factor of two still catches a
-    # term that went missing or doubled.
-    assert 0.5 <= got["temp"] / want["temp"] <= 2.0, (got["temp"], want["temp"])
+    # The peak per device (what decides whether a layout fits) within 10%; its temporaries within
+    # 15% at this tiny width (fixed-size buffers weigh more here; tests/test_plan_memory.py holds
+    # temp to 10% at a realistic width).
+    assert _rel(got["total"], want["arguments"] + want["temp"]) <= 0.10, (got, want)
+    assert _rel(got["temp"], want["temp"]) <= 0.15, (got, want)
 
     wire, hlo = pred.collective_bytes, record["collective_bytes_per_step"]
     assert _rel(sum(wire.values()), sum(hlo.values())) <= 0.05, (wire, hlo)
@@ -143,9 +145,11 @@ def test_plan_ranks_and_marks_layouts_that_do_not_fit():
     c = tiny_gpt_config(data=8)
     c.model.d_model, c.model.num_layers, c.train.batch_size = 256, 4, 64
     model = plan.model_info(c)
-    replicated = plan.predict(c, plan.Layout(data=8), "cpu_here", model=model).memory["total"]
-    sharded = plan.predict(c, plan.Layout(fsdp=8), "cpu_here", model=model).memory["total"]
-    assert sharded < replicated / 2
+    rep_mem = plan.predict(c, plan.Layout(data=8), "cpu_here", model=model).memory
+    sh_mem = plan.predict(c, plan.Layout(fsdp=8), "cpu_here", model=model).memory
+    replicated, sharded = rep_mem["total"], sh_mem["total"]
+    assert sh_mem["opt_state"] == pytest.approx(rep_mem["opt_state"] / 8, rel=1e-3)
+    assert sharded < replicated * 0.6  # same activations, an eighth of the state
     # A device that holds the FSDP layout but not the replicated one.
     small = dataclasses.replace(
         plan.PROFILES["cpu_here"], name="small", memory_bytes=(sharded + replicated) / 2 / 0.9
