@@ -752,9 +752,16 @@ def predict(
 
     regather = 2 if remat != "none" else 1
     grad_dt = wire_dt(cdt)
+    # Under 1F1B with FSDP, a tick's backward branch gathers the stage's layers and the head (final
+    # norm and projection run in the last stage) itself: once per tick.
+    in_stage = lambda x: x.stacked or (one_f_one_b and x.path != "embed")
     for x, gathered, n_cp in zip(model.params, sh.gathered, computed):
         if gathered:
-            if x.stacked:
+            if one_f_one_b and in_stage(x):
+                layers = Lp * regather if x.stacked else 1
+                count, payload = ticks_1f1b * A * layers, n_cp * wire_dt(cdt)
+                payload //= Lp if x.stacked else 1
+            elif x.stacked:
                 count = reps * regather
                 payload = n_cp // Lp * wire_dt(cdt)
             else:
@@ -773,11 +780,30 @@ def predict(
         layer_count = Lp * A
     other_axes = batch_axes + (("pipeline",) if p > 1 and edge_rows < rows_mb else ())
     fs_axes = tuple(a for a in batch_axes if a == "fsdp")
-    for name, payload, count, axes in (
+    syncs = [
         ("grads: layers", layer_grads, layer_count, batch_axes),
         ("grads: embedding, final norm, head", other_grads, A, other_axes),
-    ):
-        if hw.native_reduce_scatter and fs_axes:
+    ]
+    if one_f_one_b and fs_axes and sizes["fsdp"] > 1:
+        # FSDP inside 1F1B stages: fsdp is an automatic axis there, so XLA reduces the stage's layer
+        # and head gradients over it in every tick's backward branch; the fsdp shard is then summed
+        # once over data (the head's over data × pipeline), the embedding's outside the stages.
+        f = sizes["fsdp"]
+        rest = tuple(a for a in batch_axes if a not in fs_axes)
+        head_grads = sum(
+            n * grad_dt for x, n in zip(model.params, computed) if in_stage(x) and not x.stacked
+        )
+        embed_grads = other_grads - 4 - head_grads
+        per_tick = "reduce-scatter" if hw.native_reduce_scatter else "all-reduce"
+        for name, payload in (("layers", layer_grads), ("final norm, head", head_grads)):
+            add(f"grads: {name}, every 1F1B tick", per_tick, fs_axes, payload, ticks_1f1b * A, True)
+        syncs = [
+            ("grads: layers, fsdp shard", layer_grads / f, A, rest),
+            ("grads: final norm, head, fsdp shard", head_grads / f + 4, A, rest + ("pipeline",)),
+            ("grads: embedding", embed_grads, A, batch_axes + ("pipeline",)),
+        ]
+    for name, payload, count, axes in syncs:
+        if hw.native_reduce_scatter and set(fs_axes) & set(axes):
             f = math.prod(sizes[a] for a in fs_axes)
             rest = tuple(a for a in axes if a not in fs_axes)
             add(
@@ -876,8 +902,10 @@ def predict(
             weights_b += n_cp * cdt * weight_copies
         elif x.stacked and g:
             weights_b += n_cp // Lp * cdt
-        elif g and A > 1:
+        elif g and (A > 1 or (one_f_one_b and in_stage(x))):
             weights_b += n_cp * cdt
+            if one_f_one_b:  # the head's gradient sums over the ticks at its gathered shape
+                grads_b += n_cp * 4
     logits_b = logit_rows * T * (V // tp) * 4
     cast_b = sum(n * cdt for n in stored) if cdt < 4 else 0
     other = weights_b + logits_b + cast_b

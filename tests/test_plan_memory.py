@@ -3,7 +3,7 @@
 `tests/test_plan.py` checks 15 layouts of the tiny GPT (d_model 32). Here the GPT is d_model 256,
 8 heads, T 128, 4 layers, batch 32, where activations dominate temp as they do in real runs; the
 layouts cover remat none / full / dots, bf16 compute, FSDP with accumulation, tensor parallelism and
-gpipe and 1F1B pipelines of two layers per stage. Compiled only, never run.
+gpipe and 1F1B pipelines of two layers per stage, FSDP inside 1F1B. Compiled only, never run.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ LAYOUTS = {
     "data4_pipeline2_1f1b": (
         dict(data=4, pipeline=2),
         {"pipeline.microbatches": 2, "pipeline.schedule": "1f1b"},
+    ),
+    "d2f2p2_1f1b_remat_full": (
+        dict(data=2, fsdp=2, pipeline=2),
+        {"pipeline.microbatches": 2, "pipeline.schedule": "1f1b", "train.remat": "full"},
     ),
 }
 
