@@ -56,6 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.runtime = ml_collections.ConfigDict()
     c.runtime.cpu_devices = 0
+    c.runtime.gpu_xla_flags = False  # jaxdist.xla_flags.GPU_PERFORMANCE_FLAGS into XLA_FLAGS
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 100

@@ -445,9 +445,10 @@ def main(argv):
     del argv
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    from jaxdist import mesh
+    from jaxdist import mesh, xla_flags
 
     config = _CONFIG.value
+    xla_flags.apply(config.runtime.gpu_xla_flags)
     mesh.configure_cpu_devices(config.runtime.cpu_devices)
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
     studies = {

@@ -39,12 +39,13 @@ def main(argv):
             f"unexpected arguments {argv[1:]}; fields are set with --config.section.key=value"
         )
     from jaxdist import config as config_lib
-    from jaxdist import distributed, mesh
+    from jaxdist import distributed, mesh, xla_flags
 
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save step at INFO
         logging.set_verbosity(logging.WARNING)
     config = flags.FLAGS.config
     config_lib.apply_gin(config, flags.FLAGS.gin_file, flags.FLAGS.gin_param)
+    xla_flags.apply(config.runtime.gpu_xla_flags)
     distributed.initialize()
     mesh.configure_cpu_devices(config.runtime.cpu_devices)
     from jaxdist import loop
