@@ -11,28 +11,20 @@ from __future__ import annotations
 import pytest
 
 from jaxdist import plan
-from tests.test_plan import _compiled_record, _config, _rel
+from tests.test_plan import LAYOUTS, _compiled_record, _config, _rel
 
-LAYOUTS = {
-    "data2_tensor4": (dict(data=2, tensor=4), {}),
-    "fsdp8_accum2_remat_full": (dict(fsdp=8), {"train.grad_accum": 2, "train.remat": "full"}),
-    "d2f2t2_bf16_remat_dots": (
-        dict(data=2, fsdp=2, tensor=2),
-        {"train.compute_dtype": "bfloat16", "train.remat": "dots"},
-    ),
-    "data4_pipeline2_gpipe": (dict(data=4, pipeline=2), {"pipeline.microbatches": 2}),
-    "data4_pipeline2_1f1b": (
-        dict(data=4, pipeline=2),
-        {"pipeline.microbatches": 2, "pipeline.schedule": "1f1b"},
-    ),
-    "d2f2p2_1f1b_remat_full": (
-        dict(data=2, fsdp=2, pipeline=2),
-        {"pipeline.microbatches": 2, "pipeline.schedule": "1f1b", "train.remat": "full"},
-    ),
-}
+# tests/test_plan.LAYOUTS entries, widened below (4 layers: two per pipeline stage).
+NAMES = (
+    "data2_tensor4",
+    "fsdp8_accum2_remat_full",
+    "d2f2t2_bf16_remat_dots",
+    "data4_pipeline2_gpipe",
+    "data4_pipeline2_1f1b",
+    "d2f2p2_1f1b_remat_full",
+)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", NAMES)
 def test_memory_prediction_at_realistic_width(name):
     c = _config(*LAYOUTS[name])
     c.model.d_model, c.model.num_heads, c.model.seq_len, c.model.num_layers = 256, 8, 128, 4
