@@ -30,9 +30,7 @@ GPU_PERFORMANCE_FLAGS: dict[str, str] = {
 
 def merged(existing: str, flags: dict[str, str]) -> str:
     """`existing` (an XLA_FLAGS string) plus every flag in `flags` it does not already set."""
-    present = {
-        tok[2:].split("=", 1)[0] for tok in existing.split() if tok.startswith("--")
-    }
+    present = {tok[2:].split("=", 1)[0] for tok in existing.split() if tok.startswith("--")}
     extra = [f"--{name}={value}" for name, value in flags.items() if name not in present]
     return " ".join([existing.strip(), *extra]).strip()
 
