@@ -757,15 +757,13 @@ def predict(
     in_stage = lambda x: x.stacked or (one_f_one_b and x.path != "embed")
     for x, gathered, n_cp in zip(model.params, sh.gathered, computed):
         if gathered:
+            payload = (n_cp // Lp if x.stacked else n_cp) * wire_dt(cdt)
             if one_f_one_b and in_stage(x):
-                layers = Lp * regather if x.stacked else 1
-                count, payload = ticks_1f1b * A * layers, n_cp * wire_dt(cdt)
-                payload //= Lp if x.stacked else 1
+                count = ticks_1f1b * A * (Lp * regather if x.stacked else 1)
             elif x.stacked:
                 count = reps * regather
-                payload = n_cp // Lp * wire_dt(cdt)
             else:
-                count, payload = 1, n_cp * wire_dt(cdt)
+                count = 1
             add(f"fsdp: all-gather {x.path}", "all-gather", gathered, payload, count, True)
 
     # Gradient sync: every gradient byte (compute shard) per microbatch, layer by layer inside the
