@@ -69,12 +69,6 @@ def train_steps(c, steps: int):
     return np.array(losses), jax.device_get(state["params"])
 
 
-# LLVM optimisation level 0: only machine-code generation changes, after the HLO passes, buffer
-# assignment and collectives are fixed, so HLO text and memory_analysis() are those of a default
-# compile (checked, docs/PLANNER.md) at about half the compile time. For inspecting, not running.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
 def compile_step(c):
     """(engine, compiled train step) for inspecting the compiled module; never executed."""
     eng, batches = engine_for(c)
@@ -82,4 +76,4 @@ def compile_step(c):
     dtypes = {"inputs": np.int32, "targets": np.int32}
     return eng, eng.train_step.lower(
         eng.abstract_state, eng.abstract_batch(shapes, dtypes)
-    ).compile(FAST_COMPILE)
+    ).compile()

@@ -3,9 +3,10 @@
 Each layout is compiled (never run) on the 8 simulated CPU devices and its `layout` record
 (`jaxdist.loop.layout_record`: shard bytes, `memory_analysis()`, HLO collective bytes) compared with
 `jaxdist.plan.predict` on the `cpu_here` profile, whose collective rules are XLA:CPU's (all-reduce for
-reduce-scatter, float32 collectives). Compiles use LLVM optimisation level 0 to halve compile time:
-that flag only changes machine-code generation, after the HLO passes, buffer assignment and
-collectives are fixed (the figures are identical to a default compile; see docs/PLANNER.md).
+reduce-scatter, float32 collectives). Compiles use LLVM optimisation level 0, as the whole suite
+does (tests/conftest.py): that flag only changes machine-code generation, after the HLO passes,
+buffer assignment and collectives are fixed (the figures are identical to a default compile; see
+docs/PLANNER.md).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 from jaxdist import config as config_lib
 from jaxdist import loop, plan
 from jaxdist.errors import ConfigError
-from tests.helpers import FAST_COMPILE, engine_for, tiny_gpt_config
+from tests.helpers import engine_for, tiny_gpt_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,7 +81,7 @@ def _compiled_record(c) -> dict:
     lowered = eng.train_step.lower(
         eng.abstract_state, eng.abstract_batch(batches.global_shapes(), dtypes)
     )
-    return loop.layout_record(eng, lowered.compile(FAST_COMPILE), c)
+    return loop.layout_record(eng, lowered.compile(), c)
 
 
 def _rel(predicted: float, measured: float) -> float:
