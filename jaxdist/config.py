@@ -57,6 +57,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.runtime = ml_collections.ConfigDict()
     c.runtime.cpu_devices = 0
     c.runtime.gpu_xla_flags = False  # jaxdist.xla_flags.GPU_PERFORMANCE_FLAGS into XLA_FLAGS
+    c.runtime.gpu_memory_fraction = 0.0  # XLA_PYTHON_CLIENT_MEM_FRACTION; 0 = JAX's default (0.75)
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 100
@@ -198,6 +199,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     _need(config.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 = off)")
     _need(config.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
     _need(config.runtime.cpu_devices >= 0, "runtime.cpu_devices must be >= 0 (0 = JAX default)")
+    _need(
+        0.0 <= config.runtime.gpu_memory_fraction <= 1.0,
+        "runtime.gpu_memory_fraction must be in [0, 1] (0 = JAX's default of 0.75)",
+    )
 
     mesh = resolve_mesh_shape(config.mesh, num_devices)
     m = config.model

@@ -166,6 +166,7 @@ def run(config, workdir: str) -> dict[str, float]:
     workdir = os.path.abspath(workdir)  # orbax requires absolute checkpoint paths
     num_devices = jax.device_count()
     config_lib.validate(config, num_devices)
+    mesh_lib.check_backend(config)
     main = jax.process_index() == 0
     ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
     mesh = mesh_lib.make_mesh(config.mesh)

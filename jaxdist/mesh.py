@@ -55,6 +55,21 @@ def configure_cpu_devices(n: int) -> None:
         jax.config.update("jax_num_cpu_devices", n)
 
 
+def check_backend(config) -> None:
+    """Refuses, before anything compiles, settings the started backend cannot run.
+
+    Raises:
+      ConfigError: `model.attention='cudnn'` on devices that are not NVIDIA GPUs.
+    """
+    if config.model.get("attention") == "cudnn":
+        platforms = sorted({d.platform for d in jax.devices()})
+        if platforms != ["gpu"]:
+            raise ConfigError(
+                "model.attention='cudnn' needs NVIDIA GPUs with cuDNN, but this run's devices are "
+                f"{'/'.join(platforms)}; use 'xla', or 'auto' (cuDNN flash attention where it applies)"
+            )
+
+
 def make_mesh(mesh_cfg: Mapping[str, Any], devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Builds the (data, fsdp, tensor, pipeline) mesh.
 

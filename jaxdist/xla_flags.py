@@ -35,7 +35,11 @@ def merged(existing: str, flags: dict[str, str]) -> str:
     return " ".join([existing.strip(), *extra]).strip()
 
 
-def apply(enabled: bool) -> None:
-    """Adds `GPU_PERFORMANCE_FLAGS` to this process's XLA_FLAGS when enabled; before any backend."""
+def apply(enabled: bool, memory_fraction: float = 0.0) -> None:
+    """Before any backend starts: adds `GPU_PERFORMANCE_FLAGS` to XLA_FLAGS when `enabled`, and sets
+    XLA_PYTHON_CLIENT_MEM_FRACTION (the share of GPU memory JAX preallocates) when
+    `memory_fraction` > 0, unless the user already set that variable."""
     if enabled:
         os.environ["XLA_FLAGS"] = merged(os.environ.get("XLA_FLAGS", ""), GPU_PERFORMANCE_FLAGS)
+    if memory_fraction > 0:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{memory_fraction:g}")

@@ -34,6 +34,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
+from benchlib import build as _build  # noqa: E402
+from benchlib import hand_written_step  # noqa: E402
+from benchlib import stats as _stats  # noqa: E402
+from benchlib import timed as _timed  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from jaxdist.errors import ConfigError  # noqa: E402
@@ -71,74 +75,6 @@ _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps first.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Alternating rounds of (framework, hand-written).")
 _OUT = flags.DEFINE_string("out", "runs/bench/bench.json", "JSON results file.")
-
-
-def _timed(fn, state, batch, steps: int, warmup: int):
-    import jax
-
-    for _ in range(warmup):
-        state, m = fn(state, batch)
-    jax.block_until_ready((state, m))
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, m = fn(state, batch)
-        jax.block_until_ready((state, m))
-        times.append(time.perf_counter() - t0)
-    return state, times
-
-
-def _stats(times: list[float]) -> dict[str, float]:
-    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
-    return {"median_s": statistics.median(times), "p10_s": q[0], "p90_s": q[-1], "n": len(times)}
-
-
-def _build(config, m, ds):
-    """Validates `config` and builds its Engine and deterministic batches on mesh `m`."""
-    import jax
-
-    from jaxdist import config as config_lib
-    from jaxdist import data, train
-
-    config_lib.validate(config, jax.device_count())
-    engine = train.build(config, m, ds)
-    batches = data.Batches(
-        ds,
-        batch_size=config.train.batch_size,
-        seq_len=config.model.seq_len,
-        seed=0,
-        shardings=engine.batch_shardings,
-    )
-    return engine, batches
-
-
-def hand_written_step(engine):
-    """The same model and optimizer as plain JAX: value_and_grad, optax update, jit. No framework."""
-    import jax
-    import optax
-
-    from jaxdist import sharding
-
-    mesh, shardings = engine.mesh, engine.state_shardings
-
-    def loss_fn(params, batch):
-        with sharding.activation_rules(mesh):
-            model = engine.merge(params)
-            logits = model(batch["inputs"]).astype("float32")
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-    def step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
-        updates, opt_state = engine.tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        return {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss
-
-    return jax.jit(
-        step,
-        in_shardings=(shardings, engine.batch_shardings),
-        out_shardings=(shardings, sharding.replicated(mesh)),
-        donate_argnums=0,
-    )
 
 
 def study_overhead(config) -> dict:
@@ -448,7 +384,7 @@ def main(argv):
     from jaxdist import mesh, xla_flags
 
     config = _CONFIG.value
-    xla_flags.apply(config.runtime.gpu_xla_flags)
+    xla_flags.apply(config.runtime.gpu_xla_flags, config.runtime.gpu_memory_fraction)
     mesh.configure_cpu_devices(config.runtime.cpu_devices)
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
     studies = {

@@ -45,7 +45,7 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     config = flags.FLAGS.config
     config_lib.apply_gin(config, flags.FLAGS.gin_file, flags.FLAGS.gin_param)
-    xla_flags.apply(config.runtime.gpu_xla_flags)
+    xla_flags.apply(config.runtime.gpu_xla_flags, config.runtime.gpu_memory_fraction)
     distributed.initialize()
     mesh.configure_cpu_devices(config.runtime.cpu_devices)
     from jaxdist import loop

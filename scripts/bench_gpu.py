@@ -1,0 +1,487 @@
+"""GPU ground truth, one phase per process: `scripts/gpu_check.sh` runs them all and joins the table.
+
+    python scripts/bench_gpu.py --phase=env --out_dir=runs/gpu_check
+    python scripts/bench_gpu.py --phase=correct --out_dir=runs/gpu_check
+    python scripts/bench_gpu.py --phase=point --out_dir=runs/gpu_check --label=gpt_1b_b16 \
+        --config=configs/gpt_1b.py --config.train.batch_size=16 [--hand]
+    python scripts/bench_gpu.py --phase=report --out_dir=runs/gpu_check
+
+Phases:
+  env      jax / jaxlib / CUDA / cuDNN versions, device kind and memory → env.json.
+  correct  the default job for 20 steps (finite, loss falls); `model.attention=cudnn` against `xla`
+           logits on gpt_small in bf16 (on a machine without cuDNN: that `cudnn` is refused with
+           one line); two train steps of every model family config (parameters must move) → correct.json.
+  point    one compiled train step: compile time, ≥ --steps timed steps after --warmup (median,
+           10th–90th percentile), tokens/s, MFU (6·N + 12·L·d·T FLOPs per token, N without the
+           embedding table, over the device's dense bf16 peak), compiled memory and the allocator's
+           peak, the planner's predicted step time and memory; with --hand also the hand-written
+           step of the same model (benchlib.hand_written_step) and the ratio → points/LABEL.json.
+  report   every JSON above → gpu_check.json and gpu_check.md (printed).
+
+Each point runs in its own process: XLA flags are read once per process, and the allocator's peak
+(`memory_stats()["peak_bytes_in_use"]`) then belongs to that point alone.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import benchlib  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from jaxdist.errors import ConfigError  # noqa: E402
+
+_PHASE = flags.DEFINE_enum("phase", "point", ["env", "correct", "point", "report"], "What to run.")
+_OUT_DIR = flags.DEFINE_string("out_dir", "runs/gpu_check", "Where the JSON and the table go.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/gpt_small.py", "--phase=point: the config measured.", lock_config=True
+)
+_LABEL = flags.DEFINE_string("label", "point", "--phase=point: the row's name (and file name).")
+_HAND = flags.DEFINE_bool("hand", False, "--phase=point: also time the hand-written step.")
+_STEPS = flags.DEFINE_integer("steps", 20, "--phase=point: timed steps.")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "--phase=point: untimed steps after compiling.")
+_HARDWARE = flags.DEFINE_string(
+    "hardware", "", "Planner profile for the prediction (default: by device kind)."
+)
+_TINY = flags.DEFINE_bool(
+    "tiny", False, "--phase=correct: CPU dry run sizes (tiny GPT for the attention check)."
+)
+
+MFU_FORMULA = "6·N + 12·L·d·T FLOPs per token, N without the embedding table"
+
+
+def _write(name: str, record: dict) -> str:
+    path = os.path.join(_OUT_DIR.value, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2, default=str)
+    return path
+
+
+def _error_line(e: BaseException) -> str:
+    """The one line that says what failed (an XLA error's first line, not its dump)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:400]
+
+
+# --------------------------------------------------------------------------------------------------
+# env
+# --------------------------------------------------------------------------------------------------
+
+
+def _cuda_versions() -> dict:
+    """CUDA runtime/driver and cuDNN versions as jaxlib's CUDA plugin reports them (if present)."""
+    out = {}
+    try:
+        from jax._src.lib import cuda_versions  # jaxlib's CUDA plugin, where installed
+    except ImportError:
+        cuda_versions = None
+    if cuda_versions is not None:
+        for key, fn in (
+            ("cuda_runtime", "cuda_runtime_get_version"),
+            ("cuda_driver", "cuda_driver_get_version"),
+            ("cudnn", "cudnn_get_version"),
+            ("cublas", "cublas_get_version"),
+            ("nccl", "nccl_get_version"),
+        ):
+            try:
+                out[key] = getattr(cuda_versions, fn)()
+            except Exception:  # noqa: BLE001 -- a missing getter is just not reported
+                pass
+    return out
+
+
+def phase_env() -> dict:
+    import importlib.metadata as md
+
+    import jax
+
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() or {}
+    versions = {}
+    for pkg in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "ml-collections"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    plugins = sorted(
+        d.metadata["Name"] for d in md.distributions() if "cuda" in d.metadata["Name"].lower()
+    )
+    record = {
+        "python": platform.python_version(),
+        "versions": versions,
+        "cuda_plugins": [f"{p} {md.version(p)}" for p in plugins if "jax" in p.lower()],
+        "cuda": _cuda_versions(),
+        "backend": jax.default_backend(),
+        "device_kind": dev.device_kind,
+        "device_count": jax.device_count(),
+        "memory_bytes_limit": stats.get("bytes_limit"),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+    }
+    print(json.dumps(record, indent=2, default=str))
+    return record
+
+
+# --------------------------------------------------------------------------------------------------
+# correct
+# --------------------------------------------------------------------------------------------------
+
+
+def _load_config(path: str, **overrides):
+    """`get_config()` of a config file, unlocked copy, with `section.key` overrides."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config().copy_and_resolve_references()
+    with cfg.unlocked():
+        for dotted, value in overrides.items():
+            section, key = dotted.split(".")
+            cfg[section][key] = value
+    return cfg
+
+
+def _check_default_job() -> dict:
+    """configs/default.py for 20 steps through the real loop: finite, and the loss falls."""
+    from jaxdist import loop
+
+    workdir = os.path.join(_OUT_DIR.value, "default_job")
+    cfg = _load_config(
+        "configs/default.py",
+        **{"train.steps": 20, "train.log_every": 1, "train.eval_every": 0, "checkpoint.every": 0},
+    )
+    loop.run(cfg, workdir)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    losses = [r["loss"] for r in records if "loss" in r and r.get("kind") != "eval"]
+    finite = all(math.isfinite(x) for x in losses)
+    first, last = losses[0], sum(losses[-3:]) / 3
+    return {
+        "name": "default job, 20 steps",
+        "ok": finite and len(losses) == 20 and last < first,
+        "detail": f"loss {first:.3f} → {last:.3f} (mean of the last 3), finite={finite}",
+    }
+
+
+def _check_attention() -> dict:
+    """cuDNN flash attention against XLA attention: same parameters, bf16 logits of gpt_small."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxdist import data, mesh, sharding, train
+
+    base = {"train.batch_size": 2, "model.attention": "xla"}
+    if _TINY.value:
+        base.update({"model.num_layers": 2, "model.d_model": 64, "model.num_heads": 2})
+        base.update({"model.seq_len": 64, "model.vocab_size": 256, "runtime.cpu_devices": 1})
+    cfg = _load_config("configs/gpt_small.py", **base)
+    cudnn_cfg = _load_config("configs/gpt_small.py", **{**base, "model.attention": "cudnn"})
+    try:
+        mesh.check_backend(cudnn_cfg)
+    except ConfigError as e:
+        return {
+            "name": "attention=cudnn vs xla",
+            "ok": jax.default_backend() != "gpu",  # refusing is right only without a GPU
+            "detail": f"refused before compiling: {e}",
+        }
+    m = mesh.make_mesh(cfg.mesh, jax.devices()[:1])
+    ds = data.load(cfg.data, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size)
+    engines = [train.build(c, m, ds) for c in (cfg, cudnn_cfg)]
+    params = engines[0].init()["params"]
+    tokens = jax.random.randint(jax.random.key(0), (2, cfg.model.seq_len), 0, cfg.model.vocab_size)
+    bf16 = lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    def logits(engine):
+        @jax.jit
+        def f(params, tokens):
+            with sharding.activation_rules(m):
+                return engine.merge(jax.tree.map(bf16, params))(tokens).astype(jnp.float32)
+
+        return np.asarray(f(params, tokens))
+
+    ref, got = logits(engines[0]), logits(engines[1])
+    rel_rms = float(np.sqrt(np.mean((got - ref) ** 2)) / np.sqrt(np.mean(ref**2)))
+    agree = float(np.mean(got.argmax(-1) == ref.argmax(-1)))
+    hlo = (
+        jax.jit(lambda p, t: engines[1].merge(jax.tree.map(bf16, p))(t))
+        .lower(params, tokens)
+        .compile()
+        .as_text()
+    )
+    return {
+        "name": "attention=cudnn vs xla",
+        "ok": rel_rms <= 2e-2 and agree >= 0.95 and "cudnn" in hlo.lower(),
+        "detail": f"relative RMS {rel_rms:.2e} (≤ 2e-2), argmax agreement {agree:.3f}, "
+        f"cuDNN fused attention in the HLO: {'cudnn' in hlo.lower()}",
+    }
+
+
+def _family_configs() -> list[str]:
+    """One config per model family: the default GPT, every other family's own config."""
+    names = ["configs/default.py", "configs/mlp.py", "configs/resnet.py"]
+    return names + [p for p in ("configs/llama_tiny.py",) if os.path.exists(p)]
+
+
+def _check_family(path: str) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxdist import data, mesh
+
+    cfg = _load_config(path, **{"train.steps": 1})
+    m = mesh.make_mesh(cfg.mesh)
+    ds = data.load(cfg.data, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size)
+    engine, batches = benchlib.build(cfg, m, ds)
+    state = engine.init()
+    for i in range(2):  # step 0 runs at learning rate 0 when the schedule warms up from 0
+        state, metrics = engine.train_step(state, batches.get(i))
+    loss = float(jax.device_get(metrics["loss"]))
+    moved = any(
+        not np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(
+            jax.tree.leaves(state["params"]), jax.tree.leaves(engine.init()["params"]), strict=True
+        )
+    )
+    return {
+        "name": f"two train steps: {path} ({cfg.model.name})",
+        "ok": math.isfinite(loss) and moved,
+        "detail": f"loss {loss:.4f}, parameters updated: {moved}, mesh {mesh.mesh_shape(m)}",
+    }
+
+
+def phase_correct() -> dict:
+    from jaxdist import mesh
+
+    if not mesh.accelerator_present():
+        mesh.configure_cpu_devices(8)  # the CPU dry run: the default configs' simulated devices
+    checks = []
+    jobs = [_check_default_job, _check_attention] + [
+        (lambda p=p: _check_family(p)) for p in _family_configs()
+    ]
+    for job in jobs:
+        t0 = time.perf_counter()
+        try:
+            result = job()
+        except Exception as e:  # noqa: BLE001 -- one failing check must not hide the others
+            traceback.print_exc()
+            result = {"name": getattr(job, "__name__", "check"), "ok": False}
+            result["detail"] = _error_line(e)
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"{'ok  ' if result['ok'] else 'FAIL'} {result['name']}: {result['detail']}")
+        checks.append(result)
+    return {"checks": checks, "ok": all(c["ok"] for c in checks)}
+
+
+# --------------------------------------------------------------------------------------------------
+# point
+# --------------------------------------------------------------------------------------------------
+
+
+def _profile(device_kind: str) -> str:
+    from jaxdist import plan
+
+    if _HARDWARE.value:
+        return _HARDWARE.value
+    kind = device_kind.lower()
+    for name, hw in plan.PROFILES.items():
+        if name.split("_")[0] in kind and hw.name != "cpu_here":
+            return name
+    return "cpu_here"
+
+
+def _predict(config, n: int, device_kind: str) -> dict:
+    from jaxdist import plan
+
+    hw = _profile(device_kind)
+    try:
+        p = plan.predict(config, num_devices=n, hw=hw)
+    except Exception as e:  # noqa: BLE001 -- a model the planner does not cover
+        return {"hardware": hw, "error": _error_line(e)}
+    return {
+        "hardware": hw,
+        "step_time_s": p.step_s,
+        "mfu": p.mfu,
+        "memory_total_bytes": p.memory["total"],
+        "memory_temp_bytes": p.memory["temp"],
+    }
+
+
+def phase_point() -> dict:
+    import jax
+    import numpy as np
+
+    from jaxdist import data, loop, mesh, metrics
+
+    config = _CONFIG.value
+    c, t = config.model, config.train
+    record = {
+        "label": _LABEL.value,
+        "command": " ".join(["python", *sys.argv]),
+        "model": c.name,
+        "layers": c.num_layers,
+        "d_model": c.d_model,
+        "seq_len": c.seq_len,
+        "batch": t.batch_size,
+        "remat": t.remat,
+        "attention": c.attention,
+        "dtype": t.compute_dtype,
+        "gpu_xla_flags": bool(config.runtime.gpu_xla_flags),
+        "device_kind": jax.devices()[0].device_kind,
+    }
+    try:
+        m = mesh.make_mesh(config.mesh)
+        ds = data.load(config.data, seq_len=c.seq_len, vocab_size=c.vocab_size)
+        engine, batches = benchlib.build(config, m, ds)
+        batch = batches.get(0)
+        t0 = time.perf_counter()
+        compiled = engine.train_step.lower(engine.abstract_state, batch).compile()
+        record["compile_s"] = time.perf_counter() - t0
+        layout = loop.layout_record(engine, compiled, config)
+        record["params"] = layout["params_total"]
+        record["compiled_bytes"] = layout["bytes_per_device"]
+        state, times = benchlib.timed(compiled, engine.init(), batch, _STEPS.value, _WARMUP.value)
+        loss = float(jax.device_get(compiled(state, batch)[1]["loss"]))
+        record["loss_finite"] = bool(np.isfinite(loss))
+        del state
+        record["framework"] = benchlib.stats(times)
+        n = jax.device_count()
+        tokens = t.batch_size * c.seq_len
+        record["tokens_per_s"] = tokens / record["framework"]["median_s"]
+        record["flops_per_token"] = layout.get("flops_per_token")
+        record["mfu_formula"] = MFU_FORMULA
+        peak = metrics.peak_flops(jax.devices()[0])
+        if peak and record["flops_per_token"]:
+            record["mfu"] = metrics.mfu(record["tokens_per_s"], record["flops_per_token"], n, peak)
+        if _HAND.value:
+            hand = benchlib.hand_written_step(engine)
+            _, h_times = benchlib.timed(hand, engine.init(), batch, _STEPS.value, _WARMUP.value)
+            record["hand_written"] = benchlib.stats(h_times)
+            record["framework_vs_hand"] = (
+                record["framework"]["median_s"] / record["hand_written"]["median_s"]
+            )
+        stats = jax.devices()[0].memory_stats() or {}
+        record["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
+        record["bytes_limit"] = stats.get("bytes_limit")
+        record["predicted"] = _predict(config, n, record["device_kind"])
+        record["ok"] = record["loss_finite"]
+    except Exception as e:  # noqa: BLE001 -- out of memory is a result, not a crash
+        record["ok"] = False
+        record["error"] = _error_line(e)
+        record["oom"] = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+        print(f"{_LABEL.value}: {record['error']}", file=sys.stderr)
+    _write(os.path.join("points", f"{_LABEL.value}.json"), record)
+    print(_row(record))
+    return record
+
+
+# --------------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------------
+
+HEADER = (
+    "| point | model | batch | remat | attention | XLA flags | step ms (p10–p90) | tokens/s | MFU "
+    "| peak mem GiB | compiled GiB | planner ms (pred/meas) | planner GiB | vs hand-written |"
+)
+
+
+def _gib(x) -> str:
+    return f"{x / 2**30:.2f}" if isinstance(x, int | float) else "—"
+
+
+def _row(r: dict) -> str:
+    base = (
+        f"| {r['label']} | {r['model']} L{r['layers']} d{r['d_model']} T{r['seq_len']} "
+        f"| {r['batch']} | {r['remat']} | {r['attention']} | {'on' if r['gpu_xla_flags'] else 'off'} "
+    )
+    if not r.get("ok"):
+        return base + f"| {'OOM' if r.get('oom') else 'failed'}: {r.get('error', '')} |||||||"
+    f, pred = r["framework"], r.get("predicted", {})
+    comp = r.get("compiled_bytes", {})
+    compiled = (comp.get("arguments") or 0) + (comp.get("temp") or 0)
+    ms = f"{f['median_s'] * 1e3:.1f} ({f['p10_s'] * 1e3:.1f}–{f['p90_s'] * 1e3:.1f})"
+    mfu = f"{r['mfu']:.1%}" if "mfu" in r else "—"
+    if "step_time_s" in pred:
+        p_ms = f"{pred['step_time_s'] * 1e3:.1f} ({pred['step_time_s'] / f['median_s']:.2f}×)"
+        p_mem = _gib(pred["memory_total_bytes"])
+    else:
+        p_ms = p_mem = "—"
+    hand = f"{r['framework_vs_hand']:.3f}" if "framework_vs_hand" in r else "—"
+    return (
+        base + f"| {ms} | {r['tokens_per_s']:,.0f} | {mfu} | {_gib(r.get('peak_bytes_in_use'))} "
+        f"| {_gib(compiled)} | {p_ms} | {p_mem} | {hand} |"
+    )
+
+
+def phase_report() -> dict:
+    out = _OUT_DIR.value
+    read = lambda p: json.load(open(p)) if os.path.exists(p) else None
+    env, correct = read(os.path.join(out, "env.json")), read(os.path.join(out, "correct.json"))
+    points = [read(p) for p in sorted(glob.glob(os.path.join(out, "points", "*.json")))]
+    points.sort(key=lambda r: r.get("order", 0))
+    skipped = read(os.path.join(out, "skipped.json")) or []
+    lines = ["# GPU check", ""]
+    if env:
+        v = env["versions"]
+        lines.append(
+            f"Device: {env['device_kind']} × {env['device_count']} ({env['backend']}), memory limit "
+            f"{_gib(env.get('memory_bytes_limit'))} GiB; jax {v.get('jax')}, jaxlib {v.get('jaxlib')}, "
+            f"CUDA {env['cuda'] or 'n/a'}, Python {env['python']}."
+        )
+        lines.append("")
+    if correct:
+        lines += ["## Correctness", ""]
+        lines += [f"- {'ok' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}" for c in correct]
+        lines.append("")
+    lines += ["## Throughput", "", f"MFU: {MFU_FORMULA}, over the device's dense bf16 peak.", ""]
+    lines += [HEADER, "|" + " --- |" * (HEADER.count("|") - 1)]
+    lines += [_row(r) for r in points]
+    lines += ["", "Commands:", ""] + [f"- `{r['label']}`: `{r['command']}`" for r in points]
+    if skipped:
+        lines += ["", "Not run (time budget): " + ", ".join(skipped)]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "gpu_check.md"), "w") as f:
+        f.write(text)
+    result = {"env": env, "correct": correct, "points": points, "skipped": skipped}
+    print(text)
+    return result
+
+
+def main(argv):
+    del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    from jaxdist import mesh, xla_flags
+
+    if _PHASE.value == "point":
+        config = _CONFIG.value
+        xla_flags.apply(config.runtime.gpu_xla_flags, config.runtime.gpu_memory_fraction)
+        mesh.configure_cpu_devices(config.runtime.cpu_devices)
+    os.makedirs(_OUT_DIR.value, exist_ok=True)
+    phase = {"env": phase_env, "correct": phase_correct, "point": phase_point}
+    phase["report"] = phase_report
+    result = phase[_PHASE.value]()
+    if _PHASE.value == "report":
+        _write("gpu_check.json", result)
+    elif _PHASE.value != "point":
+        _write(f"{_PHASE.value}.json", result if _PHASE.value == "env" else result["checks"])
+
+
+if __name__ == "__main__":
+    try:
+        app.run(main)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
