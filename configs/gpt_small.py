@@ -2,7 +2,8 @@
 
     python scripts/train.py --config=configs/gpt_small.py --workdir=runs/gpt_small
 
-Sized for one GPU in bfloat16; on the CPU, shrink it with --config.train.batch_size and steps.
+Sized for one GPU in bfloat16 (layers unrolled, one-hot-matmul embedding gradient: see
+configs/gpt_1b.py); on the CPU, shrink it with --config.train.batch_size and steps.
 """
 
 from jaxdist.config import base_config, locked
@@ -17,6 +18,8 @@ def get_config():
     c.model.vocab_size = 50304
     c.model.seq_len = 1024
     c.model.attention = "auto"
+    c.model.scan_unroll = 12
+    c.model.embed_grad = "matmul"
     c.train.steps = 5000
     c.train.batch_size = 32
     c.train.learning_rate = 6e-4

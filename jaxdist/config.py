@@ -50,6 +50,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.seq_len = 64
     c.model.norm = "rmsnorm"  # or "layernorm"
     c.model.attention = "xla"  # "xla", "cudnn" (flash attention on NVIDIA GPUs) or "auto"
+    c.model.scan_unroll = 1  # layers per scan iteration (num_layers: no loop, no stacked copies)
+    c.model.embed_grad = "scatter"  # or "matmul": one-hot matmul, no atomics (fast on GPUs)
     c.model.hidden_dims = (256, 256)  # mlp
     c.model.widths = (16, 32, 64)  # resnet stage widths
     c.model.num_classes = 10  # mlp / resnet
@@ -190,6 +192,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     _choice(config, "grad_sync.compression", COMPRESSIONS)
     _choice(config, "model.norm", ("rmsnorm", "layernorm"))
     _choice(config, "model.attention", ("xla", "cudnn", "auto"))
+    _choice(config, "model.embed_grad", ("scatter", "matmul"))
+    _need(config.model.scan_unroll >= 1, "model.scan_unroll must be >= 1 (1 = a rolled scan)")
     for path in ("train.steps", "train.batch_size", "train.grad_accum", "train.log_every"):
         _positive(config, path)
     for path in ("pipeline.microbatches", "pipeline.virtual_stages", "grad_sync.local_steps"):

@@ -82,6 +82,12 @@ class Hardware:
         copies of the weights).
       usable_fraction: share of `memory_bytes` a step may use (allocator, runtime and fragmentation
         take the rest); a layout fits if its predicted peak is below it.
+      attention_efficiency: fraction of `peak_flops` fused (flash) attention reaches, counted in
+        model FLOPs (12·L·d·T per token); 0 = `matmul_efficiency`.
+      hbm_bandwidth: bytes/s of device memory for the step's elementwise work (norms, RoPE,
+        activations, residuals, the loss over the vocabulary, unfused attention scores); 0 = not
+        modelled (the CPU profile: there that time is folded into `matmul_efficiency`).
+      fused_attention: whether `model.attention=auto` runs fused flash attention (cuDNN on GPUs).
     """
 
     name: str
@@ -98,11 +104,16 @@ class Hardware:
     bf16_collectives: bool = True
     bf16_activations: bool = True
     usable_fraction: float = 0.9
+    attention_efficiency: float = 0.0
+    hbm_bandwidth: float = 0.0
+    fused_attention: bool = False
 
 
 PROFILES: dict[str, Hardware] = {
     # 8×H100 SXM per node: NVLink 4 at ~450 GB/s per direction per GPU, one 400 Gb/s InfiniBand NIC
-    # per GPU (50 GB/s). Efficiency: what large bf16 transformer steps typically reach (~50% MFU).
+    # per GPU (50 GB/s). Compute constants measured on one H100 (docs/PERFORMANCE.md, "GPU"): the
+    # profiler's matmul kernels ran gpt_1b's 6·N·tokens at 0.75 of the dense peak, cuDNN flash
+    # attention its 12·L·d·T·tokens at 0.65, and the rest of the step moved bytes at ~3.0 TB/s.
     "h100_nvlink_ib": Hardware(
         name="h100_nvlink_ib",
         peak_flops=metrics.PEAK_FLOPS["H100"],
@@ -112,8 +123,11 @@ PROFILES: dict[str, Hardware] = {
         inter_bandwidth=50e9,
         inter_latency=8e-6,
         devices_per_host=8,
-        matmul_efficiency=0.55,
+        matmul_efficiency=0.75,
         overlap=0.8,
+        attention_efficiency=0.65,
+        hbm_bandwidth=3.0e12,
+        fused_attention=True,
     ),
     # 8×A100 80GB per node with NVLink (~240 GB/s effective per direction), nodes joined by one
     # 100 Gb/s Ethernet link shared by the 8 GPUs (1.56 GB/s each), TCP latencies.
@@ -128,6 +142,23 @@ PROFILES: dict[str, Hardware] = {
         devices_per_host=8,
         matmul_efficiency=0.5,
         overlap=0.5,
+    ),
+    # 8×H200 per node, as the H100 profile (its compute constants are the H100's, not re-measured
+    # on an H200) with 141 GB of memory at ~4.3 TB/s.
+    "h200_nvlink_ib": Hardware(
+        name="h200_nvlink_ib",
+        peak_flops=metrics.PEAK_FLOPS["H200"],
+        memory_bytes=141e9,
+        intra_bandwidth=450e9,
+        intra_latency=3e-6,
+        inter_bandwidth=50e9,
+        inter_latency=8e-6,
+        devices_per_host=8,
+        matmul_efficiency=0.75,
+        overlap=0.8,
+        attention_efficiency=0.65,
+        hbm_bandwidth=4.3e12,
+        fused_attention=True,
     ),
     # A TPU v5p pod: 95 GB HBM, ICI across the whole slice (up to 8960 chips, so every layout here
     # stays on ICI; ~200 GB/s usable per direction along a ring), DCN beyond it.
@@ -649,6 +680,48 @@ def _shards(model: ModelInfo, layout: Layout) -> _Shards:
     return out
 
 
+# Elementwise bytes per token of one layer, in units of d_model × the activation itemsize: norms,
+# RoPE, GELU, residual adds and their gradients, read and written (what the profile's non-matmul,
+# non-attention kernels moved per token-layer in gpt_1b and gpt_small on an H100: ~115 passes).
+ELEMENTWISE_PASSES = 115
+# Bytes per token of the loss over the vocabulary: float32 logits written, read for the log-sum-exp,
+# the softmax and its gradient (6 passes of 4 bytes).
+LOSS_BYTES_PER_VOCAB = 24
+# Passes over the float32 [heads, T] scores per token-layer when attention is not fused (scores,
+# probabilities and their gradients, forward recomputed in the backward): gpt_1b and gpt_small
+# with `model.attention=xla` on an H100 moved 15–18.
+SCORE_PASSES = 16
+
+
+def _compute_time(config, model: ModelInfo, hw: Hardware, remat: str, tokens: int) -> float:
+    """Seconds of compute for one step on one device's worth of FLOPs (divide by devices)."""
+    L, D, T = model.num_layers, model.d_model, model.seq_len
+    flash = config.model.attention == "cudnn" or (
+        config.model.attention == "auto" and hw.fused_attention
+    )
+    dense = 6 * (model.num_params - model.embed_params)  # per token, the head included
+    attn = 12 * D * T  # per layer, per token: attention's model FLOPs
+    layer_matmul = 6 * (model.num_params - model.embed_params - D * model.vocab_size) / max(L, 1)
+    # What the policy recomputes in the backward; dots_no_batch keeps fused attention's outputs.
+    recompute = {
+        "none": 0.0,
+        "dots": 0.0,
+        "dots_no_batch": 0.0 if flash and hw.hbm_bandwidth else attn / 3,
+        "full": (layer_matmul + attn) / 3,
+    }[remat]
+    if not hw.hbm_bandwidth:  # every FLOP at one calibrated rate (the CPU profile)
+        flops = (dense + (attn + recompute) * L) * tokens
+        return flops / (hw.peak_flops * hw.matmul_efficiency)
+    matmul_s = (dense + recompute * L) * tokens / (hw.peak_flops * hw.matmul_efficiency)
+    attn_eff = hw.attention_efficiency or hw.matmul_efficiency
+    attn_s = attn * L * tokens / (hw.peak_flops * (attn_eff if flash else hw.matmul_efficiency))
+    act_bytes = np.dtype(config.train.compute_dtype).itemsize
+    moved = ELEMENTWISE_PASSES * D * act_bytes * L + LOSS_BYTES_PER_VOCAB * model.vocab_size
+    if not flash:
+        moved += SCORE_PASSES * model.num_heads * T * 4 * L
+    return matmul_s + attn_s + moved * tokens / hw.hbm_bandwidth
+
+
 def predict(
     config,
     layout: Layout | None = None,
@@ -925,17 +998,8 @@ def predict(
     # -- time -------------------------------------------------------------------------------------
     tokens = B * T
     model_flops = model.flops_per_token() * tokens
-    layer_matmul = 6 * (model.num_params - model.embed_params - D * V) / max(L, 1)  # per layer
-    attn = 12 * D * T  # per layer, per token
-    recompute = {
-        "none": 0.0,
-        "dots": 0.0,
-        "dots_no_batch": attn / 3,
-        "full": (layer_matmul + attn) / 3,
-    }[remat]
-    hw_flops = model_flops + recompute * L * tokens
     n = layout.devices
-    compute_s = hw_flops / n / (hw.peak_flops * hw.matmul_efficiency)
+    compute_s = _compute_time(config, model, hw, remat, tokens) / n
     bubble = (p - 1) / (m * v + p - 1) if p > 1 else 0.0
     compute_s /= 1 - bubble
     local, hosts = _hosts(layout, hw)

@@ -53,6 +53,9 @@ _WARMUP = flags.DEFINE_integer("warmup", 3, "--phase=point: untimed steps after 
 _HARDWARE = flags.DEFINE_string(
     "hardware", "", "Planner profile for the prediction (default: by device kind)."
 )
+_PROFILE = flags.DEFINE_integer(
+    "profile", 0, "--phase=point: trace this many extra steps and sum device time per kernel."
+)
 _TINY = flags.DEFINE_bool(
     "tiny", False, "--phase=correct: CPU dry run sizes (tiny GPT for the attention check)."
 )
@@ -290,7 +293,7 @@ def phase_correct() -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-def _profile(device_kind: str) -> str:
+def _hardware_profile(device_kind: str) -> str:
     from jaxdist import plan
 
     if _HARDWARE.value:
@@ -305,7 +308,7 @@ def _profile(device_kind: str) -> str:
 def _predict(config, n: int, device_kind: str) -> dict:
     from jaxdist import plan
 
-    hw = _profile(device_kind)
+    hw = _hardware_profile(device_kind)
     try:
         p = plan.predict(config, num_devices=n, hw=hw)
     except Exception as e:  # noqa: BLE001 -- a model the planner does not cover
@@ -336,6 +339,9 @@ def phase_point() -> dict:
         "seq_len": c.seq_len,
         "batch": t.batch_size,
         "remat": t.remat,
+        "grad_accum": t.grad_accum,
+        "scan_unroll": c.get("scan_unroll", 1),
+        "embed_grad": c.get("embed_grad", "scatter"),
         "attention": c.attention,
         "dtype": t.compute_dtype,
         "gpu_xla_flags": bool(config.runtime.gpu_xla_flags),
@@ -353,6 +359,14 @@ def phase_point() -> dict:
         record["params"] = layout["params_total"]
         record["compiled_bytes"] = layout["bytes_per_device"]
         state, times = benchlib.timed(compiled, engine.init(), batch, _STEPS.value, _WARMUP.value)
+        hlo = compiled.as_text()
+        record["cudnn_attention_calls"] = {
+            "forward": hlo.count('custom_call_target="__cudnn$fmhaSoftmax"')
+            + hlo.count('custom_call_target="__cudnn$fmhaSoftmaxDropout"'),
+            "backward": hlo.count('custom_call_target="__cudnn$fmhaSoftmaxBackward'),
+        }
+        if _PROFILE.value:
+            state, record["profile"] = _trace_kernels(compiled, state, batch, _PROFILE.value)
         loss = float(jax.device_get(compiled(state, batch)[1]["loss"]))
         record["loss_finite"] = bool(np.isfinite(loss))
         del state
@@ -387,6 +401,53 @@ def phase_point() -> dict:
     return record
 
 
+def _kernel_class(name: str) -> str:
+    n = name.lower()
+    if "fmha" in n or "cudnn" in n or "flash" in n:
+        return "attention (cuDNN)"
+    if any(k in n for k in ("gemm", "cublas", "cutlass", "sm90_xmma", "nvjet", "wgmma", "matmul")):
+        return "matmul"
+    if "all-reduce" in n or "nccl" in n:
+        return "collective"
+    return "other (fusions, copies)"
+
+
+def _trace_kernels(compiled, state, batch, steps: int):
+    """Device time per kernel, per step, over `steps` traced steps (the profiler's own trace).
+
+    Returns the state after those steps and the breakdown."""
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    folder = tempfile.mkdtemp(prefix="jaxdist-trace-")
+    with jax.profiler.trace(folder):
+        for _ in range(steps):
+            state, m = compiled(state, batch)
+        jax.block_until_ready((state, m))
+    files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+    data = ProfileData.from_file(files[0])
+    kernels: dict[str, float] = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for e in line.events:
+                kernels[e.name] = kernels.get(e.name, 0.0) + e.duration_ns / 1e6 / steps
+    classes: dict[str, float] = {}
+    for name, ms in kernels.items():
+        classes[_kernel_class(name)] = classes.get(_kernel_class(name), 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    return state, {
+        "device_ms_per_step": sum(kernels.values()),
+        "by_class_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
+        "top_kernels_ms": [[name[:120], round(ms, 3)] for name, ms in top],
+    }
+
+
 # --------------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------------
@@ -402,9 +463,16 @@ def _gib(x) -> str:
 
 
 def _row(r: dict) -> str:
+    attention = r["attention"]
+    if r.get("cudnn_attention_calls", {}).get("forward"):
+        attention += " (cuDNN)" if attention != "cudnn" else ""
+    elif "cudnn_attention_calls" in r:
+        attention += " (XLA)" if attention != "xla" else ""
+    accum = f" ×{r['grad_accum']} accum" if r.get("grad_accum", 1) > 1 else ""
     base = (
         f"| {r['label']} | {r['model']} L{r['layers']} d{r['d_model']} T{r['seq_len']} "
-        f"| {r['batch']} | {r['remat']} | {r['attention']} | {'on' if r['gpu_xla_flags'] else 'off'} "
+        f"| {r['batch']}{accum} | {r['remat']} | {attention} "
+        f"| {'on' if r['gpu_xla_flags'] else 'off'} "
     )
     if not r.get("ok"):
         return base + f"| {'OOM' if r.get('oom') else 'failed'}: {r.get('error', '')} |||||||"
@@ -448,6 +516,15 @@ def phase_report() -> dict:
     lines += ["## Throughput", "", f"MFU: {MFU_FORMULA}, over the device's dense bf16 peak.", ""]
     lines += [HEADER, "|" + " --- |" * (HEADER.count("|") - 1)]
     lines += [_row(r) for r in points]
+    for r in points:
+        if r.get("profile"):
+            pr = r["profile"]
+            lines += [
+                "",
+                f"Where `{r['label']}`'s device time goes (profiler, ms per step): "
+                + ", ".join(f"{k} {v:.1f}" for k, v in pr["by_class_ms"].items())
+                + f"; total {pr['device_ms_per_step']:.1f}.",
+            ]
     lines += ["", "Commands:", ""] + [f"- `{r['label']}`: `{r['command']}`" for r in points]
     if skipped:
         lines += ["", "Not run (time budget): " + ", ".join(skipped)]
