@@ -23,7 +23,6 @@ from jaxdist.compression import (
     _axes,
     _data_spec,
     _local,
-    _only,
     _stacked,
     _varying_like,
     replica_local,
@@ -124,9 +123,11 @@ def sync_grads(
             out_specs=(P(), lead),
             axis_names=set(axes),
         )
-    g_specs = jax.tree.map(lambda sp: _only(P(_data_spec(axes), *sp), manual), param_specs)
-    mean_specs = jax.tree.map(lambda sp: _only(sp, manual), param_specs)
-    s_specs = jax.tree.map(lambda sp: _only(sp, manual), state_specs)
+    g_specs = jax.tree.map(
+        lambda sp: sharding.spec_only(P(_data_spec(axes), *sp), manual), param_specs
+    )
+    mean_specs = jax.tree.map(lambda sp: sharding.spec_only(sp, manual), param_specs)
+    s_specs = jax.tree.map(lambda sp: sharding.spec_only(sp, manual), state_specs)
 
     def reduce(grads, state):
         return tx_sync.update(_local(grads), state)

@@ -38,6 +38,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxdist import sharding
 from jaxdist.errors import ConfigError
 
 AxisName = str | tuple[str, ...]
@@ -799,15 +800,6 @@ def _params_like(x: Any, pdef: Any, shapes: Sequence[tuple[int, ...]]) -> bool:
     )
 
 
-def _only(spec: P, axes: set[str]) -> P:
-    """`spec` with every mesh axis outside `axes` dropped (a shard_map names only its manual axes)."""
-    out = []
-    for entry in spec:
-        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in axes)
-        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return P(*out)
-
-
 def sharded_state(
     tx: optax.GradientTransformation,
     params: Any,
@@ -841,7 +833,7 @@ def sharded_state(
     manual = set(axes) | set(shard_axes)
     lead = _data_spec(axes)
     shards = tuple(a for a in mesh.axis_names if a in set(shard_axes))
-    p_specs = jax.tree.map(lambda sp: _only(sp, manual), param_specs)
+    p_specs = jax.tree.map(lambda sp: sharding.spec_only(sp, manual), param_specs)
     pdef = jax.tree.structure(params)
     local_shapes = [
         tuple(jax.sharding.NamedSharding(mesh, sp).shard_shape(tuple(p.shape)))

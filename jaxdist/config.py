@@ -22,9 +22,6 @@ MESH_AXES = ("data", "fsdp", "tensor", "pipeline")
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
 COMPUTE_DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-MODELS = ("gpt", "mlp", "resnet")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 COMPRESSIONS = ("none", "bf16", "int8", "topk", "powersgd", "sign")
 LR_SCALINGS = ("none", "linear", "sqrt")
 NONFINITE = ("stop", "skip")
@@ -178,26 +175,29 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, Any], num_devices: int) -> dict[st
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     """Checks every field a user can get wrong; returns the resolved mesh shape.
 
+    The choices and rules of models (`models/`), remat policies (`models/api.py`) and pipeline
+    schedules (`jaxdist/pipeline.py`) are read from the modules that own them.
+
     Raises:
       ConfigError: one line naming the field and what would be valid.
     """
-    _choice(config, "model.name", MODELS)
+    import models
+    from jaxdist import pipeline
+    from models import api
+
+    models.get(config.model.name)
     _choice(config, "train.optimizer", OPTIMIZERS)
     _choice(config, "train.schedule", SCHEDULES)
     _choice(config, "train.compute_dtype", COMPUTE_DTYPES)
-    _choice(config, "train.remat", REMAT_POLICIES)
+    _choice(config, "train.remat", api.remat_names())
     _choice(config, "train.on_nonfinite", NONFINITE)
     _choice(config, "train.lr_scaling", LR_SCALINGS)
-    _choice(config, "pipeline.schedule", PIPELINE_SCHEDULES)
     _choice(config, "grad_sync.compression", COMPRESSIONS)
     _choice(config, "model.norm", ("rmsnorm", "layernorm"))
     _choice(config, "model.attention", ("xla", "cudnn", "auto"))
-    _choice(config, "model.embed_grad", ("scatter", "matmul"))
-    _need(config.model.scan_unroll >= 1, "model.scan_unroll must be >= 1 (1 = a rolled scan)")
     for path in ("train.steps", "train.batch_size", "train.grad_accum", "train.log_every"):
         _positive(config, path)
-    for path in ("pipeline.microbatches", "pipeline.virtual_stages", "grad_sync.local_steps"):
-        _positive(config, path)
+    _positive(config, "grad_sync.local_steps")
     _need(config.train.learning_rate > 0, "train.learning_rate must be > 0")
     _need(config.train.warmup_steps >= 0, "train.warmup_steps must be >= 0")
     _need(config.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 = off)")
@@ -209,43 +209,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     )
 
     mesh = resolve_mesh_shape(config.mesh, num_devices)
-    m = config.model
-    t = mesh["tensor"]
-    if m.name == "gpt":
-        for path in ("model.num_layers", "model.d_model", "model.num_heads", "model.seq_len"):
-            _positive(config, path)
-        _positive(config, "model.vocab_size")
-        _need(
-            m.d_model % m.num_heads == 0,
-            f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads}",
-        )
-        _need(
-            m.num_heads % t == 0,
-            f"model.num_heads={m.num_heads} must be divisible by mesh.tensor={t}",
-        )
-        mlp_dim = m.mlp_dim or 4 * m.d_model
-        _need(mlp_dim % t == 0, f"model.mlp_dim={mlp_dim} must be divisible by mesh.tensor={t}")
-        _need(
-            m.vocab_size % t == 0,
-            f"model.vocab_size={m.vocab_size} must be divisible by mesh.tensor={t}",
-        )
-        _need(
-            m.d_model % mesh["fsdp"] == 0,
-            f"model.d_model={m.d_model} must be divisible by mesh.fsdp={mesh['fsdp']} "
-            "(parameters are sharded over fsdp along embed)",
-        )
-    elif m.name == "mlp":
-        for h in m.hidden_dims:
-            _need(
-                h % t == 0,
-                f"model.hidden_dims={tuple(m.hidden_dims)} must be divisible by mesh.tensor={t}",
-            )
-    elif m.name == "resnet":
-        for w in m.widths:
-            _need(
-                w % t == 0, f"model.widths={tuple(m.widths)} must be divisible by mesh.tensor={t}"
-            )
-
+    models.check(config.model, mesh)
     replicas = mesh["data"] * mesh["fsdp"]
     per_step = replicas * config.train.grad_accum
     _need(
@@ -254,26 +218,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
         f"mesh.data×mesh.fsdp×train.grad_accum = {mesh['data']}×{mesh['fsdp']}×"
         f"{config.train.grad_accum} = {per_step}",
     )
-    if mesh["pipeline"] > 1 or config.pipeline.schedule != "gpipe":
-        p, v, mb = mesh["pipeline"], config.pipeline.virtual_stages, config.pipeline.microbatches
-        if m.name == "gpt":
-            _need(
-                m.num_layers % (p * v) == 0,
-                f"model.num_layers={m.num_layers} must be divisible by "
-                f"mesh.pipeline×pipeline.virtual_stages = {p}×{v} = {p * v}",
-            )
-        per_replica = config.train.batch_size // (replicas * config.train.grad_accum)
-        _need(
-            per_replica % mb == 0,
-            f"pipeline.microbatches={mb} must divide the per-replica batch "
-            f"{per_replica} (train.batch_size / (data×fsdp×grad_accum))",
-        )
-        if config.pipeline.schedule == "interleaved":
-            _need(
-                mb % p == 0,
-                f"pipeline.microbatches={mb} must be a multiple of mesh.pipeline={p} "
-                "for the interleaved schedule",
-            )
+    pipeline.check(config, mesh)
     if config.grad_sync.compression != "none":
         others = [a for a in ("fsdp", "tensor", "pipeline") if mesh[a] > 1]
         _need(

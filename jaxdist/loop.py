@@ -68,9 +68,12 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
     if engine.schedule is not None:
         record["pipeline"] = engine.schedule.describe()
         record["bubble_fraction"] = engine.schedule.bubble_fraction
-    if config.model.name == "gpt":
-        record["tokens_per_step"] = config.train.batch_size * config.model.seq_len
-        record["flops_per_token"] = flops_per_token(engine, config)
+    family = engine.family
+    if family.tokens_per_example is not None:
+        tokens = family.tokens_per_example(config.model)
+        record["tokens_per_step"] = config.train.batch_size * tokens
+    if family.flops_per_token is not None:
+        record["flops_per_token"] = family.flops_per_token(config.model, st["params"])
     if config.model.name == "gpt" and local_steps == 1:
         # The planner models one optimizer state per parameter shard; local SGD keeps an outer
         # state plus a copy of the model and optimizer per replica, which it does not model.
@@ -81,14 +84,6 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
             k: int(predicted[k]) for k in ("params", "opt_state", "temp")
         }
     return record
-
-
-def flops_per_token(engine: train.Engine, config) -> float:
-    """6·N (N without the embedding table, whose lookup is no matmul) + 12·L·D·T attention."""
-    from models import gpt
-
-    embed = int(np.prod(engine.abstract_state["params"]["embed"].shape))
-    return gpt.flops_per_token(config.model, engine.num_params - embed)
 
 
 def _fmt_bytes(n: float | None) -> str:

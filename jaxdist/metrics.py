@@ -7,7 +7,8 @@ Three jobs, one module:
   (ops inside ``while`` loops from ``lax.scan`` / ``fori_loop`` run trip-count times), costed as a
   bandwidth-optimal ring algorithm. ``collective_bytes(compiled.as_text())`` is what goes into the
   layout record.
-* **FLOPs and MFU**: the 6N + 12LdT training estimate per token and each device's dense bf16 peak.
+* **FLOPs and MFU**: the 6N + 12LdT training estimate per token (`models.api`, where model
+  families declare their FLOPs) and each device's dense bf16 peak.
 * **The metrics file**: ``MetricsWriter`` appends JSON lines to ``workdir/metrics.jsonl`` and
   mirrors scalars to TensorBoard.
 """
@@ -23,6 +24,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
+
+from models.api import decoder_flops_per_token as model_flops_per_token
 
 COLLECTIVE_KINDS = (
     "all-reduce",
@@ -696,21 +699,6 @@ def peak_flops(device: Any) -> float | None:
         kind = getattr(device, "device_kind", "")
     matches = [key for key in PEAK_FLOPS if key.lower() in kind.lower()]
     return PEAK_FLOPS[max(matches, key=len)] if matches else None
-
-
-def model_flops_per_token(n_params: int, num_layers: int, d_model: int, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) of a decoder transformer: 6N + 12·L·d·T.
-
-    6N counts the matmuls against the parameters (2 forward, 4 backward per parameter); 12·L·d·T
-    the attention scores and weighted sum, which grow with context length rather than with N.
-
-    Args:
-      n_params: parameter count N (non-embedding, or total if that is what you report).
-      num_layers: L.
-      d_model: d, the residual width.
-      seq_len: T, tokens per sequence.
-    """
-    return 6.0 * n_params + 12.0 * num_layers * d_model * seq_len
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, peak: float) -> float:

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxdist import sharding
+
 
 def scaled_learning_rate(train_cfg) -> float:
     base = train_cfg.base_batch_size or train_cfg.batch_size
@@ -49,12 +51,8 @@ def schedule(train_cfg) -> optax.Schedule:
 def _matrix_mask(axes_tree: Any) -> Any:
     """True for weights (≥ 2 dimensions besides `layers`), False for scales and biases."""
     return jax.tree.map(
-        lambda axes: sum(a != "layers" for a in axes) >= 2, axes_tree, is_leaf=_is_axes
+        lambda axes: sum(a != "layers" for a in axes) >= 2, axes_tree, is_leaf=sharding.is_axes
     )
-
-
-def _is_axes(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
 
 
 class _TrustState(NamedTuple):

@@ -1,15 +1,18 @@
-"""Pipeline parallelism for the GPT: stages over the `pipeline` mesh axis, three schedules.
+"""Pipeline parallelism for any model with `Stages`: stages over the `pipeline` mesh axis.
 
-The stacked layer parameters (leading `layers` axis, stored split over `pipeline` by the logical-axis
+The pipeline knows a model only through its `models.api.Stages`: an embedding (inputs →
+activations), stacked layers applied by a pure `block(layer_params, x)`, and a head with its loss;
+it never imports a model family or reads a parameter name. The stacked layer parameters (leading `layers` axis, stored split over `pipeline` by the logical-axis
 table) are cut into `p · v` chunks of `L / (p · v)` layers; chunk `j` runs on device `j mod p`
 (`v = pipeline.virtual_stages` for `interleaved`, 1 otherwise). Activations move between
 neighbouring stages with `jax.lax.ppermute` inside one `jax.shard_map` that is manual over
 `pipeline` (and `data` when it is > 1, so each replica accumulates its own gradients over the
 microbatches and they are all-reduced once per step, not once per tick); `fsdp` and `tensor` stay
-automatic inside the stage body, so the same `models.gpt.block` code runs with its FSDP and
-Megatron shardings.
+automatic inside the stage body, so the same `block` code runs with its FSDP and Megatron
+shardings.
 
-Every schedule is a table, built here in numpy before tracing: for each tick and stage, which
+Every schedule (`SCHEDULES`, the one registry of `pipeline.schedule` names) is a table, built here
+in numpy before tracing: for each tick and stage, which
 microbatch (and virtual stage) it works on, or nothing. The executors read the table row of their
 stage at every tick, and `Schedule.bubble_fraction` counts the idle entries of the same tables.
 
@@ -26,10 +29,10 @@ stage at every tick, and `Schedule.bubble_fraction` counts the idle entries of t
   groups of `p`, each loops `v` times around the ring. Backward by autodiff as for gpipe. Bubble
   (p-1)/(v·m+p-1); needs `m` to be a multiple of `p`.
 
-The token embedding (all schedules) and, for gpipe/interleaved, the final norm, head and loss stay
+The embedding (all schedules) and, for gpipe/interleaved, the head and loss stay
 outside the stage loop: they are computed SPMD over the whole batch, with the batch additionally
 split over the `pipeline` axis when it divides, so every device does 1/(data·fsdp·pipeline) of
-them and no stage carries extra work. The price is moving the [B, T, D] activations into the
+them and no stage carries extra work. The price is moving the activations ([B, T, D]) into the
 pipeline once and out once per step. 1f1b computes head and loss inside the schedule on the last
 stage instead: its backward must start as soon as a microbatch leaves, and collecting all `m`
 outputs first would bring back the memory that grows with `m`.
@@ -38,17 +41,18 @@ outputs first would bring back the memory that grows with `m`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist import sharding
+from jaxdist import microbatch, sharding
 from jaxdist.errors import ConfigError
+from models import api
+from models.api import Stages
 
 AXIS = "pipeline"
 IDLE, FWD, BWD = 0, 1, 2
@@ -198,34 +202,75 @@ def one_f_one_b_table(p: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(actions), np.stack(micros)
 
 
+def _looped_tables(name: str) -> Callable[[int, int, int], Schedule]:
+    """gpipe (v = 1) / interleaved: the looped forward ticks, then their autodiff mirror."""
+
+    def tables(p: int, m: int, v: int) -> Schedule:
+        valid, micro, virtual = looped_forward_table(p, m, v)
+        fwd = np.where(valid, FWD, IDLE).astype(np.int8)
+        bwd = np.where(valid, BWD, IDLE).astype(np.int8)[::-1]  # autodiff runs the ticks in reverse
+        return Schedule(
+            name,
+            p,
+            m,
+            v,
+            np.concatenate([fwd, bwd]),
+            np.concatenate([micro, micro[::-1]]),
+            np.concatenate([virtual, virtual[::-1]]),
+        )
+
+    return tables
+
+
+def _one_f_one_b_tables(p: int, m: int, v: int) -> Schedule:
+    del v  # one layer chunk per device
+    action, micro = one_f_one_b_table(p, m)
+    return Schedule("1f1b", p, m, 1, action, micro, np.zeros_like(micro))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleKind:
+    """One `pipeline.schedule` choice.
+
+    Attributes:
+      tables: (p, m, v) -> its `Schedule`.
+      virtual: whether it runs `pipeline.virtual_stages` layer chunks per device (else v = 1).
+      autodiff_backward: its backward is the autodiff of the looped forward ticks (`_looped_forward`);
+        otherwise the table interleaves explicit per-microbatch backwards (`_one_f_one_b`).
+    """
+
+    tables: Callable[[int, int, int], Schedule]
+    virtual: bool
+    autodiff_backward: bool
+
+
+# The schedules by `pipeline.schedule`: the one list `config.validate` and the executors read.
+SCHEDULES: dict[str, ScheduleKind] = {
+    "gpipe": ScheduleKind(_looped_tables("gpipe"), virtual=False, autodiff_backward=True),
+    "1f1b": ScheduleKind(_one_f_one_b_tables, virtual=False, autodiff_backward=False),
+    "interleaved": ScheduleKind(
+        _looped_tables("interleaved"), virtual=True, autodiff_backward=True
+    ),
+}
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    if name not in SCHEDULES:
+        raise ConfigError(
+            f"pipeline.schedule={name!r} is not valid; choose one of {', '.join(SCHEDULES)}"
+        )
+    return SCHEDULES[name]
+
+
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The schedule tables for `name` over p stages, m microbatches, v virtual stages."""
-    if name not in ("gpipe", "1f1b", "interleaved"):
-        raise ConfigError(
-            f"pipeline.schedule={name!r} is not valid; choose one of gpipe, 1f1b, interleaved"
-        )
-    if name != "interleaved":
-        v = 1
-    if name == "1f1b":
-        action, micro = one_f_one_b_table(p, m)
-        return Schedule(name, p, m, 1, action, micro, np.zeros_like(micro))
-    valid, micro, virtual = looped_forward_table(p, m, v)
-    fwd = np.where(valid, FWD, IDLE).astype(np.int8)
-    bwd = np.where(valid, BWD, IDLE).astype(np.int8)[::-1]  # autodiff runs the ticks in reverse
-    return Schedule(
-        name,
-        p,
-        m,
-        v,
-        np.concatenate([fwd, bwd]),
-        np.concatenate([micro, micro[::-1]]),
-        np.concatenate([virtual, virtual[::-1]]),
-    )
+    kind = schedule_kind(name)
+    return kind.tables(p, m, v if kind.virtual else 1)
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
     """The textbook bubble: (p-1)/(m+p-1), or (p-1)/(v·m+p-1) for interleaved."""
-    v = v if name == "interleaved" else 1
+    v = v if schedule_kind(name).virtual else 1
     return (p - 1) / (v * m + p - 1)
 
 
@@ -234,27 +279,29 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def check(config, mesh_shape: dict[str, int]) -> None:
-    """The pipeline's constraints, raised as one-line ConfigErrors before anything compiles."""
+def _positive(path: str, value: Any) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{path}={value!r} must be a positive integer")
+
+
+def check(config, mesh_shape: Mapping[str, int]) -> Schedule | None:
+    """The pipeline's constraints, raised as one-line ConfigErrors before anything compiles.
+
+    A pipelined model stacks `model.num_layers` layers (models/api.py); whether the model can be
+    pipelined at all is the model registry's rule (`models.stages_for`).
+
+    Returns:
+      The schedule a build with this config runs on this mesh, or None when mesh.pipeline = 1.
+    """
     pc, mc, t = config.pipeline, config.model, config.train
+    kind = schedule_kind(pc.schedule)
+    _positive("pipeline.microbatches", pc.microbatches)
+    _positive("pipeline.virtual_stages", pc.virtual_stages)
     p = int(mesh_shape.get(AXIS, 1))
-    if pc.schedule not in ("gpipe", "1f1b", "interleaved"):
-        raise ConfigError(
-            f"pipeline.schedule={pc.schedule!r} is not valid; choose one of gpipe, 1f1b, interleaved"
-        )
     if p <= 1:
-        return
-    if mc.name != "gpt":
-        raise ConfigError(
-            f"mesh.pipeline={p} needs model.name='gpt' (stacked layers), got {mc.name!r}; "
-            "set mesh.pipeline=1"
-        )
-    v = pc.virtual_stages if pc.schedule == "interleaved" else 1
+        return None
+    v = pc.virtual_stages if kind.virtual else 1
     m = pc.microbatches
-    if not isinstance(v, int) or v < 1:
-        raise ConfigError(f"pipeline.virtual_stages={v!r} must be a positive integer")
-    if not isinstance(m, int) or m < 1:
-        raise ConfigError(f"pipeline.microbatches={m!r} must be a positive integer")
     if mc.num_layers % (p * v):
         raise ConfigError(
             f"model.num_layers={mc.num_layers} must be divisible by "
@@ -268,22 +315,12 @@ def check(config, mesh_shape: dict[str, int]) -> None:
             f"{t.batch_size}/(data×fsdp×grad_accum = {replicas * t.grad_accum}) = "
             f"{t.batch_size / (replicas * t.grad_accum):g}"
         )
-    if pc.schedule == "interleaved" and m % p:
-        raise ConfigError(
-            f"pipeline.microbatches={m} must be a multiple of mesh.pipeline={p} "
-            "for the interleaved schedule"
-        )
+    return build_schedule(pc.schedule, p, m, v)  # (the tables check what only they know)
 
 
 def schedule_for(config, mesh: Mesh) -> Schedule | None:
     """The schedule a build with this config and mesh runs, or None without pipelining."""
-    shape = {k: int(s) for k, s in mesh.shape.items()}
-    check(config, shape)
-    p = shape.get(AXIS, 1)
-    if p <= 1:
-        return None
-    pc = config.pipeline
-    return build_schedule(pc.schedule, p, pc.microbatches, pc.virtual_stages)
+    return check(config, {k: int(s) for k, s in mesh.shape.items()})
 
 
 def bubble_fraction(config, mesh: Mesh) -> float | None:
@@ -318,23 +355,6 @@ def _varying(x: jax.Array) -> jax.Array:
     return jax.lax.pvary(x, missing)  # jax releases before pcast
 
 
-def _cast(tree: Any, dtype) -> Any:
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-    )
-
-
-def _without(rules: sharding.Rules, manual: Sequence[str]) -> sharding.Rules:
-    """Rules for code inside the shard_map, where the manual axes may not be named."""
-    out = []
-    for name, axes in rules:
-        if axes is not None:
-            axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in manual)
-            axes = axes or None
-        out.append((name, axes))
-    return tuple(out)
-
-
 def _outer_rules(per_replica_rows: int, p: int) -> sharding.Rules:
     """Compute rules for embedding and head: the batch split over the pipeline axis too, if it fits."""
     if per_replica_rows % p:
@@ -352,20 +372,6 @@ def _put(buf: jax.Array, i: jax.Array, value: jax.Array, when: jax.Array) -> jax
     """buf[i] = value where `when`, else unchanged (one dynamic-update-slice)."""
     value = jnp.where(when, value, _take(buf, i))
     return jax.lax.dynamic_update_index_in_dim(buf, value, i, 0)
-
-
-def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy, as `GPT.loss`."""
-    logits = logits.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
-def _cross_entropy_one_hot(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy without a gather: XLA's SPMD partitioner aborts on the label gather
-    inside a shard_map that is manual over `pipeline` when two other mesh axes shard it."""
-    logits = logits.astype(jnp.float32)
-    label = jnp.sum(jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype) * logits, -1)
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - label)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -584,24 +590,277 @@ def one_f_one_b_exec_tables(sched: Schedule) -> dict[str, np.ndarray]:
 # --------------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pipe:
+    """What the pipelined gradient functions share, fixed before tracing.
+
+    Attributes:
+      sched: the schedule tables the step runs.
+      mesh: the device mesh; its `pipeline` axis is the stage axis.
+      stages: the model's pipeline pieces (models/api.py).
+      batch_axes: logical axes of the batch entries.
+      dtype: the compute dtype.
+      remat: `train.remat`.
+      data_manual: called inside a shard_map that is already manual over `data`.
+      manual: the manual axes of the stages' shard_map: `pipeline`, and `data` when the stages
+        accumulate each replica's gradients themselves (`data` > 1 and not `data_manual`).
+      inner_rules: compute rules inside the stages' shard_map (no manual axis named).
+      outer_rules: compute rules for the embedding and head outside it (see `_outer_rules`).
+      stage_shardings, layer_shardings: per stacked-layer leaf, its storage sharding as
+        [p, v, Lc, ...] stage chunks and as the stored [L, ...] stack.
+    """
+
+    sched: Schedule
+    mesh: Mesh
+    stages: Stages
+    batch_axes: dict[str, tuple]
+    dtype: Any
+    remat: str
+    data_manual: bool
+    manual: tuple[str, ...]
+    inner_rules: sharding.Rules
+    outer_rules: sharding.Rules
+    stage_shardings: Any
+    layer_shardings: Any
+
+    @property
+    def data_in_stages(self) -> bool:
+        return "data" in self.manual
+
+    @property
+    def n_summed(self) -> int:
+        """Replicas whose losses the stages' psum adds."""
+        return int(self.mesh.shape["data"]) if self.data_in_stages else 1
+
+    @property
+    def batch_spec(self) -> PartitionSpec:
+        """Microbatched inputs [m, b, ...] of the stages' shard_map."""
+        return PartitionSpec(None, "data") if self.data_in_stages else PartitionSpec()
+
+    def to_stages(self, layers: Any) -> Any:
+        """[L, ...] -> [p, v, Lc, ...]: chunk j = s·p + d (layers j·Lc ...) goes to device d.
+
+        With v = 1 this is a reshape that moves nothing; with v > 1 the looped placement differs
+        from the contiguous storage split, so the layers are exchanged (all-to-all) every step.
+        """
+        p, v = self.sched.stages, self.sched.virtual_stages
+        one = lambda x, sh: sharding.constrain_to(
+            x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:]).swapaxes(0, 1), sh
+        )
+        return jax.tree.map(one, layers, self.stage_shardings)
+
+    def from_stages(self, chunks: Any) -> Any:
+        one = lambda x, sh: sharding.constrain_to(x.swapaxes(0, 1).reshape(-1, *x.shape[3:]), sh)
+        return jax.tree.map(one, chunks, self.layer_shardings)
+
+    def micro_split(self, x: jax.Array, axes: tuple) -> jax.Array:
+        """[B, ...] -> [m, B/m, ...]; microbatch a takes rows a, a+m, ...: no row changes device."""
+        return microbatch.split_rows(x, self.sched.microbatches, axes, self.mesh)
+
+    def micro_merge(self, x: jax.Array, axes: tuple) -> jax.Array:
+        x = x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+        spec = sharding.logical_to_spec(axes, self.outer_rules, self.mesh)
+        return sharding.constrain_to(x, NamedSharding(self.mesh, spec))
+
+    def stage_fn(self, remat_per_layer: bool) -> Callable:
+        """(one chunk's layer params [Lc, ...], x) -> y, run inside the stages' shard_map.
+
+        `remat_per_layer`: each layer keeps what `train.remat` allows (1F1B, whose backward
+        recomputes its stage anyway); otherwise the policy applies to the whole stage per tick.
+        """
+
+        def layers(chunk, x, remat):
+            with sharding.activation_rules(jax.sharding.get_abstract_mesh(), self.inner_rules):
+                chunk = microbatch.cast_floating(chunk, self.dtype)
+                return api.scan_layers(self.stages.block, chunk, x, remat=remat)
+
+        if remat_per_layer:
+            return lambda chunk, x: layers(chunk, x, self.remat)
+        fn = lambda chunk, x: layers(chunk, x, "none")
+        if self.remat == "none":
+            return fn
+        return jax.checkpoint(fn, policy=api.REMAT_POLICIES[self.remat])
+
+    def shard_map(self, body: Callable, in_specs: Any, out_specs: Any) -> Callable:
+        def run(*args):
+            # Nested in the caller's shard_map (data_manual) it takes the tracing mesh, where
+            # `data` is already manual.
+            am = jax.sharding.get_abstract_mesh()
+            on = am if self.data_manual and not am.empty else self.mesh
+            return jax.shard_map(
+                body, mesh=on, in_specs=in_specs, out_specs=out_specs, axis_names=set(self.manual)
+            )(*args)
+
+        return run
+
+
+def _pipe(
+    config, mesh: Mesh, stages: Stages, param_axes: Any, batch_axes: dict, data_manual: bool
+) -> _Pipe:
+    shape = {k: int(s) for k, s in mesh.shape.items()}
+    sched = schedule_for(config, mesh)
+    if sched is None:
+        raise ConfigError(f"mesh.pipeline={shape.get(AXIS, 1)}: pipelining needs mesh.pipeline > 1")
+    t = config.train
+    n_data = shape.get("data", 1)
+    rows_per_replica = t.batch_size // (n_data * shape.get("fsdp", 1) * t.grad_accum)
+    # `data` is manual too: each replica accumulates its own gradients over the microbatches and
+    # they are summed once per step, not once per tick (as XLA does for an automatic batch axis).
+    # With data_manual the caller's shard_map owns `data` and sums (or compresses) the gradients.
+    manual = (AXIS, "data") if n_data > 1 and not data_manual else (AXIS,)
+    storage = lambda names: NamedSharding(
+        mesh, sharding.logical_to_spec(names, sharding.STORAGE_RULES, mesh)
+    )
+    _, layer_axes, _ = stages.split(param_axes)
+    stage_axes = lambda axes: ("stage", None, None, *axes[1:])  # [p, v, Lc, ...]
+    return _Pipe(
+        sched=sched,
+        mesh=mesh,
+        stages=stages,
+        batch_axes=batch_axes,
+        dtype=jnp.dtype(t.compute_dtype),
+        remat=t.remat,
+        data_manual=data_manual,
+        manual=manual,
+        inner_rules=sharding.rules_without(
+            sharding.COMPUTE_RULES, (*manual, "data") if data_manual else manual
+        ),
+        outer_rules=_outer_rules(rows_per_replica, sched.stages),
+        stage_shardings=jax.tree.map(
+            lambda axes: storage(stage_axes(axes)), layer_axes, is_leaf=sharding.is_axes
+        ),
+        layer_shardings=jax.tree.map(storage, layer_axes, is_leaf=sharding.is_axes),
+    )
+
+
+def _autodiff_outside(pipe: _Pipe) -> microbatch.GradFn:
+    """gpipe / interleaved: forward ticks in the stages' shard_map, embedding and head outside it;
+    the backward is the autodiff of all of it, the ticks in reverse."""
+    p, v, m = pipe.sched.stages, pipe.sched.virtual_stages, pipe.sched.microbatches
+    valid, micro, virtual = looped_forward_table(p, m, v)
+    stage_fn = pipe.stage_fn(remat_per_layer=False)
+    act = pipe.stages.activation_axes
+
+    def body(chunks, x0):
+        chunks = jax.tree.map(lambda a: a[0], chunks)  # [v, Lc, ...]
+        outs = _looped_forward(
+            stage_fn, chunks, x0, p=p, v=v, valid=valid, micro=micro, virtual=virtual
+        )
+        return outs[None]
+
+    out_spec = PartitionSpec(AXIS, None, "data") if pipe.data_in_stages else PartitionSpec(AXIS)
+    run = pipe.shard_map(body, (PartitionSpec(AXIS), pipe.batch_spec), out_spec)
+
+    def loss_fn(params, batch):
+        embed, layers, head = pipe.stages.split(params)
+        with sharding.activation_rules(pipe.mesh, pipe.outer_rules):
+            x = pipe.stages.embed(microbatch.cast_floating(embed, pipe.dtype), batch["inputs"])
+            y = run(pipe.to_stages(layers), pipe.micro_split(x, act))  # [p, m, B/m, ...]
+            y = pipe.micro_merge(y[p - 1], act)  # [B, ...]
+            head = microbatch.cast_floating(head, pipe.dtype)
+            return pipe.stages.head_loss(head, y, batch["targets"]), {}
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def gradients(params, batch):
+        (loss, aux), grads = grad_fn(params, batch)
+        return loss, aux, grads
+
+    return gradients
+
+
+def _stage_executor(pipe: _Pipe) -> Callable:
+    """execute(head_loss, chunks, head, x0, targets) -> (loss, chunk grads [v, Lc, ...], head
+    grads, d loss / d x0) on one stage, per device: 1F1B's explicit per-microbatch backward, or
+    the autodiff of gpipe / interleaved's forward ticks kept inside the stage."""
+    p, v, m = pipe.sched.stages, pipe.sched.virtual_stages, pipe.sched.microbatches
+    if not SCHEDULES[pipe.sched.name].autodiff_backward:
+        tables = one_f_one_b_exec_tables(pipe.sched)
+        stage_fn = pipe.stage_fn(remat_per_layer=True)
+
+        def one_f_one_b(head_loss, chunks, head, x0, targets):
+            chunk = jax.tree.map(lambda a: a[0], chunks)  # [Lc, ...]
+            loss, g_c, g_h, dx0 = _one_f_one_b(
+                stage_fn, head_loss, chunk, head, x0, targets,
+                p=p, scale=1.0 / (m * pipe.n_summed), **tables,
+            )  # fmt: skip
+            return loss, jax.tree.map(lambda g: g[None], g_c), g_h, dx0
+
+        return one_f_one_b
+    valid, micro, virtual = looped_forward_table(p, m, v)
+    stage_fn = pipe.stage_fn(remat_per_layer=False)
+
+    def looped(head_loss, chunks, head, x0, targets):
+        return _looped_gradients(
+            stage_fn, head_loss, chunks, head, x0, targets,
+            p=p, v=v, scale=1.0 / pipe.n_summed, valid=valid, micro=micro, virtual=virtual,
+        )  # fmt: skip
+
+    return looped
+
+
+def _backward_inside(pipe: _Pipe) -> microbatch.GradFn:
+    """The backward inside the stages' shard_map, head and loss on the last stage (1F1B, or any
+    schedule nested in the caller's shard_map over `data`: jax (0.10) types the residuals an outer
+    autodiff would take out of this shard_map as varying over the outer `data` axis too, which
+    Shardy rejects). Only the embedding's backward runs outside, from the returned d loss / d x0."""
+    execute, stages, manual = _stage_executor(pipe), pipe.stages, pipe.manual
+    data = tuple(a for a in manual if a != AXIS)
+    psum = lambda tree, axes: jax.tree.map(lambda g: jax.lax.psum(g, axes), tree)
+
+    def head_loss(hp, y, tgt):
+        with sharding.activation_rules(jax.sharding.get_abstract_mesh(), pipe.inner_rules):
+            return stages.head_loss(microbatch.cast_floating(hp, pipe.dtype), y, tgt)
+
+    def body(chunks, head, x0, targets):
+        chunks = jax.tree.map(lambda a: a[0], chunks)  # [v, Lc, ...]
+        loss, g_c, g_h, dx0 = execute(head_loss, chunks, head, x0, targets)
+        g_c = psum(g_c, data) if data else g_c
+        g_c = jax.tree.map(lambda g: g[None], g_c)  # [1, v, Lc, ...]
+        dx0 = psum(dx0.astype(jnp.float32), AXIS)  # float32: as in _looped_forward
+        return psum(loss, manual), g_c, psum(g_h, manual), dx0
+
+    P, spec = PartitionSpec, pipe.batch_spec
+    run = pipe.shard_map(body, (P(AXIS), P(), spec, spec), (P(), P(AXIS), P(), spec))
+
+    def gradients(params, batch):
+        embed, layers, head = stages.split(params)
+        with sharding.activation_rules(pipe.mesh, pipe.outer_rules):
+
+            def embed_fn(e):
+                x = stages.embed(microbatch.cast_floating(e, pipe.dtype), batch["inputs"])
+                return pipe.micro_split(x, stages.activation_axes)
+
+            x0, embed_vjp = jax.vjp(embed_fn, embed)  # [m, B/m, ...]
+            targets = pipe.micro_split(batch["targets"], pipe.batch_axes["targets"])
+            loss, g_stages, g_head, dx0 = run(pipe.to_stages(layers), head, x0, targets)
+            (g_embed,) = embed_vjp(dx0.astype(x0.dtype))
+            grads = stages.join(g_embed, pipe.from_stages(g_stages), g_head)
+        return loss, {}, grads
+
+    return gradients
+
+
 def make_gradients(
     config,
     mesh: Mesh,
-    merge: Callable[[Any], Any],
+    stages: Stages,
     param_axes: Any,
     batch_axes: dict[str, tuple],
     *,
     data_manual: bool = False,
-) -> tuple[Callable, Schedule]:
+) -> tuple[microbatch.GradFn, Schedule]:
     """The pipelined replacement for `train.build`'s `gradients(params, batch)`.
 
     Args:
       config: the run's config (`pipeline.*`, `train.grad_accum`, `train.compute_dtype`,
-        `train.remat`, `model.*`).
+        `train.remat`, `model.num_layers`).
       mesh: the device mesh; its `pipeline` axis is the stage axis.
-      merge: params (pure dict) -> GPT module, for its embedding and head.
+      stages: the model's embed / stacked layers / head (`models.api.Stages`); the pipeline knows
+        the model only through these.
       param_axes: logical axes of every parameter (pure dict, like the params).
-      batch_axes: logical axes of the batch entries.
+      batch_axes: logical axes of the batch entries (`inputs` feeds the embedding, `targets` the
+        head's loss).
       data_manual: `gradients` is called inside a `jax.shard_map` that is already manual over
         `data` (the explicit gradient-sync and local SGD paths of `jaxdist.collectives`): it sees
         one replica's rows and returns that replica's own loss and gradients, unreduced over
@@ -613,313 +872,11 @@ def make_gradients(
       ConfigError: layers not divisible into stages, microbatches not dividing the per-replica
         batch, interleaved with microbatches not a multiple of the stages, unknown schedule.
     """
-    from models import gpt
-
-    shape = {k: int(s) for k, s in mesh.shape.items()}
-    sched = schedule_for(config, mesh)
-    if sched is None:
-        raise ConfigError(f"mesh.pipeline={shape.get(AXIS, 1)}: pipelining needs mesh.pipeline > 1")
-    p, m, v = sched.stages, sched.microbatches, sched.virtual_stages
-    t, mc = config.train, config.model
-    accum, L, dtype = t.grad_accum, mc.num_layers, jnp.dtype(t.compute_dtype)
-    Lc = L // (p * v)
-    n_data = shape.get("data", 1)
-    rows_per_replica = t.batch_size // (n_data * shape.get("fsdp", 1) * accum)
-    # `data` is manual too: each replica accumulates its own gradients over the microbatches and
-    # they are summed once per step, not once per tick (as XLA does for an automatic batch axis).
-    # With data_manual the caller's shard_map owns `data` and sums (or compresses) the gradients.
-    data_in_stages = n_data > 1 and not data_manual
-    manual = (AXIS, "data") if data_in_stages else (AXIS,)
-    n_summed = n_data if data_in_stages else 1  # replicas whose losses the stages' psum adds
-    inner_rules = _without(sharding.COMPUTE_RULES, (*manual, "data") if data_manual else manual)
-    outer_rules = _outer_rules(rows_per_replica, p)
-    act_axes = ("batch", "length", "embed")
-    batch_spec = PartitionSpec(None, "data") if data_in_stages else PartitionSpec()  # [m, b, ...]
-
-    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
-    storage = lambda names: NamedSharding(
-        mesh, sharding.logical_to_spec(names, sharding.STORAGE_RULES, mesh)
-    )
-    block_axes = param_axes["blocks"]
-    stage_shardings = jax.tree.map(
-        lambda axes: storage(("stage", None, None, *axes[1:])), block_axes, is_leaf=is_axes
-    )
-    block_shardings = jax.tree.map(storage, block_axes, is_leaf=is_axes)
-
-    def to_stages(blocks):
-        """[L, ...] -> [p, v, Lc, ...]: chunk j = s·p + d (layers j·Lc ...) goes to device d.
-
-        With v = 1 this is a reshape that moves nothing; with v > 1 the looped placement differs
-        from the contiguous storage split, so the layers are exchanged (all-to-all) every step.
-        """
-        one = lambda x, sh: sharding.constrain_to(
-            x.reshape(v, p, Lc, *x.shape[1:]).swapaxes(0, 1), sh
-        )
-        return jax.tree.map(one, blocks, stage_shardings)
-
-    def from_stages(chunks):
-        one = lambda x, sh: sharding.constrain_to(x.swapaxes(0, 1).reshape(L, *x.shape[3:]), sh)
-        return jax.tree.map(one, chunks, block_shardings)
-
-    def micro_split(x, axes):
-        """[B, ...] -> [m, B/m, ...]; microbatch a takes rows a, a+m, ...: no row changes device."""
-        x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-        spec = sharding.logical_to_spec((None, *axes), sharding.COMPUTE_RULES, mesh)
-        return sharding.constrain_to(x, NamedSharding(mesh, spec))
-
-    def micro_merge(x, axes):
-        x = x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
-        spec = sharding.logical_to_spec(axes, outer_rules, mesh)
-        return sharding.constrain_to(x, NamedSharding(mesh, spec))
-
-    def layers(chunk, x, remat: str):
-        with sharding.activation_rules(jax.sharding.get_abstract_mesh(), inner_rules):
-            return gpt.scan_blocks(_cast(chunk, dtype), x, remat=remat, attention=mc.attention)
-
-    def shard_map(body, in_specs, out_specs):
-        def run(*args):
-            # Nested in the caller's shard_map (data_manual) it takes the tracing mesh, where
-            # `data` is already manual.
-            am = jax.sharding.get_abstract_mesh()
-            on = am if data_manual and not am.empty else mesh
-            return jax.shard_map(
-                body, mesh=on, in_specs=in_specs, out_specs=out_specs, axis_names=set(manual)
-            )(*args)
-
-        return run
-
-    if sched.name in ("gpipe", "interleaved") and not data_manual:
-        # Forward ticks in the shard_map; the backward is their autodiff, ticks in reverse.
-        valid, micro, virtual = looped_forward_table(p, m, v)
-        stage_fn = lambda chunk, x: layers(chunk, x, "none")
-        if t.remat != "none":  # save only what the policy allows inside a stage, per tick
-            stage_fn = jax.checkpoint(stage_fn, policy=gpt.REMAT_POLICIES[t.remat])
-
-        def body(chunks, x0):
-            chunks = jax.tree.map(lambda a: a[0], chunks)  # [v, Lc, ...]
-            outs = _looped_forward(
-                stage_fn, chunks, x0, p=p, v=v, valid=valid, micro=micro, virtual=virtual
-            )
-            return outs[None]
-
-        out_spec = PartitionSpec(AXIS, None, "data") if n_data > 1 else PartitionSpec(AXIS)
-        run = shard_map(body, (PartitionSpec(AXIS), batch_spec), out_spec)
-
-        def loss_fn(params, batch):
-            with sharding.activation_rules(mesh, outer_rules):
-                model = merge(_cast(params, dtype))
-                x = model.embed_tokens(batch["inputs"])  # [B, T, D]
-                x0 = micro_split(x, act_axes)  # [m, B/m, T, D]
-                y = run(to_stages(params["blocks"]), x0)  # [p, m, B/m, T, D]
-                y = micro_merge(y[p - 1], act_axes)  # [B, T, D]
-                loss = _cross_entropy(model.logits(y), batch["targets"])
-            return loss, {}
-
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-        def chunk_gradients(params, batch):
-            (loss, aux), grads = grad_fn(params, batch)
-            return loss, aux, grads
-
+    pipe = _pipe(config, mesh, stages, param_axes, batch_axes, data_manual)
+    if SCHEDULES[pipe.sched.name].autodiff_backward and not data_manual:
+        chunk_gradients = _autodiff_outside(pipe)
     else:
-        # The backward inside the stages' shard_map, head and loss on the last stage: 1F1B's
-        # explicit per-microbatch backward, or (nested in the caller's shard_map over `data`) the
-        # autodiff of gpipe / interleaved's forward ticks. Nested, the backward must stay inside:
-        # jax (0.10) types the residuals an outer autodiff would take out of this shard_map as
-        # varying over the outer `data` axis too, which Shardy rejects.
-        if sched.name == "1f1b":
-            tables = one_f_one_b_exec_tables(sched)
-            stage_fn = lambda chunk, x: layers(chunk, x, t.remat)
-
-            def execute(head_loss, chunks, head, x0, targets):
-                chunk = jax.tree.map(lambda a: a[0], chunks)  # [Lc, ...]
-                loss, g_c, g_h, dx0 = _one_f_one_b(
-                    stage_fn, head_loss, chunk, head, x0, targets,
-                    p=p, scale=1.0 / (m * n_summed), **tables,
-                )  # fmt: skip
-                return loss, jax.tree.map(lambda g: g[None], g_c), g_h, dx0
-
-        else:
-            valid, micro, virtual = looped_forward_table(p, m, v)
-            stage_fn = lambda chunk, x: layers(chunk, x, "none")
-            if t.remat != "none":
-                stage_fn = jax.checkpoint(stage_fn, policy=gpt.REMAT_POLICIES[t.remat])
-
-            def execute(head_loss, chunks, head, x0, targets):
-                return _looped_gradients(
-                    stage_fn, head_loss, chunks, head, x0, targets,
-                    p=p, v=v, scale=1.0 / n_summed, valid=valid, micro=micro, virtual=virtual,
-                )  # fmt: skip
-
-        def chunk_gradients(params, batch):
-            blocks, embed = params["blocks"], params["embed"]
-            head = {k: x for k, x in params.items() if k not in ("blocks", "embed")}
-            # `merge` wants every leaf; inside the stages the head gets stand-ins for the layers
-            # and the embedding, which `logits` never reads (the compiler drops them).
-            absent = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, dtype), {"blocks": blocks, "embed": embed}
-            )
-
-            def head_loss(hp, y, tgt):
-                stand_ins = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), absent)
-                with sharding.activation_rules(jax.sharding.get_abstract_mesh(), inner_rules):
-                    model = merge({**_cast(hp, dtype), **stand_ins})
-                    return _cross_entropy_one_hot(model.logits(y), tgt)
-
-            def body(chunks, head, x0, targets):
-                chunks = jax.tree.map(lambda a: a[0], chunks)  # [v, Lc, ...]
-                loss, g_c, g_h, dx0 = execute(head_loss, chunks, head, x0, targets)
-                psum = lambda tree, axes: jax.tree.map(lambda g: jax.lax.psum(g, axes), tree)
-                data = tuple(a for a in manual if a != AXIS)
-                g_c = psum(g_c, data) if data else g_c
-                g_c = jax.tree.map(lambda g: g[None], g_c)  # [1, v, Lc, ...]
-                dx0 = psum(dx0.astype(jnp.float32), AXIS)  # float32: as in _looped_forward
-                return psum(loss, manual), g_c, psum(g_h, manual), dx0
-
-            run = shard_map(
-                body,
-                (PartitionSpec(AXIS), PartitionSpec(), batch_spec, batch_spec),
-                (PartitionSpec(), PartitionSpec(AXIS), PartitionSpec(), batch_spec),
-            )
-            with sharding.activation_rules(mesh, outer_rules):
-
-                def embed_fn(e):
-                    model = merge(_cast({**head, "blocks": blocks, "embed": e}, dtype))
-                    return micro_split(model.embed_tokens(batch["inputs"]), act_axes)
-
-                x0, embed_vjp = jax.vjp(embed_fn, embed)  # [m, B/m, T, D]
-                targets = micro_split(batch["targets"], batch_axes["targets"])
-                loss, g_stages, g_head, dx0 = run(to_stages(blocks), head, x0, targets)
-                (g_embed,) = embed_vjp(dx0.astype(x0.dtype))
-                grads = {**g_head, "embed": g_embed, "blocks": from_stages(g_stages)}
-            return loss, {}, grads
-
-    def gradients(params, batch):
-        if accum == 1:
-            return chunk_gradients(params, batch)
-
-        # Accumulation chunk a takes rows a, a+A, ... as in train.build: no row changes device.
-        def split(x, axes):
-            x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
-            spec = sharding.logical_to_spec((None, *axes), sharding.COMPUTE_RULES, mesh)
-            return sharding.constrain_to(x, NamedSharding(mesh, spec))
-
-        chunks = {k: split(x, batch_axes[k]) for k, x in batch.items()}
-
-        def step(carry, mb):
-            g_sum, l_sum = carry
-            loss, aux, g = chunk_gradients(params, mb)
-            return (jax.tree.map(jnp.add, g_sum, g), l_sum + loss), aux
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        # zeros_like of a parameter: per-replica ("varying") like the losses when data_manual.
-        loss0 = jnp.zeros_like(jax.tree.leaves(zeros)[0], shape=(), dtype=jnp.float32)
-        (g_sum, l_sum), aux = jax.lax.scan(step, (zeros, loss0), chunks)
-        grads = jax.tree.map(lambda g: g / accum, g_sum)
-        return l_sum / accum, jax.tree.map(jnp.mean, aux), grads
-
-    return gradients, sched
-
-
-# --------------------------------------------------------------------------------------------------
-# Benchmark: memory, bubble and step time per schedule and microbatch count
-# --------------------------------------------------------------------------------------------------
-
-
-def pipeline_table(
-    p: int = 4,
-    ms: Sequence[int] = (4, 8, 16, 32),
-    schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved"),
-    *,
-    virtual_stages: int = 2,
-    microbatch_size: int = 1,
-    num_layers: int = 8,
-    d_model: int = 64,
-    seq_len: int = 32,
-    steps: int = 3,
-    data: int = 1,
-) -> list[dict[str, Any]]:
-    """Compiles and times the train step of a small GPT for every (schedule, m) on p stages.
-
-    The microbatch size is fixed, so the global batch grows with m: 1f1b's temp memory should stay
-    flat while gpipe's grows. Needs p · data devices (simulated CPU devices are fine).
-
-    Returns:
-      One dict per (schedule, m): `temp_bytes` per device (compiled memory analysis),
-      `bubble_fraction` (schedule tables), `step_time_s` (median of `steps` timed steps after one
-      warm-up), `ticks`, `batch_size`, `tokens_per_s`.
-    """
-    import statistics
-    import time
-
-    from jaxdist import config as config_lib
-    from jaxdist import data as data_lib
-    from jaxdist import mesh as mesh_lib
-    from jaxdist import train
-
-    devices = jax.devices()[: p * data]
-    rows = []
-    for name in schedules:
-        for m in ms:
-            c = config_lib.base_config()
-            for axis in config_lib.MESH_AXES:
-                c.mesh[axis] = 1
-            c.mesh.pipeline, c.mesh.data = p, data
-            c.model.update(num_layers=num_layers, d_model=d_model, num_heads=4, seq_len=seq_len)
-            c.train.batch_size = m * microbatch_size * data
-            c.data.max_bytes = 400_000
-            c.pipeline.update(schedule=name, microbatches=m, virtual_stages=virtual_stages)
-            config_lib.validate(c, len(devices))
-            mesh = mesh_lib.make_mesh(c.mesh, devices=devices)
-            ds = data_lib.load(c.data, seq_len=seq_len, vocab_size=c.model.vocab_size)
-            eng = train.build(c, mesh, ds)
-            batches = data_lib.Batches(
-                ds, batch_size=c.train.batch_size, seq_len=seq_len, seed=0,
-                shardings=eng.batch_shardings,
-            )  # fmt: skip
-            batch = batches.get(0)
-            state = eng.init()
-            compiled = eng.train_step.lower(state, batch).compile()
-            state, metrics = compiled(state, batch)  # warm-up
-            jax.block_until_ready(metrics)
-            times = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                state, metrics = compiled(state, batch)
-                jax.block_until_ready(metrics)
-                times.append(time.perf_counter() - t0)
-            step = statistics.median(times)
-            rows.append(
-                {
-                    "schedule": name,
-                    "stages": p,
-                    "microbatches": m,
-                    "virtual_stages": eng.schedule.virtual_stages,
-                    "batch_size": c.train.batch_size,
-                    "ticks": eng.schedule.ticks,
-                    "bubble_fraction": eng.schedule.bubble_fraction,
-                    "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-                    "step_time_s": step,
-                    "tokens_per_s": c.train.batch_size * seq_len / step,
-                }
-            )
-    return rows
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of `pipeline_table` rows, with each schedule's memory relative to its m = p."""
-    base = {}
-    for r in rows:
-        base.setdefault(r["schedule"], r["temp_bytes"])
-    lines = [
-        "| schedule | m | batch | ticks | bubble | temp / device | vs first m | step time | tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['schedule']}{' v=' + str(r['virtual_stages']) if r['virtual_stages'] > 1 else ''}"
-            f" | {r['microbatches']} | {r['batch_size']} | {r['ticks']} | {r['bubble_fraction']:.3f}"
-            f" | {r['temp_bytes'] / 2**20:.2f} MiB | {r['temp_bytes'] / base[r['schedule']]:.2f}×"
-            f" | {r['step_time_s'] * 1e3:.0f} ms | {r['tokens_per_s']:,.0f} |"
-        )
-    return "\n".join(lines)
+        chunk_gradients = _backward_inside(pipe)
+    # Accumulation chunk a takes rows a, a+A, ... as in train.build: no row changes device.
+    gradients = microbatch.accumulated(chunk_gradients, config.train.grad_accum, batch_axes, mesh)
+    return gradients, pipe.sched

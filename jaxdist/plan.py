@@ -6,7 +6,7 @@ microbatches × remat for a device count, predicts each, marks the ones that do 
 and recommends one; `scaling(...)` does that from 8 to 4096 devices for a scaling-efficiency plot.
 
 Nothing here re-states the sharding: parameter and optimizer-state shapes come from `jax.eval_shape`
-of the real model and optimizer (`models.gpt`, `jaxdist.optim`), their per-device shards from
+of the real model and optimizer (the `gpt` family, `jaxdist.optim`), their per-device shards from
 `jaxdist.sharding.logical_to_spec` with the same STORAGE_RULES / COMPUTE_RULES the engine compiles
 with (on an `AbstractMesh`, so 4096 devices need no devices), and layout validity from
 `jaxdist.config.validate` on a copy of the config. The collectives are the ones XLA emits for this
@@ -47,6 +47,7 @@ from jax.sharding import AbstractMesh
 from jaxdist import config as config_lib
 from jaxdist import metrics, sharding
 from jaxdist.errors import ConfigError
+from models.api import abstract_model, remat_names
 
 GiB = 1024**3
 
@@ -243,6 +244,7 @@ class ModelInfo:
     seq_len: int
     params: tuple[Leaf, ...]
     opt: tuple[tuple[tuple[int, ...], int, int], ...]
+    flops: float  # model FLOPs per token, the family's `flops_per_token`
 
     @property
     def num_params(self) -> int:
@@ -255,28 +257,24 @@ class ModelInfo:
     def flops_per_token(self) -> float:
         """Model FLOPs per token as the layout record counts them (6N' + 12·L·D·T, N' without the
         embedding table)."""
-        return metrics.model_flops_per_token(
-            self.num_params - self.embed_params, self.num_layers, self.d_model, self.seq_len
-        )
+        return self.flops
 
 
 def model_info(config) -> ModelInfo:
     """Parameter and optimizer-state leaves of the configured GPT, exactly as `train.build` sees them."""
     import optax
-    from flax import nnx
 
+    import models
     from jaxdist import optim
-    from models import gpt
 
     m = config.model
     if m.name != "gpt":
         raise ConfigError(f"the planner models the GPT; model.name={m.name!r} is not supported")
-    abstract = jax.eval_shape(lambda: gpt.GPT(m, rngs=nnx.Rngs(0)))
-    _, template = nnx.split(abstract, nnx.Param)
-    abstract_params = nnx.to_pure_dict(template)
-    variables = jax.tree.leaves(template, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    family = models.get(m.name)
+    abstract = abstract_model(family.make(m, None))
+    abstract_params, param_axes = abstract.params, abstract.axes
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
-    axes = [tuple(v.get_metadata()["logical_axes"]) for v in variables]
+    axes = jax.tree.leaves(param_axes, is_leaf=sharding.is_axes)
     leaves = tuple(
         Leaf(
             "/".join(str(getattr(k, "key", k)) for k in path),
@@ -286,7 +284,6 @@ def model_info(config) -> ModelInfo:
         )
         for (path, x), ax in zip(flat, axes, strict=True)
     )
-    param_axes = jax.tree.unflatten(treedef, axes)
     tx, _ = optim.build(config.train, param_axes)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     index = jax.tree.unflatten(treedef, [np.int64(i) for i in range(len(leaves))])
@@ -311,6 +308,7 @@ def model_info(config) -> ModelInfo:
         seq_len=m.seq_len,
         params=leaves,
         opt=opt,
+        flops=family.flops_per_token(m, abstract_params),
     )
 
 
@@ -410,14 +408,14 @@ def enumerate_layouts(
     set on one working copy of the config and checked by `validate` itself, so the planner accepts
     exactly what training accepts.
     """
-    remats = tuple(remats or config_lib.REMAT_POLICIES)
+    remats = tuple(remats or remat_names())
     work = copy.deepcopy(config)
     if work.data.source not in ("stdlib", "digits"):
         work.data.source = "stdlib"  # the corpus is irrelevant to the layout; skip its file checks
-    unknown = [r for r in remats if r not in config_lib.REMAT_POLICIES]
+    unknown = [r for r in remats if r not in remat_names()]
     if unknown:
         raise ConfigError(
-            f"remat policies {unknown} are not valid; choose from {', '.join(config_lib.REMAT_POLICIES)}"
+            f"remat policies {unknown} are not valid; choose from {', '.join(remat_names())}"
         )
     out = []
     for d, f, t, p in _factorizations(num_devices, 4):
@@ -1176,7 +1174,7 @@ def plan(
 
 
 def _candidates(n: int, max_accum: int, max_mb: int, remats) -> Iterable[tuple]:
-    remats = tuple(remats or config_lib.REMAT_POLICIES)
+    remats = tuple(remats or remat_names())
     for _, _, _, p in _factorizations(n, 4):
         accums = len(_powers_of_two(max_accum)) if p == 1 else 1
         mbs = len(_powers_of_two(max(1, max_mb // p))) if p > 1 else 1

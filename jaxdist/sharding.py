@@ -106,11 +106,39 @@ def check_no_collision(spec: Sequence[Any]) -> None:
             seen.append(axis)
 
 
+def is_axes(x: Any) -> bool:
+    """True for a logical-axes tuple: the leaves of a `param_axes` tree (`jax.tree.map(is_leaf=)`)."""
+    return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+
+
+def _filter_entry(entry: Any, keep: Any) -> Any:
+    """One PartitionSpec entry (None, an axis, or a tuple of axes) with only the axes `keep` accepts."""
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if keep(a))
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def spec_without(spec: Sequence[Any], axes: Any) -> PartitionSpec:
+    """`spec` with the mesh axes in `axes` dropped (e.g. the manual axes inside a shard_map)."""
+    return PartitionSpec(*(_filter_entry(e, lambda a: a not in axes) for e in spec))
+
+
+def spec_only(spec: Sequence[Any], axes: Any) -> PartitionSpec:
+    """`spec` with every mesh axis outside `axes` dropped (a shard_map names only its manual axes)."""
+    return PartitionSpec(*(_filter_entry(e, lambda a: a in axes) for e in spec))
+
+
+def rules_without(rules: Rules, axes: Any) -> Rules:
+    """Rules that never name the mesh axes in `axes` (for code inside a shard_map manual over them)."""
+    return tuple(
+        (name, None if target is None else _filter_entry(target, lambda a: a not in axes))
+        for name, target in rules
+    )
+
+
 def tree_shardings(
     axes_tree: Any, shapes_tree: Any, mesh: Mesh, rules: Rules = STORAGE_RULES
 ) -> Any:
     """NamedShardings for a tree of logical-axis tuples (leaves) and matching shapes."""
-    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
     return jax.tree.map(
         lambda names, sds: NamedSharding(mesh, logical_to_spec(names, rules, mesh, sds.shape)),
         axes_tree,
@@ -182,13 +210,8 @@ def constrain_to(x: jax.Array, target: NamedSharding) -> jax.Array:
     drop = manual | getattr(_mapped, "value", frozenset())
     if not drop:
         return jax.lax.with_sharding_constraint(x, target)
-    spec = []
-    for entry in target.spec:
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        kept = tuple(a for a in axes if a not in drop)
-        spec.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     mesh = am if manual else target.mesh
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_without(target.spec, drop)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

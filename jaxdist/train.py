@@ -22,49 +22,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist import optim, sharding
+import models
+from jaxdist import microbatch, optim, sharding
 from jaxdist.data import Dataset
-from jaxdist.errors import ConfigError
+from models.api import AbstractModel, ModelFamily, Stages, abstract_model
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
-
-
-def _is_axes(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
-
-
-def model_factory(config, ds: Dataset) -> tuple[Callable[[nnx.Rngs], nnx.Module], dict]:
-    """A constructor for the configured model and the logical axes of its batch."""
-    m = config.model
-    if m.name == "gpt":
-        from models import gpt
-
-        if ds.kind != "tokens":
-            raise ConfigError(
-                f"model.name='gpt' needs token data, but data.source={config.data.source!r} holds images"
-            )
-        if ds.vocab_size > m.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={m.vocab_size} is smaller than the data's {ds.vocab_size} token ids"
-            )
-        return (lambda rngs: gpt.GPT(m, rngs=rngs)), gpt.batch_axes()
-    if ds.kind != "images":
-        raise ConfigError(
-            f"model.name={m.name!r} needs image data (an .npz or 'digits'), not {config.data.source!r}"
-        )
-    if ds.num_classes > m.num_classes:
-        raise ConfigError(
-            f"model.num_classes={m.num_classes} but the labels go up to {ds.num_classes - 1}"
-        )
-    from models import mlp, resnet
-
-    shape = ds.example_shape
-    axes = mlp.batch_axes(len(shape))
-    if m.name == "mlp":
-        return (lambda rngs: mlp.MLP(m, input_dim=int(np.prod(shape)), rngs=rngs)), axes
-    in_ch = shape[-1] if len(shape) == 3 else 1
-    return (lambda rngs: resnet.ResNet(m, in_channels=in_ch, rngs=rngs)), axes
 
 
 @dataclasses.dataclass
@@ -73,8 +37,8 @@ class Engine:
 
     config: Any
     mesh: Mesh
-    graphdef: Any
-    template: Any  # nnx.State with abstract leaves, to rebuild the module from a pure dict
+    family: ModelFamily  # the `model.name` family (models/api.py)
+    model: AbstractModel  # the module's structure, to rebuild it from a pure dict of params
     param_axes: Any  # pure dict: path → logical axes tuple
     abstract_state: State
     state_shardings: State
@@ -95,8 +59,13 @@ class Engine:
         seed = self.config.train.seed if seed is None else seed
         return self.init_fn(jax.random.key(seed))
 
+    @property
+    def stages(self) -> Stages | None:
+        """The model's pipeline pieces, None for a family that cannot be pipelined."""
+        return self.family.stages(self.config.model) if self.family.stages else None
+
     def merge(self, params: Any) -> nnx.Module:
-        return _merge(self.graphdef, self.template, params)
+        return self.model.merge(params)
 
     def abstract_batch(self, global_shapes: dict[str, tuple[int, ...]], dtypes: dict) -> dict:
         return {
@@ -105,30 +74,14 @@ class Engine:
         }
 
 
-def _merge(graphdef, template, params) -> nnx.Module:
-    """Rebuilds the NNX module from its definition and a pure dict of parameter arrays."""
-    state = jax.tree.map(lambda v: v, template)
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
-
-
-def _cast(tree: Any, dtype) -> Any:
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-    )
-
-
 def build(config, mesh: Mesh, ds: Dataset) -> Engine:
     """Builds the Engine: shapes and shardings first, nothing materialised."""
-    make_model, batch_axes = model_factory(config, ds)
-    abstract_model = jax.eval_shape(lambda: make_model(nnx.Rngs(0)))
-    graphdef, template = nnx.split(abstract_model, nnx.Param)
-    abstract_params = nnx.to_pure_dict(template)
-    variables = jax.tree.leaves(template, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    paths = jax.tree.structure(abstract_params)
-    param_axes = jax.tree.unflatten(
-        paths, [tuple(v.get_metadata()["logical_axes"]) for v in variables]
-    )
+    family = models.get(config.model.name)
+    family.check_data(config, ds)
+    make_model = family.make(config.model, ds)
+    batch_axes = family.batch_axes(config.model, ds)
+    model = abstract_model(make_model)
+    abstract_params, param_axes = model.params, model.axes
 
     # DGC / 1-bit Adam: with grad_sync.momentum_correction the SGD momentum is applied per replica
     # inside the compressor (jaxdist/compression.py), and each replica clips its own gradient
@@ -195,8 +148,8 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
     skip_nonfinite = t.on_nonfinite == "skip"
 
     def init(key: jax.Array) -> State:
-        model = make_model(nnx.Rngs(key))
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        module = make_model(nnx.Rngs(key))
+        params = nnx.to_pure_dict(nnx.state(module, nnx.Param))
         state = {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
@@ -213,43 +166,26 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
 
     def loss_fn(params, batch):
         with sharding.activation_rules(mesh):
-            model = _merge(graphdef, template, _cast(params, compute_dtype))
-            return model.loss(batch, remat=t.remat)
+            module = model.merge(microbatch.cast_floating(params, compute_dtype))
+            return family.loss(module, batch, remat=t.remat)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def constrain_params(tree):
-        return jax.tree.map(sharding.constrain_to, tree, param_shardings)
+    def plain_gradients(params, batch):
+        (loss, aux), grads = grad_fn(params, batch)
+        return loss, aux, grads
 
-    def gradients(params, batch):
-        if accum == 1:
-            (loss, aux), grads = grad_fn(params, batch)
-            return loss, aux, grads
-
-        # Microbatch a takes rows a, a+A, a+2A, ...: every device keeps its own rows, no reshuffle.
-        def split(x, axes):
-            x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
-            spec = sharding.logical_to_spec((None, *axes), sharding.COMPUTE_RULES, mesh)
-            return sharding.constrain_to(x, NamedSharding(mesh, spec))
-
-        micro = {k: split(v, batch_axes[k]) for k, v in batch.items()}
-
-        def body(carry, mb):
-            g_sum, l_sum = carry
-            (loss, aux), g = grad_fn(params, mb)
-            g_sum = constrain_params(jax.tree.map(jnp.add, g_sum, g))
-            return (g_sum, l_sum + loss), aux
-
-        zeros = constrain_params(jax.tree.map(jnp.zeros_like, params))
-        # Inside the gradient-sync shard_map the carries must be per-replica ("varying") like the
-        # microbatch losses; zeros_like of the (per-replica) params already is.
-        loss0 = jnp.zeros_like(jax.tree.leaves(zeros)[0], shape=(), dtype=jnp.float32)
-        (g_sum, l_sum), aux = jax.lax.scan(body, (zeros, loss0), micro)
-        grads = jax.tree.map(lambda g: g / accum, g_sum)
-        return l_sum / accum, jax.tree.map(jnp.mean, aux), grads
+    gradients = microbatch.accumulated(
+        plain_gradients,
+        accum,
+        batch_axes,
+        mesh,
+        constrain=lambda tree: jax.tree.map(sharding.constrain_to, tree, param_shardings),
+    )
 
     schedule = None
-    if mesh.shape["pipeline"] > 1:  # stages over the pipeline axis (jaxdist/pipeline.py)
+    stages = models.stages_for(config.model, mesh.shape["pipeline"])
+    if stages is not None:  # stages over the pipeline axis (jaxdist/pipeline.py)
         from jaxdist import pipeline
 
         # Compression and local SGD call `gradients` per replica, inside their shard_map over data.
@@ -257,12 +193,7 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
             config.grad_sync.compression != "none" or local_steps > 1
         )
         gradients, schedule = pipeline.make_gradients(
-            config,
-            mesh,
-            lambda p: _merge(graphdef, template, p),
-            param_axes,
-            batch_axes,
-            data_manual=per_replica,
+            config, mesh, stages, param_axes, batch_axes, data_manual=per_replica
         )
 
     def add_per_replica_state(key: str, abstract: Any) -> None:
@@ -289,7 +220,7 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         batch_dims = jax.tree.map(
             lambda axes: next((i for i, a in enumerate(axes) if a != "layers"), len(axes)),
             param_axes,
-            is_leaf=_is_axes,
+            is_leaf=sharding.is_axes,
         )
         tx_sync = compression.from_config(
             config.grad_sync, data_axes, momentum=t.momentum, batch_dims=batch_dims
@@ -433,8 +364,8 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
     return Engine(
         config=config,
         mesh=mesh,
-        graphdef=graphdef,
-        template=template,
+        family=family,
+        model=model,
         param_axes=param_axes,
         abstract_state=abstract_state,
         state_shardings=state_shardings,

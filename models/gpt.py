@@ -1,15 +1,18 @@
 """Decoder-only transformer (GPT), Flax NNX, annotated only with logical axes.
 
 Layer parameters are stacked along a leading `layers` axis and applied with `jax.lax.scan`, so compile
-time does not grow with depth and the pipeline can split the stack into stages. `block` is a pure
-function of one layer's parameters so schedules other than a plain scan can call it.
+time does not grow with depth and the pipeline can split the stack into stages. `embed_tokens`,
+`block` and `head_loss` are pure functions of their parameters: `FAMILY.stages` hands them to the
+pipeline (the `models.api.Stages` protocol), and the module's own forward is built from them.
 
 Shapes: B batch, T length, D d_model, N heads, H head dim, F mlp width, V vocab, L layers.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -18,23 +21,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxdist.errors import ConfigError
 from jaxdist.sharding import constrain
-
-
-def _dots_no_batch_and_fused_attention(prim, *args, **params) -> bool:
-    """Matmul outputs without batch dimensions, and the fused (cuDNN flash) attention's outputs
-    (its result and softmax statistics), so the backward pass does not run attention again. On
-    backends without fused attention this is `dots_with_no_batch_dims_saveable`."""
-    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(
-        prim, *args, **params
-    ) or prim.name.startswith("dot_product_attention_fwd")
-
-
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": _dots_no_batch_and_fused_attention,
-}
+from models import api
 
 # Logical axes of one layer's parameters (without the leading `layers` axis).
 BLOCK_AXES = {
@@ -108,7 +97,7 @@ def block(lp: dict[str, jax.Array], x: jax.Array, *, attention: str = "xla") -> 
         q = constrain(_rope(q, positions), ("batch", "length", "heads", "kv"))
         k = constrain(_rope(k, positions), ("batch", "length", "heads", "kv"))
         v = constrain(v, ("batch", "length", "heads", "kv"))
-        impl = None if attention == "auto" else attention
+        impl = attention_implementation(attention, q.dtype, q.shape[-1])
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
         o = constrain(o, ("batch", "length", "heads", "kv"))
         x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ("batch", "length", "embed"))
@@ -120,49 +109,49 @@ def block(lp: dict[str, jax.Array], x: jax.Array, *, attention: str = "xla") -> 
     return x
 
 
-def scan_blocks(
-    stacked: dict[str, jax.Array],
-    x: jax.Array,
-    *,
-    remat: str = "none",
-    attention: str = "xla",
-    unroll: int = 1,
+def attention_implementation(attention: str, dtype, head_dim: int) -> str:
+    """`model.attention` → `jax.nn.dot_product_attention`'s implementation. "auto" is cuDNN flash
+    attention on GPUs where cuDNN takes the inputs (16-bit, head dim a multiple of 8 up to 256),
+    else XLA; JAX's own choice (implementation=None) ran XLA attention on an H100 with jax 0.11.2,
+    at half the speed (docs/PERFORMANCE.md)."""
+    if attention != "auto":
+        return attention
+    fits = jnp.dtype(dtype).itemsize == 2 and head_dim % 8 == 0 and head_dim <= 256
+    return "cudnn" if fits and jax.default_backend() == "gpu" else "xla"
+
+
+def embed_tokens(
+    p: dict[str, jax.Array], tokens: jax.Array, *, embed_grad: str = "scatter"
 ) -> jax.Array:
-    """Applies the stacked layers in order with lax.scan; x is [B, T, D].
+    """Token ids [B, T] -> embeddings [B, T, D]; `p` holds the table `embed` [V, D].
 
-    `unroll` layers run per loop iteration. A rolled scan keeps compile time flat in depth, but
-    on GPUs each iteration copies its slice of the stacked weights and its saved activations in
-    and out of [L, ...] buffers (memcpy kernels); unrolled, those become separate buffers."""
-    fn = lambda lp, h: block(lp, h, attention=attention)
-    if remat != "none":
-        fn = jax.checkpoint(fn, policy=REMAT_POLICIES[remat])
-
-    def body(h, lp):
-        return fn(lp, h), None
-
-    x, _ = jax.lax.scan(body, x, stacked, unroll=min(unroll, len(jax.tree.leaves(stacked)[0])))
-    return x
+    `embed_grad="matmul"` (`model.embed_grad`) computes the table's gradient as a one-hot matmul
+    instead of a scatter-add (`_take_matmul_grad`)."""
+    emb = constrain(p["embed"], ("vocab", "embed"))
+    take = _take_matmul_grad if embed_grad == "matmul" else _take
+    x = take(emb, tokens)  # [B, T, D]
+    return constrain(x, ("batch", "length", "embed"))
 
 
-def _lookup(emb: jax.Array, tokens: jax.Array) -> jax.Array:
+def _take(emb: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.take(emb, tokens, axis=0)
 
 
 @jax.custom_vjp
-def _lookup_matmul_grad(emb: jax.Array, tokens: jax.Array) -> jax.Array:
+def _take_matmul_grad(emb: jax.Array, tokens: jax.Array) -> jax.Array:
     """`jnp.take(emb, tokens, axis=0)` whose gradient is a one-hot matmul, not a scatter-add.
 
     The scatter's atomic adds serialise on repeated tokens (a byte-level corpus has ~100 distinct
-    ids): on an H100 it took 23 ms of gpt_1b's step and 37 of gpt_small's. The matmul costs
+    ids): on an H100 they took 23 ms of gpt_1b's step and 37 of gpt_small's. The matmul costs
     2·B·T·V·D FLOPs at tensor-core speed and accumulates in float32."""
     return jnp.take(emb, tokens, axis=0)
 
 
-def _lookup_fwd(emb, tokens):
+def _take_fwd(emb, tokens):
     return jnp.take(emb, tokens, axis=0), (tokens, emb)  # emb is live anyway: no extra memory
 
 
-def _lookup_bwd(res, g):  # g: [B, T, D]
+def _take_bwd(res, g):  # g: [B, T, D]
     tokens, emb = res
     one_hot = jax.nn.one_hot(tokens, emb.shape[0], dtype=g.dtype)  # [B, T, V]
     d_emb = jnp.einsum("btv,btd->vd", one_hot, g, preferred_element_type=jnp.float32)
@@ -170,7 +159,19 @@ def _lookup_bwd(res, g):  # g: [B, T, D]
     return d_emb.astype(emb.dtype), d_tokens
 
 
-_lookup_matmul_grad.defvjp(_lookup_fwd, _lookup_bwd)
+_take_matmul_grad.defvjp(_take_fwd, _take_bwd)
+
+
+def logits(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    """Final norm and vocabulary projection: [B, T, D] -> [B, T, V]; `p` is the head's params."""
+    x = _norm(x, constrain(p["final_norm"], ("embed",)), p.get("final_norm_bias"))
+    out = jnp.einsum("btd,dv->btv", x, constrain(p["head"], ("embed", "vocab")))
+    return constrain(out, ("batch", "length", "vocab"))
+
+
+def head_loss(p: dict[str, jax.Array], x: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of the head's logits, gather-free (the pipeline's head)."""
+    return api.token_cross_entropy(logits(p, x), targets)
 
 
 class GPT(nnx.Module):
@@ -187,25 +188,19 @@ class GPT(nnx.Module):
         self.head = _param(0.02 * jax.random.normal(rngs.params(), (D, V)), ("embed", "vocab"))
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        emb = constrain(self.embed[...], ("vocab", "embed"))
-        lookup = _lookup_matmul_grad if self.cfg.get("embed_grad") == "matmul" else _lookup
-        x = lookup(emb, tokens)  # [B, T, D]
-        return constrain(x, ("batch", "length", "embed"))
+        return embed_tokens({"embed": self.embed[...]}, tokens, embed_grad=self.cfg.embed_grad)
 
     def logits(self, x: jax.Array) -> jax.Array:
-        bias = self.final_norm_bias[...] if hasattr(self, "final_norm_bias") else None
-        x = _norm(x, constrain(self.final_norm[...], ("embed",)), bias)
-        logits = jnp.einsum("btd,dv->btv", x, constrain(self.head[...], ("embed", "vocab")))
-        return constrain(logits, ("batch", "length", "vocab"))
+        head = {"final_norm": self.final_norm[...], "head": self.head[...]}
+        if hasattr(self, "final_norm_bias"):
+            head["final_norm_bias"] = self.final_norm_bias[...]
+        return logits(head, x)
 
     def __call__(self, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
         x = self.embed_tokens(tokens)
-        x = scan_blocks(
-            self.blocks.stacked(),
-            x,
-            remat=remat,
-            attention=self.cfg.attention,
-            unroll=self.cfg.get("scan_unroll", 1),
+        layer = functools.partial(block, attention=self.cfg.attention)
+        x = api.scan_layers(
+            layer, self.blocks.stacked(), x, remat=remat, unroll=self.cfg.scan_unroll
         )
         return self.logits(x)
 
@@ -220,9 +215,10 @@ def batch_axes() -> dict[str, tuple[str, ...]]:
     return {"inputs": ("batch", "length"), "targets": ("batch", "length")}
 
 
-def flops_per_token(cfg, num_params: int) -> float:
-    """Training FLOPs per token: 6·N for the matmuls plus 12·L·D·T for attention scores."""
-    return 6.0 * num_params + 12.0 * cfg.num_layers * cfg.d_model * cfg.seq_len
+def flops_per_token(cfg, params: dict[str, Any]) -> float:
+    """6·N (N without the embedding table, whose lookup is no matmul) + 12·L·D·T attention."""
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(params)) - math.prod(params["embed"].shape)
+    return api.decoder_flops_per_token(n, cfg.num_layers, cfg.d_model, cfg.seq_len)
 
 
 def describe(cfg) -> dict[str, Any]:
@@ -233,3 +229,83 @@ def describe(cfg) -> dict[str, Any]:
         "vocab": cfg.vocab_size,
         "seq_len": cfg.seq_len,
     }
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def check(m, mesh: Mapping[str, int]) -> None:
+    """Shape fields the mesh must split evenly: heads and MLP over `tensor`, `embed` over `fsdp`."""
+    t = mesh["tensor"]
+    for name in ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size"):
+        value = m[name]
+        _need(
+            isinstance(value, int) and value > 0,
+            f"model.{name}={value!r} must be a positive integer",
+        )
+    _need(
+        m.d_model % m.num_heads == 0,
+        f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads}",
+    )
+    _need(
+        m.num_heads % t == 0, f"model.num_heads={m.num_heads} must be divisible by mesh.tensor={t}"
+    )
+    mlp_dim = m.mlp_dim or 4 * m.d_model
+    _need(mlp_dim % t == 0, f"model.mlp_dim={mlp_dim} must be divisible by mesh.tensor={t}")
+    _need(
+        m.vocab_size % t == 0,
+        f"model.vocab_size={m.vocab_size} must be divisible by mesh.tensor={t}",
+    )
+    _need(
+        m.d_model % mesh["fsdp"] == 0,
+        f"model.d_model={m.d_model} must be divisible by mesh.fsdp={mesh['fsdp']} "
+        "(parameters are sharded over fsdp along embed)",
+    )
+    _need(
+        m.embed_grad in ("scatter", "matmul"),
+        f"model.embed_grad={m.embed_grad!r} must be 'scatter' or 'matmul'",
+    )
+    _need(
+        isinstance(m.scan_unroll, int) and m.scan_unroll >= 1,
+        f"model.scan_unroll={m.scan_unroll!r} must be an integer >= 1 (1 = a rolled layer loop; "
+        f"model.num_layers={m.num_layers}: no loop)",
+    )
+
+
+def check_data(config, ds) -> None:
+    """Token data whose ids fit the vocabulary."""
+    m = config.model
+    _need(
+        ds.kind == "tokens",
+        f"model.name={m.name!r} needs token data, but data.source={config.data.source!r} holds images",
+    )
+    _need(
+        ds.vocab_size <= m.vocab_size,
+        f"model.vocab_size={m.vocab_size} is smaller than the data's {ds.vocab_size} token ids",
+    )
+
+
+def stages(cfg) -> api.Stages:
+    """Embedding / stacked `blocks` / final norm + head, for the pipeline."""
+    split, join = api.split_by_keys(embed=("embed",), layers="blocks")
+    return api.Stages(
+        split=split,
+        join=join,
+        embed=functools.partial(embed_tokens, embed_grad=cfg.embed_grad),
+        block=functools.partial(block, attention=cfg.attention),
+        head_loss=head_loss,
+    )
+
+
+FAMILY = api.ModelFamily(
+    name="gpt",
+    make=lambda cfg, ds: lambda rngs: GPT(cfg, rngs=rngs),
+    batch_axes=lambda cfg, ds: batch_axes(),
+    check=check,
+    check_data=check_data,
+    flops_per_token=flops_per_token,
+    tokens_per_example=lambda cfg: cfg.seq_len,
+    stages=stages,
+)

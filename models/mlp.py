@@ -6,12 +6,17 @@ the first projection splits its outputs (`mlp`), the next its inputs, with one a
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxdist.errors import ConfigError
 from jaxdist.sharding import constrain
+from models.api import ModelFamily
 
 
 class MLP(nnx.Module):
@@ -54,3 +59,34 @@ def classification_loss(logits: jax.Array, targets: jax.Array) -> tuple[jax.Arra
 
 def batch_axes(image_ndim: int = 3) -> dict[str, tuple]:
     return {"inputs": ("batch",) + (None,) * image_ndim, "targets": ("batch",)}
+
+
+def check(m, mesh: Mapping[str, int]) -> None:
+    t = mesh["tensor"]
+    for h in m.hidden_dims:
+        if h % t:
+            raise ConfigError(
+                f"model.hidden_dims={tuple(m.hidden_dims)} must be divisible by mesh.tensor={t}"
+            )
+
+
+def check_image_data(config, ds) -> None:
+    """Image data whose labels fit `model.num_classes` (the classifiers' `check_data`)."""
+    m = config.model
+    if ds.kind != "images":
+        raise ConfigError(
+            f"model.name={m.name!r} needs image data (an .npz or 'digits'), not {config.data.source!r}"
+        )
+    if ds.num_classes > m.num_classes:
+        raise ConfigError(
+            f"model.num_classes={m.num_classes} but the labels go up to {ds.num_classes - 1}"
+        )
+
+
+FAMILY = ModelFamily(
+    name="mlp",
+    make=lambda cfg, ds: lambda rngs: MLP(cfg, input_dim=math.prod(ds.example_shape), rngs=rngs),
+    batch_axes=lambda cfg, ds: batch_axes(len(ds.example_shape)),
+    check=check,
+    check_data=check_image_data,
+)

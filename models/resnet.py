@@ -8,12 +8,16 @@ on the way out of each convolution, so `tensor` splits output channels then inpu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdist.errors import ConfigError
 from jaxdist.sharding import constrain
-from models.mlp import classification_loss
+from models.api import ModelFamily
+from models.mlp import batch_axes, check_image_data, classification_loss
 
 _DN = ("NHWC", "HWIO", "NHWC")
 
@@ -78,3 +82,27 @@ class ResNet(nnx.Module):
     def loss(self, batch, *, remat: str = "none"):
         del remat
         return classification_loss(self(batch["inputs"]), batch["targets"])
+
+
+def check(m, mesh: Mapping[str, int]) -> None:
+    t = mesh["tensor"]
+    for w in m.widths:
+        if w % t:
+            raise ConfigError(
+                f"model.widths={tuple(m.widths)} must be divisible by mesh.tensor={t}"
+            )
+
+
+def _make(cfg, ds):
+    shape = ds.example_shape
+    in_channels = shape[-1] if len(shape) == 3 else 1
+    return lambda rngs: ResNet(cfg, in_channels=in_channels, rngs=rngs)
+
+
+FAMILY = ModelFamily(
+    name="resnet",
+    make=_make,
+    batch_axes=lambda cfg, ds: batch_axes(len(ds.example_shape)),
+    check=check,
+    check_data=check_image_data,
+)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from models import gpt
+from models import api, gpt
 from tests.helpers import tiny_gpt_config, train_steps
 
 STEPS = 3
@@ -45,7 +45,7 @@ def test_embedding_gradient_matmul_equals_scatter():
     tokens = jax.random.randint(jax.random.key(1), (3, 7), 0, 50).at[0, :4].set(3)  # repeats
     w = jax.random.normal(jax.random.key(2), (3, 7, 8))
     grad = lambda lookup: jax.grad(lambda e: (lookup(e, tokens) * w).sum())(emb)
-    np.testing.assert_allclose(grad(gpt._lookup_matmul_grad), grad(gpt._lookup), atol=1e-6)
+    np.testing.assert_allclose(grad(gpt._take_matmul_grad), grad(gpt._take), atol=1e-6)
 
 
 def test_unrolled_scan_has_no_layer_loop():
@@ -60,7 +60,7 @@ def test_unrolled_scan_has_no_layer_loop():
 
 
 def test_dots_no_batch_saves_fused_attention_outputs():
-    policy = gpt.REMAT_POLICIES["dots_no_batch"]
+    policy = api.REMAT_POLICIES["dots_no_batch"]
 
     class Prim:
         def __init__(self, name):
@@ -68,3 +68,12 @@ def test_dots_no_batch_saves_fused_attention_outputs():
 
     assert policy(Prim("dot_product_attention_fwd"))
     assert not policy(Prim("exp")) and not policy(Prim("dot_product_attention_bwd"))
+
+
+def test_auto_attention_is_cudnn_only_where_it_can_run():
+    import jax.numpy as jnp
+
+    # This machine has no GPU: auto is XLA; explicit choices pass through unchanged.
+    assert gpt.attention_implementation("auto", jnp.bfloat16, 128) == "xla"
+    assert gpt.attention_implementation("cudnn", jnp.float32, 128) == "cudnn"
+    assert gpt.attention_implementation("xla", jnp.bfloat16, 128) == "xla"

@@ -48,7 +48,7 @@ def _pipelined_gradients(c):
     assert eng.schedule is not None  # train.build took the pipelined path
     _, _, host_params, _ = _reference(c.model.num_layers)
     params = jax.device_put(host_params, eng.state_shardings["params"])
-    fn, sched = pipeline.make_gradients(c, eng.mesh, eng.merge, eng.param_axes, eng.batch_axes)
+    fn, sched = pipeline.make_gradients(c, eng.mesh, eng.stages, eng.param_axes, eng.batch_axes)
     loss, _, grads = jax.jit(fn)(params, batches.get(0))
     return float(loss), jax.device_get(grads), sched
 
@@ -168,7 +168,7 @@ def _temp_bytes(schedule: str, p: int, m: int, per_microbatch: int = 2) -> int:
     c = _config(4, dict(pipeline=p), schedule, m)
     c.train.batch_size = m * per_microbatch  # fixed microbatch size: the batch grows with m
     eng, batches = engine_for(c)
-    fn, _ = pipeline.make_gradients(c, eng.mesh, eng.merge, eng.param_axes, eng.batch_axes)
+    fn, _ = pipeline.make_gradients(c, eng.mesh, eng.stages, eng.param_axes, eng.batch_axes)
     shapes = batches.global_shapes()
     batch = eng.abstract_batch(shapes, {k: np.int32 for k in shapes})
     params = eng.abstract_state["params"]
