@@ -42,20 +42,20 @@ B=(scripts/bench_gpu.py --out_dir="$OUT")
 if [ "$backend" = "gpu" ]; then
   echo "== GPU found: full check (budget ${BUDGET}s for the sweep)"
   # label | config | overrides: the most informative points first, so a short budget keeps them.
-  # The configs' own settings (layers unrolled, one-hot-matmul embedding gradient, attention=auto)
-  # unless a point overrides them.
+  # The configs' own settings (layers unrolled, one-hot-matmul embedding gradient) unless a point
+  # overrides them; attention named explicitly, plus one point that checks what `auto` picks.
   POINTS=(
-    "gpt_1b_b16_dnb|configs/gpt_1b.py|--config.train.batch_size=16 --config.train.remat=dots_no_batch --hand --profile=2"
-    "gpt_small_b32_none|configs/gpt_small.py|--config.train.batch_size=32 --config.train.remat=none --hand --profile=2"
-    "gpt_1b_b16_dnb_flags|configs/gpt_1b.py|--config.train.batch_size=16 --config.train.remat=dots_no_batch --config.runtime.gpu_xla_flags=True"
-    "gpt_1b_b16_dnb_rolled_scatter|configs/gpt_1b.py|--config.train.batch_size=16 --config.train.remat=dots_no_batch --config.model.scan_unroll=1 --config.model.embed_grad=scatter"
-    "gpt_1b_b32_full|configs/gpt_1b.py|--config.train.batch_size=32 --config.train.remat=full"
-    "gpt_1b_b32_accum2_dnb|configs/gpt_1b.py|--config.train.batch_size=32 --config.train.grad_accum=2 --config.train.remat=dots_no_batch"
-    "gpt_1b_b8_dnb_xla|configs/gpt_1b.py|--config.train.batch_size=8 --config.train.remat=dots_no_batch --config.model.attention=xla"
-    "gpt_small_b32_none_xla|configs/gpt_small.py|--config.train.batch_size=32 --config.train.remat=none --config.model.attention=xla"
-    "gpt_1b_b8_none|configs/gpt_1b.py|--config.train.batch_size=8 --config.train.remat=none"
+    "gpt_1b_b16_dnb_cudnn|configs/gpt_1b.py|--config.model.attention=cudnn --config.train.batch_size=16 --config.train.remat=dots_no_batch --hand --profile=2"
+    "gpt_small_b32_none_cudnn|configs/gpt_small.py|--config.model.attention=cudnn --config.train.batch_size=32 --config.train.remat=none --hand --profile=2"
+    "gpt_1b_b16_dnb_auto|configs/gpt_1b.py|--config.model.attention=auto --config.train.batch_size=16 --config.train.remat=dots_no_batch"
+    "gpt_1b_b16_dnb_cudnn_flags|configs/gpt_1b.py|--config.model.attention=cudnn --config.train.batch_size=16 --config.train.remat=dots_no_batch --config.runtime.gpu_xla_flags=True"
+    "gpt_1b_b16_dnb_cudnn_rolled_scatter|configs/gpt_1b.py|--config.model.attention=cudnn --config.train.batch_size=16 --config.train.remat=dots_no_batch --config.model.scan_unroll=1 --config.model.embed_grad=scatter"
+    "gpt_1b_b32_full_cudnn|configs/gpt_1b.py|--config.model.attention=cudnn --config.train.batch_size=32 --config.train.remat=full"
+    "gpt_1b_b8_dnb_xla|configs/gpt_1b.py|--config.model.attention=xla --config.train.batch_size=8 --config.train.remat=dots_no_batch"
+    "gpt_small_b32_none_xla|configs/gpt_small.py|--config.model.attention=xla --config.train.batch_size=32 --config.train.remat=none"
   )
-  [ -f configs/llama_1b.py ] && POINTS+=("llama_1b_b16_dnb|configs/llama_1b.py|--config.train.batch_size=16 --config.train.remat=dots_no_batch --hand")
+  LLAMA="llama_1b_b16_dnb_cudnn|configs/llama_1b.py|--config.model.attention=cudnn --config.train.batch_size=16 --config.train.remat=dots_no_batch --hand"
+  [ -f configs/llama_1b.py ] && POINTS=("${POINTS[@]:0:2}" "$LLAMA" "${POINTS[@]:2}")
   COMMON="--config.runtime.gpu_memory_fraction=0.92 --steps=20 --warmup=3"
   CORRECT=()
 else
