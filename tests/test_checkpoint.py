@@ -382,6 +382,48 @@ def test_tool_verify_passes_then_names_a_corrupted_or_deleted_data_file(ckpt_dir
     assert out.stderr.count("\n") == 1 and "params/dense/w unreadable" in out.stderr
 
 
+def test_tool_accepts_a_relative_directory_as_the_docs_show_it(pristine, tmp_path):
+    """`ckpt.py inspect runs/default/checkpoints`: orbax wants absolute paths; the tool resolves."""
+    relative = os.path.relpath(pristine, REPO)
+    assert not os.path.isabs(relative)
+    out = _tool("inspect", relative)
+    assert out.returncode == 0, out.stderr
+    assert "steps: 2, 4 (latest 4)" in out.stdout
+    out = _tool("verify", relative)
+    assert out.returncode == 0 and out.stdout.startswith("ok: step 4"), out.stderr
+    out = _tool("export", relative, "--out", os.path.relpath(tmp_path / "p.npz", REPO))
+    assert out.returncode == 0, out.stderr
+    with np.load(tmp_path / "p.npz", allow_pickle=False) as npz:
+        assert sorted(npz.files) == ["dense/b", "dense/w", "out/w"]
+
+
+def test_tool_export_safetensors_without_the_extra_says_how_to_install(pristine, tmp_path):
+    # A module that fails to import stands in for a missing package (sys.path comes first).
+    fake = tmp_path / "fake"
+    (fake / "safetensors").mkdir(parents=True)
+    (fake / "safetensors" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(fake)}
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "scripts/ckpt.py"),
+            "export",
+            str(pristine),
+            "--out",
+            "w.safetensors",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "pip install -e '.[export]'" in out.stderr and out.stderr.startswith("error: ")
+    assert not list(tmp_path.glob("w.safetensors*"))  # nothing half-written
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
