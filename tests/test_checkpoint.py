@@ -274,6 +274,45 @@ def test_plain_orbax_reads_the_saved_params(pristine, states):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+_PLAIN_ORBAX_EPILOGUE = """
+import sys
+
+assert not [m for m in sys.modules if m.split(".")[0] in ("jaxdist", "models")], "imported jaxdist"
+assert jax.device_count() == 1, jax.devices()
+try:  # the bare form the docs warn about fails here, so this machine differs from the writer
+    ocp.PyTreeCheckpointer().restore(path)
+    print("bare restore worked")
+except ValueError as err:
+    print("bare restore failed:", str(err).splitlines()[0])
+np.savez("params.npz", **{jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(params)})
+"""
+
+
+def test_docs_plain_orbax_form_reads_params_on_another_device_count(pristine, states, tmp_path):
+    """docs/CHECKPOINTS.md's plain-orbax block, as written, on 1 device and with no jaxdist import."""
+    doc = (REPO / "docs" / "CHECKPOINTS.md").read_text()
+    blocks = [b.split("\n", 1)[1] for b in doc.split("```")[1::2] if b.startswith("python")]
+    (snippet,) = [b for b in blocks if "PyTreeCheckpointer" in b]
+    # The checkpoint where the block looks for it, written on 8 devices (mesh data=8).
+    shutil.copytree(pristine / "4", tmp_path / "runs/default/checkpoints/300")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+    out = subprocess.run(
+        [sys.executable, "-c", snippet + _PLAIN_ORBAX_EPILOGUE],
+        cwd=tmp_path,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "bare restore failed: sharding passed to deserialization" in out.stdout, out.stdout
+    want = jax.tree_util.tree_leaves_with_path(states[4]["params"])
+    with np.load(tmp_path / "params.npz", allow_pickle=False) as got:
+        assert sorted(got.files) == sorted(jax.tree_util.keystr(k) for k, _ in want)
+        for k, v in want:
+            np.testing.assert_array_equal(got[jax.tree_util.keystr(k)], np.asarray(v))
+
+
 def test_verify_reports_non_finite_values(tmp_path):
     state = _make_state(3)
     state["params"]["dense"]["b"] = state["params"]["dense"]["b"].at[5].set(jnp.nan)
