@@ -262,7 +262,8 @@ def check_config_compatible(
 
     def first_diff(a: Any, b: Any, where: str) -> tuple[str, Any, Any] | None:
         if isinstance(a, Mapping) and isinstance(b, Mapping):
-            for key in sorted(set(a) | set(b), key=str):
+            # `name` first: a different model family explains every other difference.
+            for key in sorted(set(a) | set(b), key=lambda k: (k != "name", str(k))):
                 diff = first_diff(a.get(key, _ABSENT), b.get(key, _ABSENT), f"{where}.{key}")
                 if diff:
                     return diff

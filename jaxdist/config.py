@@ -193,7 +193,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
         _positive(config, path)
     for path in ("pipeline.microbatches", "pipeline.virtual_stages", "grad_sync.local_steps"):
         _positive(config, path)
-    _need(config.train.learning_rate > 0, "train.learning_rate must be > 0")
+    lr = config.train.learning_rate
+    _need(
+        isinstance(lr, int | float) and math.isfinite(lr) and lr > 0,
+        f"train.learning_rate={lr!r} must be a finite number > 0, e.g. 3e-3",
+    )
     _need(config.train.warmup_steps >= 0, "train.warmup_steps must be >= 0")
     _need(config.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 = off)")
     _need(config.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
