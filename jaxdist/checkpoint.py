@@ -242,6 +242,7 @@ def check_config_compatible(
     saved_config: Mapping[str, Any] | None,
     config: Mapping[str, Any],
     fields: Sequence[str] = ("model",),
+    why: Mapping[str, str] | None = None,
 ) -> None:
     """Raises ConfigError naming the first field where `config` differs from `saved_config`.
 
@@ -249,6 +250,7 @@ def check_config_compatible(
       saved_config: the resolved config stored in a checkpoint; None (none stored) passes.
       config: the resolved config of the run that wants to resume from it.
       fields: sections or dotted fields that must agree, e.g. `("model", "train.optimizer")`.
+      why: per entry of `fields`, the reason it must agree, added to the message.
     """
     if saved_config is None:
         return
@@ -276,9 +278,10 @@ def check_config_compatible(
         diff = first_diff(get(saved_config, field), get(config, field), field)
         if diff:
             where, saved, now = diff
+            reason = f" ({why[field]})" if why and field in why else ""
             raise ConfigError(
-                f"config field {where} differs from the checkpoint: saved {saved!r}, now {now!r}; "
-                "use the saved value or a new workdir"
+                f"config field {where} differs from the checkpoint: saved {saved!r}, now {now!r}"
+                f"{reason}; use the saved value or a new workdir"
             )
 
 

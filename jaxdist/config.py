@@ -78,7 +78,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.grad_accum = 1
     c.train.compute_dtype = "float32"
     c.train.remat = "none"
-    c.train.on_nonfinite = "stop"
+    c.train.on_nonfinite = "stop"  # or "skip": drop a non-finite step's update and go on
+    c.train.max_skipped = 10  # on_nonfinite=skip: stop after this many skipped updates in a row
     c.train.lr_scaling = "none"
     c.train.base_batch_size = 0  # 0 = batch_size: lr_scaling is relative to this
 
@@ -189,7 +190,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     _choice(config, "grad_sync.compression", COMPRESSIONS)
     _choice(config, "model.norm", ("rmsnorm", "layernorm"))
     _choice(config, "model.attention", ("xla", "cudnn", "auto"))
-    for path in ("train.steps", "train.batch_size", "train.grad_accum", "train.log_every"):
+    for path in (
+        "train.steps",
+        "train.batch_size",
+        "train.grad_accum",
+        "train.log_every",
+        "train.max_skipped",
+    ):
         _positive(config, path)
     for path in ("pipeline.microbatches", "pipeline.virtual_stages", "grad_sync.local_steps"):
         _positive(config, path)

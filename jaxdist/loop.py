@@ -159,6 +159,17 @@ class _Preemption:
         return distributed.reached_preemption_point(step)
 
 
+# What a resume must keep, and why. Everything else may change: the learning rate and the other
+# optimizer hyperparameters, train.steps (the schedule is recomputed, and said), the mesh.
+RESUME_MUST_MATCH = {
+    "model": "the saved weights have its shapes",
+    "train.optimizer": "the saved optimizer state is that optimizer's",
+    "train.batch_size": "the saved data position counts batches of that size",
+    "train.seed": "the saved data position is in that seed's order",
+    "data": "the saved data position indexes that data",
+}
+
+
 def check_workdir(workdir: str) -> str:
     """The absolute workdir; ConfigError if it is empty, a file, or in a folder that is read-only.
 
@@ -249,7 +260,9 @@ def run(config, workdir: str) -> dict[str, float]:
     start = 0
     if ckpt.latest_step() is not None:
         saved = ckpt.saved_config()
-        checkpoint.check_config_compatible(saved, cfg_json)
+        checkpoint.check_config_compatible(
+            saved, cfg_json, fields=tuple(RESUME_MUST_MATCH), why=RESUME_MUST_MATCH
+        )
         state, meta = ckpt.restore(engine.abstract_state)
         start = int(meta["data_position"])
         if start >= t.steps:
@@ -292,13 +305,40 @@ def run(config, workdir: str) -> dict[str, float]:
                 out.setdefault(k, []).append(float(v))
         return {f"eval_{k}": float(np.mean(v)) for k, v in out.items()}
 
+    finite_checks = {"through": start, "in_a_row": 0}  # last step checked; skips in a row
+
+    def say(line: str) -> None:
+        if bar is not None:
+            bar.write(line)
+        elif main:
+            print(line, flush=True)
+
     def check_finite(m, at_step: int) -> None:
-        if t.on_nonfinite == "stop" and not bool(m["finite"]):
-            good = ckpt.latest_step()
+        """Stops (on_nonfinite=stop) or reports a skipped update; each step is judged once."""
+        if at_step <= finite_checks["through"]:
+            return
+        finite_checks["through"] = at_step
+        if bool(m["finite"]):
+            finite_checks["in_a_row"] = 0
+            return
+        good = ckpt.latest_step()
+        last_good = f"step {good} in {ckpt.directory}" if good is not None else "none"
+        if t.on_nonfinite == "stop":
             raise ConfigError(
                 f"non-finite loss or gradient at step {at_step}; last good checkpoint: "
-                + (f"step {good} in {ckpt.directory}" if good is not None else "none")
-                + " (set train.on_nonfinite=skip to drop such updates)"
+                f"{last_good} (set train.on_nonfinite=skip to drop such updates)"
+            )
+        finite_checks["in_a_row"] += 1
+        n = finite_checks["in_a_row"]
+        say(
+            f"step {at_step}: non-finite loss or gradient, update skipped ({n} in a row; "
+            f"stopping at train.max_skipped={t.max_skipped})"
+        )
+        if n >= t.max_skipped:
+            raise ConfigError(
+                f"{n} non-finite steps in a row ({at_step - n + 1} to {at_step}), each update "
+                f"skipped: stopped at train.max_skipped={t.max_skipped}; last good checkpoint: "
+                f"{last_good} (lower train.learning_rate, or raise train.max_skipped)"
             )
 
     pre = _Preemption()

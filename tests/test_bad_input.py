@@ -101,6 +101,10 @@ REFUSED = {
         ("--workdir={new}", "--config.train.learning_rate=nan"),
         "train.learning_rate=nan must be a finite number > 0",
     ),
+    "max_skipped zero": (
+        ("--workdir={new}", "--config.train.max_skipped=0"),
+        "train.max_skipped=0 must be a positive integer",
+    ),
     "learning rate negative": (
         ("--workdir={new}", "--config.train.learning_rate=-0.1"),
         "train.learning_rate=-0.1 must be a finite number > 0",
@@ -238,6 +242,70 @@ def test_another_model_family_in_a_gpt_workdir_names_model_name(finished_copy):
     line = error_line(proc)
     assert "config field model.name differs from the checkpoint: saved 'gpt', now 'mlp'" in line
     assert snapshot(finished_copy) == before
+
+
+@pytest.mark.parametrize(
+    "flag, field, why",
+    [
+        ("--config.train.batch_size=16", "train.batch_size", "data position counts batches"),
+        ("--config.train.seed=1", "train.seed", "data position is in that seed's order"),
+        ("--config.data.max_bytes=100000", "data.max_bytes", "data position indexes that data"),
+        ("--config.train.optimizer=lamb", "train.optimizer", "optimizer state is that optimizer's"),
+    ],
+)
+def test_resuming_with_other_data_order_or_optimizer_is_refused(finished_copy, flag, field, why):
+    before = snapshot(finished_copy)
+    line = error_line(
+        run_train(*TINY, "--config.train.steps=3", flag, f"--workdir={finished_copy}")
+    )
+    assert f"config field {field} differs from the checkpoint" in line, line
+    assert why in line and "use the saved value or a new workdir" in line, line
+    assert snapshot(finished_copy) == before
+
+
+def test_resuming_with_other_hyperparameters_and_mesh_is_accepted(finished_copy):
+    proc = run_train(
+        *TINY,
+        "--config.train.steps=3",
+        "--config.train.learning_rate=1e-3",
+        "--config.train.b2=0.99",
+        "--config.train.weight_decay=0.1",
+        "--config.mesh.data=8",
+        "--config.mesh.fsdp=1",
+        "--config.mesh.tensor=1",
+        f"--workdir={finished_copy}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {finished_copy / 'checkpoints'} at step 2" in proc.stdout
+    assert "done: step 3," in proc.stdout
+
+
+def test_skipped_updates_are_printed_and_stop_at_max_skipped(tmp_path):
+    # A learning rate of 1e30 makes every step after the 2 warmup steps non-finite.
+    workdir = tmp_path / "run"
+    proc = run_train(
+        *TINY,
+        "--config.train.steps=8",
+        "--config.train.warmup_steps=2",
+        "--config.train.learning_rate=1e30",
+        "--config.train.on_nonfinite=skip",
+        "--config.train.max_skipped=3",
+        f"--workdir={workdir}",
+    )
+    line = error_line(proc)
+    skips = [ln for ln in proc.stdout.splitlines() if "update skipped" in ln]
+    assert len(skips) == 3, proc.stdout
+    first = int(skips[0].split(":")[0].removeprefix("step "))
+    for n, skip in enumerate(skips, 1):
+        assert skip == (
+            f"step {first + n - 1}: non-finite loss or gradient, update skipped ({n} in a row; "
+            "stopping at train.max_skipped=3)"
+        ), skip
+    assert line.startswith(
+        f"error: 3 non-finite steps in a row ({first} to {first + 2}), each update skipped: "
+        "stopped at train.max_skipped=3; last good checkpoint: step "
+    ), line
+    assert "done:" not in proc.stdout
 
 
 # ------------------------------------------------------------------------------------------------
