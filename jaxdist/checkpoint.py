@@ -95,13 +95,19 @@ class _CommittedStepFormat:
         return found
 
 
+def _as_path(directory: epath.PathLike) -> epath.Path:
+    """`directory` as an epath; a local path made absolute (orbax refuses relative ones)."""
+    text = os.fspath(directory)
+    return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
 def _step_dir(directory: epath.Path, step: int) -> epath.Path:
     return directory / _CommittedStepFormat().build_name(step)
 
 
 def committed_steps(directory: epath.PathLike) -> list[int]:
     """Steps under `directory` that orbax finished committing, ascending; [] if it is missing."""
-    directory = epath.Path(directory)
+    directory = _as_path(directory)
     if not directory.is_dir():
         return []
     return sorted(m.step for m in _CommittedStepFormat().find_all(directory))
@@ -118,7 +124,7 @@ def _uncommitted_step_folders(directory: epath.Path) -> list[str]:
 
 def _resolve_step(directory: epath.PathLike, step: int | None) -> tuple[epath.Path, int]:
     """The folder of `step` (default: the newest committed), or ConfigError saying what is wrong."""
-    directory = epath.Path(directory)
+    directory = _as_path(directory)
     if not directory.is_dir():
         what = "is not a directory" if directory.exists() else "does not exist"
         raise ConfigError(f"checkpoint directory {directory} {what}")
@@ -236,6 +242,7 @@ def check_config_compatible(
     saved_config: Mapping[str, Any] | None,
     config: Mapping[str, Any],
     fields: Sequence[str] = ("model",),
+    why: Mapping[str, str] | None = None,
 ) -> None:
     """Raises ConfigError naming the first field where `config` differs from `saved_config`.
 
@@ -243,6 +250,7 @@ def check_config_compatible(
       saved_config: the resolved config stored in a checkpoint; None (none stored) passes.
       config: the resolved config of the run that wants to resume from it.
       fields: sections or dotted fields that must agree, e.g. `("model", "train.optimizer")`.
+      why: per entry of `fields`, the reason it must agree, added to the message.
     """
     if saved_config is None:
         return
@@ -256,7 +264,8 @@ def check_config_compatible(
 
     def first_diff(a: Any, b: Any, where: str) -> tuple[str, Any, Any] | None:
         if isinstance(a, Mapping) and isinstance(b, Mapping):
-            for key in sorted(set(a) | set(b), key=str):
+            # `name` first: a different model family explains every other difference.
+            for key in sorted(set(a) | set(b), key=lambda k: (k != "name", str(k))):
                 diff = first_diff(a.get(key, _ABSENT), b.get(key, _ABSENT), f"{where}.{key}")
                 if diff:
                     return diff
@@ -269,9 +278,10 @@ def check_config_compatible(
         diff = first_diff(get(saved_config, field), get(config, field), field)
         if diff:
             where, saved, now = diff
+            reason = f" ({why[field]})" if why and field in why else ""
             raise ConfigError(
-                f"config field {where} differs from the checkpoint: saved {saved!r}, now {now!r}; "
-                "use the saved value or a new workdir"
+                f"config field {where} differs from the checkpoint: saved {saved!r}, now {now!r}"
+                f"{reason}; use the saved value or a new workdir"
             )
 
 
@@ -323,7 +333,7 @@ class Checkpointer:
             json.dumps(config_json)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"config is not JSON-serialisable: {one_line_error(err)}") from None
-        self.directory = epath.Path(directory)
+        self.directory = _as_path(directory)
         self._config_json = config_json
         # Committed steps that failed to restore; moved aside before the next save.
         self._unreadable: set[int] = set()
@@ -859,6 +869,14 @@ def export_params(
     out = os.fspath(out)
     if not out.endswith((".npz", ".safetensors")):
         raise ConfigError(f"output file {out} must end with .npz or .safetensors")
+    if out.endswith(".safetensors"):
+        try:  # before reading anything, so a missing extra costs nothing
+            from safetensors.numpy import save_file
+        except ImportError:
+            raise ConfigError(
+                f"writing {out} needs the safetensors package: pip install -e '.[export]' "
+                "(or write .npz)"
+            ) from None
     arrays = {
         path.removeprefix("params/"): np.ascontiguousarray(a)
         for path, a in read_arrays(directory, step, prefix="params").items()
@@ -871,8 +889,6 @@ def export_params(
         with open(tmp, "wb") as f:  # a file object, so numpy adds no suffix
             np.savez(f, **arrays)
     else:
-        from safetensors.numpy import save_file
-
         save_file(arrays, tmp)
     os.replace(tmp, out)
     return arrays

@@ -78,7 +78,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.grad_accum = 1
     c.train.compute_dtype = "float32"
     c.train.remat = "none"
-    c.train.on_nonfinite = "stop"
+    c.train.on_nonfinite = "stop"  # or "skip": drop a non-finite step's update and go on
+    c.train.max_skipped = 10  # on_nonfinite=skip: stop after this many skipped updates in a row
     c.train.lr_scaling = "none"
     c.train.base_batch_size = 0  # 0 = batch_size: lr_scaling is relative to this
 
@@ -195,10 +196,20 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     _choice(config, "grad_sync.compression", COMPRESSIONS)
     _choice(config, "model.norm", ("rmsnorm", "layernorm"))
     _choice(config, "model.attention", ("xla", "cudnn", "auto"))
-    for path in ("train.steps", "train.batch_size", "train.grad_accum", "train.log_every"):
+    for path in (
+        "train.steps",
+        "train.batch_size",
+        "train.grad_accum",
+        "train.log_every",
+        "train.max_skipped",
+    ):
         _positive(config, path)
     _positive(config, "grad_sync.local_steps")
-    _need(config.train.learning_rate > 0, "train.learning_rate must be > 0")
+    lr = config.train.learning_rate
+    _need(
+        isinstance(lr, int | float) and math.isfinite(lr) and lr > 0,
+        f"train.learning_rate={lr!r} must be a finite number > 0, e.g. 3e-3",
+    )
     _need(config.train.warmup_steps >= 0, "train.warmup_steps must be >= 0")
     _need(config.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 = off)")
     _need(config.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")

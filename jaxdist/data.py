@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -66,6 +66,7 @@ class Dataset:
     train_labels: np.ndarray | None = None
     val_labels: np.ndarray | None = None
     vocab_size: int = 256
+    warnings: list[str] = field(default_factory=list)  # one line each, for the console
 
     @property
     def example_shape(self) -> tuple[int, ...]:
@@ -74,6 +75,48 @@ class Dataset:
     @property
     def num_classes(self) -> int:
         return int(self.train_labels.max()) + 1 if self.train_labels is not None else 0
+
+
+NOISE_BITS_PER_BYTE = 7.5  # text is ~4-5 bits/byte; random or compressed bytes are ~8
+
+
+def byte_entropy(data: np.ndarray) -> float:
+    """Shannon entropy of the byte histogram, bits per byte (8 = uniform: noise)."""
+    p = np.bincount(np.asarray(data, dtype=np.uint8), minlength=256) / max(len(data), 1)
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())
+
+
+def noise_warning(source: str, data: np.ndarray, sample: int = 1 << 20) -> str | None:
+    """A one-line warning when text bytes look like noise (a near-uniform byte histogram).
+
+    A model learns nothing from such data (its loss stays near ln 256 = 5.55); it is usually a
+    binary or compressed file passed as text. Needs 4 KiB to judge; a smaller sample passes.
+    """
+    head = data[:sample]
+    if len(head) < 4096:
+        return None
+    bits = byte_entropy(head)
+    if bits < NOISE_BITS_PER_BYTE:
+        return None
+    return (
+        f"data.source={source!r} looks like noise, not text: its bytes are near-uniform "
+        f"({bits:.2f} bits/byte; text has about 4-5), so the loss will stay near ln 256 = 5.55; "
+        "is it a binary or compressed file? (token files end in .bin)"
+    )
+
+
+def _check_token_file(src: str, path: str) -> None:
+    """ConfigError unless `path` (data.source, or its val.bin) holds whole uint16 tokens."""
+    size = os.path.getsize(path)
+    what = f"data.source={src!r}" + (f": {path}" if path != src else "")
+    if size % 2:
+        raise ConfigError(
+            f"{what} is {size} bytes, not a whole number of uint16 tokens (2 bytes each): "
+            "a truncated or non-token file; write tokens with numpy's .astype(np.uint16).tofile()"
+        )
+    if size == 0:
+        raise ConfigError(f"{what} is empty; it should hold uint16 tokens")
 
 
 def _split(x: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -120,9 +163,11 @@ def load(data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
         return Dataset("images", tr, va, ltr, lva)
     bin_train = src if src.endswith(".bin") else os.path.join(src, "train.bin")
     if os.path.isfile(bin_train):
+        _check_token_file(src, bin_train)
         tokens = np.memmap(bin_train, dtype=np.uint16, mode="r")
         val_path = os.path.join(os.path.dirname(bin_train), "val.bin")
         if os.path.isfile(val_path) and val_path != bin_train:
+            _check_token_file(src, val_path)
             train, val = tokens, np.memmap(val_path, dtype=np.uint16, mode="r")
         else:
             train, val = _split(tokens, vf)
@@ -136,7 +181,8 @@ def load(data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
     train, val = _split(tokens, vf)
     if len(val) <= seq_len + 1 or len(train) <= seq_len + 1:
         raise ConfigError(f"data.source={src!r} is too short for model.seq_len={seq_len}")
-    return Dataset("tokens", train, val, vocab_size=256)
+    warning = noise_warning(src, tokens)
+    return Dataset("tokens", train, val, vocab_size=256, warnings=[warning] if warning else [])
 
 
 def process_row_range(sharding: NamedSharding, global_shape: tuple[int, ...]) -> tuple[int, int]:

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -153,17 +154,83 @@ class _Preemption:
         return distributed.reached_preemption_point(step)
 
 
+# What a resume must keep, and why. Everything else may change: the learning rate and the other
+# optimizer hyperparameters, train.steps (the schedule is recomputed, and said), the mesh.
+RESUME_MUST_MATCH = {
+    "model": "the saved weights have its shapes",
+    "train.optimizer": "the saved optimizer state is that optimizer's",
+    "train.batch_size": "the saved data position counts batches of that size",
+    "train.seed": "the saved data position is in that seed's order",
+    "data": "the saved data position indexes that data",
+}
+
+
+def check_workdir(workdir: str) -> str:
+    """The absolute workdir; ConfigError if it is empty, a file, or in a folder that is read-only.
+
+    Nothing is created: a new workdir is made only once the run is known to be able to start.
+    """
+    if not str(workdir).strip():
+        raise ConfigError("--workdir is empty; name the run's folder, e.g. --workdir=runs/NAME")
+    path = os.path.abspath(workdir)  # orbax requires absolute checkpoint paths
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(
+            f"--workdir={workdir} is an existing file; name a folder (a new one, or an earlier run's)"
+        )
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(
+            f"--workdir={workdir}: {existing} is a file, so no folder can be made there"
+        )
+    try:  # os.access says yes to root on a read-only mount; a real write does not
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"--workdir={workdir}: cannot write in {existing} ({err.strerror}); "
+            "choose a writable folder"
+        ) from None
+    return path
+
+
+def _schedule_change_note(saved_train: dict[str, Any], train_cfg, step: int) -> str | None:
+    """One line saying the LR schedule is recomputed when a resume changes `train.steps`."""
+    if saved_train.get("steps", train_cfg.steps) == train_cfg.steps:
+        return None
+    from ml_collections import ConfigDict
+
+    from jaxdist import optim
+
+    before = ConfigDict({**train_cfg.to_dict(), **saved_train})
+    lr_then = float(optim.schedule(before)(step))
+    lr_now = float(optim.schedule(train_cfg)(step))
+    return (
+        f"train.steps changed from {before.steps} to {train_cfg.steps}: the learning-rate "
+        f"schedule is recomputed for {train_cfg.steps} steps (at step {step}: "
+        f"{lr_now:.3g}, was {lr_then:.3g})"
+    )
+
+
 def run(config, workdir: str) -> dict[str, float]:
     """Trains per `config`, writing metrics, config and checkpoints under `workdir`.
 
-    Returns the last logged metrics (and the final evaluation loss under "eval_loss").
+    Returns the last logged metrics (and the final evaluation loss under "eval_loss"); an empty
+    dict when the checkpoint in `workdir` already reached `train.steps` (nothing is run).
     """
-    workdir = os.path.abspath(workdir)  # orbax requires absolute checkpoint paths
+    workdir = check_workdir(workdir)
     num_devices = jax.device_count()
     config_lib.validate(config, num_devices)
     mesh_lib.check_backend(config)
+    from jaxdist import plan
+
+    plan.refuse_if_far_over_memory(config, num_devices)
     main = jax.process_index() == 0
     ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    if main:
+        for warning in ds.warnings:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     mesh = mesh_lib.make_mesh(config.mesh)
     engine = train.build(config, mesh, ds)
     t = config.train
@@ -188,11 +255,28 @@ def run(config, workdir: str) -> dict[str, float]:
     )
     start = 0
     if ckpt.latest_step() is not None:
-        checkpoint.check_config_compatible(ckpt.saved_config(), cfg_json)
+        saved = ckpt.saved_config()
+        checkpoint.check_config_compatible(
+            saved, cfg_json, fields=tuple(RESUME_MUST_MATCH), why=RESUME_MUST_MATCH
+        )
         state, meta = ckpt.restore(engine.abstract_state)
         start = int(meta["data_position"])
+        if start >= t.steps:
+            # Read back (a damaged newest step falls back and trains on), but nothing left to
+            # train: no evaluation record is appended and the checkpoints stay as they are.
+            ckpt.close()
+            if main:
+                print(
+                    f"already finished: step {start} of {t.steps} (train.steps) in "
+                    f"{ckpt.directory}; raise train.steps to train on, or use a new --workdir",
+                    flush=True,
+                )
+            return {}
         if main:
             print(f"resumed from {ckpt.directory} at step {int(state['step'])}", flush=True)
+            note = _schedule_change_note((saved or {}).get("train", {}), t, start)
+            if note:
+                print(note, flush=True)
     else:
         state = engine.init()
 
@@ -217,13 +301,40 @@ def run(config, workdir: str) -> dict[str, float]:
                 out.setdefault(k, []).append(float(v))
         return {f"eval_{k}": float(np.mean(v)) for k, v in out.items()}
 
+    finite_checks = {"through": start, "in_a_row": 0}  # last step checked; skips in a row
+
+    def say(line: str) -> None:
+        if bar is not None:
+            bar.write(line)
+        elif main:
+            print(line, flush=True)
+
     def check_finite(m, at_step: int) -> None:
-        if t.on_nonfinite == "stop" and not bool(m["finite"]):
-            good = ckpt.latest_step()
+        """Stops (on_nonfinite=stop) or reports a skipped update; each step is judged once."""
+        if at_step <= finite_checks["through"]:
+            return
+        finite_checks["through"] = at_step
+        if bool(m["finite"]):
+            finite_checks["in_a_row"] = 0
+            return
+        good = ckpt.latest_step()
+        last_good = f"step {good} in {ckpt.directory}" if good is not None else "none"
+        if t.on_nonfinite == "stop":
             raise ConfigError(
                 f"non-finite loss or gradient at step {at_step}; last good checkpoint: "
-                + (f"step {good} in {ckpt.directory}" if good is not None else "none")
-                + " (set train.on_nonfinite=skip to drop such updates)"
+                f"{last_good} (set train.on_nonfinite=skip to drop such updates)"
+            )
+        finite_checks["in_a_row"] += 1
+        n = finite_checks["in_a_row"]
+        say(
+            f"step {at_step}: non-finite loss or gradient, update skipped ({n} in a row; "
+            f"stopping at train.max_skipped={t.max_skipped})"
+        )
+        if n >= t.max_skipped:
+            raise ConfigError(
+                f"{n} non-finite steps in a row ({at_step - n + 1} to {at_step}), each update "
+                f"skipped: stopped at train.max_skipped={t.max_skipped}; last good checkpoint: "
+                f"{last_good} (lower train.learning_rate, or raise train.max_skipped)"
             )
 
     pre = _Preemption()

@@ -274,6 +274,45 @@ def test_plain_orbax_reads_the_saved_params(pristine, states):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+_PLAIN_ORBAX_EPILOGUE = """
+import sys
+
+assert not [m for m in sys.modules if m.split(".")[0] in ("jaxdist", "models")], "imported jaxdist"
+assert jax.device_count() == 1, jax.devices()
+try:  # the bare form the docs warn about fails here, so this machine differs from the writer
+    ocp.PyTreeCheckpointer().restore(path)
+    print("bare restore worked")
+except ValueError as err:
+    print("bare restore failed:", str(err).splitlines()[0])
+np.savez("params.npz", **{jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(params)})
+"""
+
+
+def test_docs_plain_orbax_form_reads_params_on_another_device_count(pristine, states, tmp_path):
+    """docs/CHECKPOINTS.md's plain-orbax block, as written, on 1 device and with no jaxdist import."""
+    doc = (REPO / "docs" / "CHECKPOINTS.md").read_text()
+    blocks = [b.split("\n", 1)[1] for b in doc.split("```")[1::2] if b.startswith("python")]
+    (snippet,) = [b for b in blocks if "PyTreeCheckpointer" in b]
+    # The checkpoint where the block looks for it, written on 8 devices (mesh data=8).
+    shutil.copytree(pristine / "4", tmp_path / "runs/default/checkpoints/300")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+    out = subprocess.run(
+        [sys.executable, "-c", snippet + _PLAIN_ORBAX_EPILOGUE],
+        cwd=tmp_path,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "bare restore failed: sharding passed to deserialization" in out.stdout, out.stdout
+    want = jax.tree_util.tree_leaves_with_path(states[4]["params"])
+    with np.load(tmp_path / "params.npz", allow_pickle=False) as got:
+        assert sorted(got.files) == sorted(jax.tree_util.keystr(k) for k, _ in want)
+        for k, v in want:
+            np.testing.assert_array_equal(got[jax.tree_util.keystr(k)], np.asarray(v))
+
+
 def test_verify_reports_non_finite_values(tmp_path):
     state = _make_state(3)
     state["params"]["dense"]["b"] = state["params"]["dense"]["b"].at[5].set(jnp.nan)
@@ -380,6 +419,48 @@ def test_tool_verify_passes_then_names_a_corrupted_or_deleted_data_file(ckpt_dir
     out = _tool("verify", ckpt_dir)
     assert out.returncode == 1
     assert out.stderr.count("\n") == 1 and "params/dense/w unreadable" in out.stderr
+
+
+def test_tool_accepts_a_relative_directory_as_the_docs_show_it(pristine, tmp_path):
+    """`ckpt.py inspect runs/default/checkpoints`: orbax wants absolute paths; the tool resolves."""
+    relative = os.path.relpath(pristine, REPO)
+    assert not os.path.isabs(relative)
+    out = _tool("inspect", relative)
+    assert out.returncode == 0, out.stderr
+    assert "steps: 2, 4 (latest 4)" in out.stdout
+    out = _tool("verify", relative)
+    assert out.returncode == 0 and out.stdout.startswith("ok: step 4"), out.stderr
+    out = _tool("export", relative, "--out", os.path.relpath(tmp_path / "p.npz", REPO))
+    assert out.returncode == 0, out.stderr
+    with np.load(tmp_path / "p.npz", allow_pickle=False) as npz:
+        assert sorted(npz.files) == ["dense/b", "dense/w", "out/w"]
+
+
+def test_tool_export_safetensors_without_the_extra_says_how_to_install(pristine, tmp_path):
+    # A module that fails to import stands in for a missing package (sys.path comes first).
+    fake = tmp_path / "fake"
+    (fake / "safetensors").mkdir(parents=True)
+    (fake / "safetensors" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(fake)}
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "scripts/ckpt.py"),
+            "export",
+            str(pristine),
+            "--out",
+            "w.safetensors",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "pip install -e '.[export]'" in out.stderr and out.stderr.startswith("error: ")
+    assert not list(tmp_path.glob("w.safetensors*"))  # nothing half-written
 
 
 @pytest.mark.parametrize(

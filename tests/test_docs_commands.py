@@ -1,0 +1,393 @@
+"""Every shell command README.md and docs/*.md show, run as written from the repository root.
+
+How commands are found (the rule a doc writer can rely on):
+1. Fenced code blocks tagged `bash`, `sh`, `shell` or `console`: every line that is not blank
+   and not a `#` comment is a command. In an untagged block, only lines starting with `$ `,
+   `python` or `bash scripts/` are (the other untagged blocks are file trees, schedules and
+   sample output). `python` blocks are library examples, not shell: CHECKPOINTS.md's plain-orbax
+   block is run as written by tests/test_checkpoint.py.
+2. A line ending in `\\` continues on the next; a heredoc (`<<'EOF'` ... `EOF`) belongs to the
+   command that opens it. A leading `$ ` is a prompt: the lines after it, up to the next prompt or
+   the end of the block, are the output the command must print, and are compared exactly.
+3. Inline code spans in prose that start with `python scripts/`, `python3 scripts/` or
+   `bash scripts/`, or with environment assignments (`NAME=value`) or `mpirun ...` before one
+   of those.
+4. `a && b` is split into its commands. Optional parts in `[...]` are left out; when a command
+   has any, it also runs once with all of them in, with placeholders (`S`) filled from the fixture.
+   A command with a literal `...` is a template, not something to run.
+
+How they run: each in a fresh copy of the repository's source that also holds `runs/default` from
+the fixture run (the state a user is in after the quickstart), with `python` on PATH being this
+interpreter, on CPU. A command passes when it exits 0 (or prints exactly the output its doc shows)
+and prints no traceback.
+
+Not every command can run here as written. Those that take minutes or need a GPU run with flags
+appended (absl flags: the last value wins), listed in SHORTENED with the reason; those that need a
+cluster, the network or another host are only parsed (`bash -n`) and their repository files and
+pip extras checked, listed in NOT_RUN with the reason. Both lists must name documented commands,
+so they cannot go stale.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+SHELL_TAGS = {"bash", "sh", "shell", "console"}
+UNTAGGED_COMMAND = re.compile(r"^(\$ |python|bash scripts/)")
+INLINE_COMMAND = re.compile(
+    r"^(?:[A-Z_][A-Z0-9_]*=(?:<[^>]*>|\S+)\s+)*(?:mpirun\s.*?)?(?:python3?|bash) scripts/\S"
+)
+PLACEHOLDERS = {"S": "2"}  # `--step S`: a committed step of the fixture run (it saves 2 and 4)
+
+_TINY_BENCH_MODEL = (
+    "--config.model.num_layers=1 --config.model.d_model=64 --config.model.num_heads=2 "
+    "--config.model.seq_len=32 --steps=2 --warmup=1 --repeats=1"
+)
+# command as documented -> (flags appended, why it cannot run as written here)
+SHORTENED = {
+    "python scripts/train.py": (
+        "--config.train.steps=4 --config.train.log_every=2 --config.checkpoint.every=2",
+        "the default job's 300 steps take minutes on 2 cores; this run is also the fixture "
+        "`runs/default` the other commands read",
+    ),
+    "python scripts/bench.py": (
+        "--steps=2 --warmup=1 --repeats=1",
+        "3 rounds of 20 timed steps per side take ~40 s; 1 round of 2 runs the same code",
+    ),
+    "python scripts/launch.py --num_processes=2 --devices_per_process=4 -- "
+    "python scripts/train.py --config=configs/default.py --workdir=runs/mp": (
+        "--config.train.steps=2",
+        "the default job's 300 steps, in 2 processes",
+    ),
+    "python scripts/launch.py --num_processes=2 --devices_per_process=4 -- "
+    "python scripts/train.py --workdir=runs/mp": (
+        "--config.train.steps=2",
+        "the default job's 300 steps, in 2 processes",
+    ),
+    "python scripts/bench_gpu.py --phase=point --config=configs/gpt_1b.py "
+    "--config.model.attention=cudnn --config.train.batch_size=16 "
+    "--config.train.remat=dots_no_batch --hand --profile=2": (
+        "--config.model.attention=xla --config.model.num_layers=1 --config.model.d_model=64 "
+        "--config.model.num_heads=2 --config.model.seq_len=32 --config.model.scan_unroll=1 "
+        "--steps=2 --warmup=1 --out_dir=runs/gpu_point",
+        "an H100 measurement (cuDNN is refused on a CPU): the same flags run a tiny model with "
+        "XLA attention",
+    ),
+    "python scripts/bench.py --study=batch --batch_sizes=16,32,64,128,256 --max_steps=250 "
+    "--target_loss=2.7": (
+        "--batch_sizes=16 --max_steps=2 --eval_every=2",
+        "10 training runs of up to 250 steps take most of an hour on CPU",
+    ),
+    "python scripts/bench.py --study=compression --config.mesh.data=8 --config.mesh.fsdp=1 "
+    "--config.mesh.tensor=1 --max_steps=200": (
+        "--max_steps=2 --methods=none,int8",
+        "every compressor for 200 steps takes many minutes; two rows for 2 steps run the study",
+    ),
+    "python scripts/train.py --config=configs/default.py --config.mesh.data=2 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=2 --config.mesh.pipeline=2 "
+    "--config.model.num_layers=4 --config.pipeline.schedule=1f1b --config.pipeline.microbatches=4 "
+    "--workdir=runs/pipeline": (
+        "--config.train.steps=2",
+        "the default job's 300 steps",
+    ),
+    "python scripts/bench_pipeline.py": (
+        "--ms=4 --schedules=1f1b --steps=1",
+        "12 schedule × microbatch compiles; one row runs the same code",
+    ),
+}
+_SETUP = "sets up an environment (a venv, packages from the network); this test runs in one"
+_CLUSTER = "needs a cluster (SLURM, Docker, Kubernetes), not this machine"
+NOT_RUN = {
+    "python3 -m venv .venv": _SETUP,
+    ". .venv/bin/activate": _SETUP,
+    "pip install -e .": _SETUP,
+    "pip install -e '.[test]'": _SETUP,
+    "python -m pytest -q -n 2 --dist loadfile": "the test suite this test is part of",
+    "python scripts/bench_gpu.py --phase=point ...": (
+        "a template; `bash scripts/gpu_check.sh` (run here) runs every point of it"
+    ),
+    "mpirun -np 4 -x JAXDIST_COORDINATOR=host0:8476 python scripts/train.py ...": (
+        "a template (`...`) for MPI on several hosts"
+    ),
+    "JAXDIST_COORDINATOR=host0:8476 JAXDIST_NUM_PROCESSES=2 JAXDIST_PROCESS_ID=<0 or 1> "
+    "python scripts/train.py ...": "a template for two hosts; launch.py runs the same locally",
+    "sbatch scripts/slurm/train.sbatch --config=configs/default.py "
+    "--workdir=/shared/runs/slurm": _CLUSTER,
+    "sbatch --nodes=4 --ntasks-per-node=8 --gpus-per-task=1 scripts/slurm/train.sbatch "
+    "--config=configs/default.py --workdir=/shared/runs/slurm": _CLUSTER,
+    "PYTHON=/path/to/venv/bin/python JAXDIST_COORDINATOR_PORT=29500 sbatch "
+    "scripts/slurm/train.sbatch ...": _CLUSTER,
+    "squeue --me; tail -f jaxdist-<jobid>.out": _CLUSTER,
+    "docker build -t jaxdist:latest -f- . <<'EOF'\nFROM python:3.11-slim\nWORKDIR /app\n"
+    "COPY . /app\nRUN pip install --no-cache-dir -e .\nEOF": _CLUSTER,
+    "kind load docker-image jaxdist:latest": _CLUSTER,
+    "kubectl apply -f scripts/k8s/jobset.yaml": _CLUSTER,
+    "kubectl get pods -l jobset.sigs.k8s.io/jobset-name=jaxdist": _CLUSTER,
+    "kubectl logs -f -l jobset.sigs.k8s.io/jobset-name=jaxdist --prefix --max-log-requests=16": (
+        _CLUSTER
+    ),
+    "kubectl delete jobset jaxdist": _CLUSTER,
+}
+
+
+@dataclass
+class Command:
+    text: str  # as documented, continuations joined, `[...]` kept
+    where: str  # file:line
+    expected: list[str] | None = None  # output lines shown after a `$ ` prompt
+    runs: list[str] = field(default_factory=list)  # what to run: without, then with, optionals
+
+
+def _logical_lines(lines: list[str]) -> list[tuple[int, str]]:
+    """(line index, text) with `\\` continuations joined and heredocs kept with their command."""
+    out: list[tuple[int, str]] = []
+    i = 0
+    while i < len(lines):
+        start, text = i, lines[i].rstrip()
+        while text.endswith("\\") and i + 1 < len(lines):
+            i += 1
+            text = text[:-1].rstrip() + " " + lines[i].strip()
+        heredoc = re.search(r"<<-?\s*'?\"?(\w+)'?\"?", text)
+        if heredoc:
+            end = heredoc.group(1)
+            while i + 1 < len(lines):
+                i += 1
+                text += "\n" + lines[i].rstrip()
+                if lines[i].strip() == end:
+                    break
+        out.append((start, text))
+        i += 1
+    return out
+
+
+def _from_block(tag: str, body: list[str], first: int, name: str) -> list[Command]:
+    found: list[Command] = []
+    for offset, text in _logical_lines(body):
+        stripped = text.strip()
+        if "\n" not in stripped:  # a trailing `# comment` is not part of the command
+            stripped = re.sub(r"\s+#\s.*$", "", stripped)
+        if tag in SHELL_TAGS:
+            if stripped and not stripped.startswith("#"):
+                found.append(Command(stripped, f"{name}:{first + offset}"))
+        elif stripped.startswith("$ "):
+            found.append(Command(stripped[2:], f"{name}:{first + offset}", expected=[]))
+        elif found and found[-1].expected is not None:
+            if stripped:
+                found[-1].expected.append(stripped)
+        elif UNTAGGED_COMMAND.match(stripped):
+            found.append(Command(stripped, f"{name}:{first + offset}"))
+    return found
+
+
+def extract(path: Path) -> list[Command]:
+    """The commands `path` shows, by the rule in this module's docstring."""
+    lines = path.read_text().splitlines()
+    name = str(path.relative_to(ROOT))
+    found: list[Command] = []
+    i = 0
+    while i < len(lines):
+        fence = re.match(r"^\s*```(\w*)", lines[i])
+        if fence:
+            end = i + 1
+            while end < len(lines) and not lines[end].strip().startswith("```"):
+                end += 1
+            if fence.group(1) != "python":
+                found += _from_block(fence.group(1), lines[i + 1 : end], i + 2, name)
+            i = end + 1
+            continue
+        for span in re.findall(r"`([^`]+)`", lines[i]):
+            if INLINE_COMMAND.match(span):
+                found.append(Command(span.strip(), f"{name}:{i + 1}"))
+        i += 1
+    commands = []
+    for c in found:  # `a && b`: each its own command, at the same place
+        parts = [p.strip() for p in c.text.split(" && ")] if "\n" not in c.text else [c.text]
+        commands += [Command(p, c.where, c.expected) for p in parts]
+    return commands
+
+
+def _runs(text: str) -> list[str]:
+    """The command without its `[...]` optionals, then (if any) with all of them, filled in."""
+    optional = re.findall(r"\[([^\[\]]*)\]", text)
+    bare = re.sub(r"\s*\[[^\[\]]*\]", "", text)
+    if not optional:
+        return [bare]
+    full = re.sub(r"\[([^\[\]]*)\]", r"\1", text)
+    for word in set(re.findall(r"\b[A-Z]\w*\b", " ".join(optional))):
+        assert word in PLACEHOLDERS, f"placeholder {word} in {text!r}: add a value to PLACEHOLDERS"
+        full = re.sub(rf"\b{word}\b", PLACEHOLDERS[word], full)
+    return [bare, full]
+
+
+def all_commands() -> list[Command]:
+    commands = [c for path in DOCS for c in extract(path)]
+    for c in commands:
+        c.runs = [] if c.text in NOT_RUN else _runs(c.text)
+    return commands
+
+
+COMMANDS = all_commands()
+RUNNABLE = {f"{c.where} {run}": (c, run) for c in COMMANDS for run in c.runs}
+
+
+def test_extraction_finds_the_documented_commands():
+    texts = [c.text for c in COMMANDS]
+    # One of each kind the rule covers: fenced bash (split at &&), an untagged block, a prompt
+    # with its output, a continued line, an inline span, a heredoc.
+    assert "python scripts/train.py" in texts
+    assert "python scripts/ckpt.py verify  runs/default/checkpoints [--step S]" in texts
+    (prompt,) = [c for c in COMMANDS if c.expected]
+    assert prompt.text == "python scripts/train.py --config.mesh.data=3"
+    assert prompt.expected[0].startswith("error: mesh: data×fsdp×tensor×pipeline = 3×2×2×1")
+    assert any(
+        t.endswith("--config.pipeline.microbatches=4 --workdir=runs/pipeline") for t in texts
+    )
+    assert "python scripts/plot.py runs/default" in texts
+    assert any(t.startswith("docker build") and t.endswith("\nEOF") for t in texts)
+    assert any(t.startswith("JAXDIST_COORDINATOR=host0:8476 ") for t in texts)
+    assert len(RUNNABLE) >= 15, sorted(RUNNABLE)
+
+
+def test_every_listed_command_is_documented():
+    texts = {c.text for c in COMMANDS}
+    assert not set(SHORTENED) - texts, "SHORTENED names commands no doc shows"
+    assert not set(NOT_RUN) - texts, "NOT_RUN names commands no doc shows"
+    templates = [c.text for c in COMMANDS if "..." in c.text.split() and c.text not in NOT_RUN]
+    assert not templates, f"templates (`...`) need a runnable form or a NOT_RUN reason: {templates}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Running them.
+
+
+def _copy_source(dest: Path) -> None:
+    shutil.copytree(
+        ROOT,
+        dest,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "runs", "__pycache__", ".pytest_cache", "*.egg-info", ".ruff_cache"
+        ),
+    )
+
+
+def _env(bin_dir: Path) -> dict[str, str]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def _run(command: str, cwd: Path, env: dict[str, str], timeout: int = 300):
+    return subprocess.run(
+        ["bash", "-c", command],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _with_flags(run: str) -> str:
+    extra = SHORTENED.get(run, ("", ""))[0]
+    return f"{run} {extra}".strip()
+
+
+@pytest.fixture(scope="module")
+def results(request, tmp_path_factory):
+    """Runs the selected commands, two at a time, after the fixture run: run key -> process."""
+    selected = {
+        item.callspec.params["key"]
+        for item in request.session.items
+        if item.originalname == "test_documented_command_runs"
+    }
+    base = tmp_path_factory.mktemp("docs")
+    bin_dir = base / "bin"  # `python` and `python3` are this interpreter
+    bin_dir.mkdir()
+    for name in ("python", "python3"):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    env = _env(bin_dir)
+    source = base / "source"
+    _copy_source(source)
+    fixture = source / "runs" / "default"
+
+    def run_in_copy(key: str, run: str, with_fixture: bool):
+        root = base / f"root-{list(RUNNABLE).index(key)}"
+        _copy_source(root)
+        if with_fixture:
+            shutil.copytree(fixture, root / "runs" / "default")
+        return _run(_with_flags(run), root, env)
+
+    out = {}
+    # The quickstart's train command makes runs/default (shortened); every other command runs
+    # where a user who did the quickstart stands.
+    first = [k for k, (c, run) in RUNNABLE.items() if run == "python scripts/train.py"]
+    assert len(first) == 1, first
+    out[first[0]] = _run(_with_flags("python scripts/train.py"), source, env)
+    assert out[first[0]].returncode == 0, out[first[0]].stderr[-3000:]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {
+            key: pool.submit(run_in_copy, key, run, True)
+            for key, (c, run) in RUNNABLE.items()
+            if key not in out and key in selected
+        }
+        out.update({key: f.result() for key, f in futures.items()})
+    return out
+
+
+@pytest.mark.parametrize("key", list(RUNNABLE), ids=list(RUNNABLE))
+def test_documented_command_runs(key, results):
+    command, run = RUNNABLE[key]
+    proc = results[key]
+    shown = (
+        f"{key} (+ {_with_flags(run)[len(run) :]!r})\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    )
+    assert "Traceback" not in proc.stdout + proc.stderr, shown
+    if command.expected:
+        printed = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+        assert printed == command.expected, shown
+    else:
+        assert proc.returncode == 0, shown
+
+
+def test_the_fixture_run_is_a_finished_default_job(results):
+    """What the ckpt and plot commands read: the default job's model, checkpoints at 2 and 4."""
+    (key,) = [k for k, (c, run) in RUNNABLE.items() if run == "python scripts/train.py"]
+    assert "done: step 4," in results[key].stdout, results[key].stdout[-2000:]
+
+
+@pytest.mark.parametrize("text", list(NOT_RUN), ids=[t.split("\n")[0] for t in NOT_RUN])
+def test_command_not_run_parses_and_names_real_files(text):
+    proc = subprocess.run(["bash", "-n", "-c", text], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for path in re.findall(r"\b(?:scripts|configs|docs)/[\w./-]+", text):
+        assert (ROOT / path).exists(), f"{text!r} names {path}, which does not exist"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for extra in re.findall(r"\.\[(\w+)\]", text):
+        assert extra in extras, f"{text!r} installs the extra {extra!r}, which pyproject lacks"
+
+
+def test_install_hints_name_real_extras():
+    """`pip install -e '.[X]'` anywhere in the docs or in an error message names a real extra."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    files = [*DOCS, *(ROOT / "jaxdist").glob("*.py"), *(ROOT / "scripts").glob("*.py")]
+    named = {m for f in files for m in re.findall(r"pip install -e '\.\[(\w+)\]'", f.read_text())}
+    assert named and named <= set(extras), named - set(extras)
