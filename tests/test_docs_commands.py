@@ -241,7 +241,21 @@ def all_commands() -> list[Command]:
 
 
 COMMANDS = all_commands()
-RUNNABLE = {f"{c.where} {run}": (c, run) for c in COMMANDS for run in c.runs}
+
+
+def _runnable() -> dict[str, tuple[Command, str]]:
+    """Each distinct run once, named by where it first appears (a command shown in two docs, or
+    twice in one, runs once; a prompt with expected output is kept as its own run)."""
+    out, seen = {}, set()
+    for c in COMMANDS:
+        for run in c.runs:
+            if (run, bool(c.expected)) not in seen:
+                seen.add((run, bool(c.expected)))
+                out[f"{c.where} {run}"] = (c, run)
+    return out
+
+
+RUNNABLE = _runnable()
 
 
 def test_extraction_finds_the_documented_commands():
