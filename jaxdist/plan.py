@@ -145,23 +145,6 @@ PROFILES: dict[str, Hardware] = {
         matmul_efficiency=0.5,
         overlap=0.5,
     ),
-    # 8×H200 per node, as the H100 profile (its compute constants are the H100's, not re-measured
-    # on an H200) with 141 GB of memory at ~4.3 TB/s.
-    "h200_nvlink_ib": Hardware(
-        name="h200_nvlink_ib",
-        peak_flops=metrics.PEAK_FLOPS["H200"],
-        memory_bytes=141e9,
-        intra_bandwidth=450e9,
-        intra_latency=3e-6,
-        inter_bandwidth=50e9,
-        inter_latency=8e-6,
-        devices_per_host=8,
-        matmul_efficiency=0.75,
-        overlap=0.8,
-        attention_efficiency=0.65,
-        hbm_bandwidth=4.3e12,
-        fused_attention=True,
-    ),
     # A TPU v5p pod: 95 GB HBM, ICI across the whole slice (up to 8960 chips, so every layout here
     # stays on ICI; ~200 GB/s usable per direction along a ring), DCN beyond it.
     "tpu_v5p_pod": Hardware(
@@ -195,6 +178,13 @@ PROFILES: dict[str, Hardware] = {
         bf16_activations=False,
     ),
 }
+
+
+# 8×H200 per node: the H100 profile (its compute constants are the H100's, not re-measured on an
+# H200) with 141 GB of memory at ~4.3 TB/s.
+PROFILES["h200_nvlink_ib"] = dataclasses.replace(
+    PROFILES["h100_nvlink_ib"], name="h200_nvlink_ib", memory_bytes=141e9, hbm_bandwidth=4.3e12
+)
 
 
 def hardware(name: str | Hardware) -> Hardware:
