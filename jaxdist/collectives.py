@@ -168,6 +168,13 @@ def diloco_outer(learning_rate: float = 0.7, momentum: float = 0.9) -> optax.Gra
     return optax.sgd(learning_rate, momentum=momentum, nesterov=True)
 
 
+# The one registry of `grad_sync.outer_optimizer` names: name -> grad_sync config -> outer optimizer.
+OUTER_OPTIMIZERS: dict[str, Callable[[Any], optax.GradientTransformation]] = {
+    "average": lambda g: optax.sgd(1.0),  # plain averaging of the replicas' parameters
+    "nesterov": lambda g: diloco_outer(g.outer_learning_rate, g.outer_momentum),  # DiLoCo
+}
+
+
 def local_sgd(
     grad_fn: GradFn,
     inner_tx: optax.GradientTransformation,

@@ -28,6 +28,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxdist import collectives, compression, microbatch, pipeline, sharding
+from jaxdist.errors import ConfigError
 from jaxdist.state import Entry, TrainState
 from models.api import Stages
 
@@ -230,11 +231,7 @@ def local_sgd(setup: Setup) -> Strategy:
     """
     g, mesh = setup.config.grad_sync, setup.mesh
     base, schedule = _replica_gradients(setup, data_manual=True)
-    outer_tx = (
-        optax.sgd(1.0)
-        if g.outer_optimizer == "average"
-        else collectives.diloco_outer(g.outer_learning_rate, g.outer_momentum)
-    )
+    outer_tx = collectives.OUTER_OPTIMIZERS[g.outer_optimizer](g)
 
     def replica_grads(params, local_batch):
         loss, _, grads = base(params, local_batch)  # aux metrics: not reduced here
@@ -291,3 +288,58 @@ def choose(config, mesh_shape: Mapping[str, int]) -> str:
     if mesh_shape["pipeline"] > 1:
         return "pipelined"
     return "accumulated" if config.train.grad_accum > 1 else "plain"
+
+
+def check(config, mesh_shape: Mapping[str, int]) -> None:
+    """The gradient strategies' rules: the compressor's fields (`compression.check`), and how the
+    explicit data-parallel strategies combine with the mesh and the optimizer. Each is checked
+    here only; config.validate calls this.
+
+    Raises:
+      ConfigError: one line naming the field and what would be valid.
+    """
+    g, t = config.grad_sync, config.train
+    compression.check(g)
+    if g.outer_optimizer not in collectives.OUTER_OPTIMIZERS:
+        raise ConfigError(
+            f"grad_sync.outer_optimizer={g.outer_optimizer!r} is not valid; choose one of "
+            + ", ".join(collectives.OUTER_OPTIMIZERS)
+        )
+    if g.momentum_correction and not (t.optimizer == "sgd" and t.momentum > 0):
+        raise ConfigError(
+            "grad_sync.momentum_correction moves the SGD momentum into the compressor: it needs "
+            f"train.optimizer='sgd' with train.momentum > 0, not {t.optimizer!r} with momentum "
+            f"{t.momentum}"
+        )
+    if g.local_steps > 1:
+        _check_explicit("grad_sync.local_steps", g.local_steps, "local_steps=1", mesh_shape)
+        if g.compression != "none":
+            raise ConfigError(
+                f"grad_sync.local_steps={g.local_steps} sends no gradients to compress; set "
+                f"grad_sync.compression='none' (not {g.compression!r})"
+            )
+        if g.outer_learning_rate <= 0:
+            raise ConfigError("grad_sync.outer_learning_rate must be > 0")
+        if not 0 <= g.outer_momentum < 1:
+            raise ConfigError("grad_sync.outer_momentum must be in [0, 1)")
+    elif g.compression != "none":
+        _check_explicit("grad_sync.compression", g.compression, "compression='none'", mesh_shape)
+
+
+def _check_explicit(field: str, value: Any, off: str, mesh_shape: Mapping[str, int]) -> None:
+    """compressed / local_sgd run per replica over `data`: they need mesh.data > 1, and with
+    pipeline stages each replica's gradients come from a shard_map manual over `data`, on which
+    XLA's SPMD partitioner (jax 0.10) aborts while two or more other axes stay automatic; refuse
+    that here instead of crashing in compilation."""
+    if mesh_shape["data"] <= 1:
+        raise ConfigError(
+            f"{field}={value!r} works on the data-parallel replicas, but "
+            f"mesh.data={mesh_shape['data']}; set mesh.data > 1 or {off}"
+        )
+    others = [a for a in ("fsdp", "tensor") if mesh_shape[a] > 1]
+    if mesh_shape["pipeline"] > 1 and others:
+        raise ConfigError(
+            f"{field}={value!r} with mesh axes {'×'.join(['data', *others, 'pipeline'])} > 1 "
+            "needs fsdp = tensor = 1 (XLA SPMD partitioner limit); with mesh.pipeline > 1 set "
+            "fsdp = tensor = 1"
+        )
