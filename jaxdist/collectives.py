@@ -101,8 +101,19 @@ def sync_grads(
             axis_names=set(axes),
         )
 
-    manual = set(axes) | set(shard_axes)
+    grads_of = _replica_grads(grad_fn, mesh, axes, per_replica)
+    reduce_of = _sharded_reduce(tx_sync, mesh, axes, shard_axes, param_specs, state_specs)
 
+    def step(params, batch, state):
+        loss, grads = grads_of(params, batch)
+        grads, state = reduce_of(grads, state)
+        return loss, grads, state
+
+    return step
+
+
+def _replica_grads(grad_fn: GradFn, mesh: Mesh, axes: tuple[str, ...], per_replica: str):
+    """(params, batch) -> (mean loss, grads [R, ...]): every replica's own gradient, stacked."""
     if per_replica == "vmap":
         replica_grads = _replica_vmap(grad_fn, (None,), mesh, axes)
 
@@ -110,19 +121,21 @@ def sync_grads(
             losses, grads = replica_grads(params, batch)
             return jnp.mean(losses), grads
 
-    else:
+        return grads_of
 
-        def local_grads(params, batch):
-            loss, grads = grad_fn(replica_local(params, axes), batch)
-            return jax.lax.pmean(loss, axes), _stacked(grads)
+    def local_grads(params, batch):
+        loss, grads = grad_fn(replica_local(params, axes), batch)
+        return jax.lax.pmean(loss, axes), _stacked(grads)
 
-        grads_of = jax.shard_map(
-            local_grads,
-            mesh=mesh,
-            in_specs=(P(), lead),
-            out_specs=(P(), lead),
-            axis_names=set(axes),
-        )
+    lead = P(_data_spec(axes))
+    return jax.shard_map(
+        local_grads, mesh=mesh, in_specs=(P(), lead), out_specs=(P(), lead), axis_names=set(axes)
+    )
+
+
+def _sharded_reduce(tx_sync, mesh: Mesh, axes, shard_axes, param_specs, state_specs):
+    """(grads [R, ...], state) -> (mean grads, state): `tx_sync` on each device's own shard."""
+    manual = set(axes) | set(shard_axes)
     g_specs = jax.tree.map(
         lambda sp: sharding.spec_only(P(_data_spec(axes), *sp), manual), param_specs
     )
@@ -132,20 +145,13 @@ def sync_grads(
     def reduce(grads, state):
         return tx_sync.update(_local(grads), state)
 
-    reduce_of = jax.shard_map(
+    return jax.shard_map(
         reduce,
         mesh=mesh,
         in_specs=(g_specs, s_specs),
         out_specs=(mean_specs, s_specs),
         axis_names=manual,
     )
-
-    def step(params, batch, state):
-        loss, grads = grads_of(params, batch)
-        grads, state = reduce_of(grads, state)
-        return loss, grads, state
-
-    return step
 
 
 class LocalSGDState(NamedTuple):
