@@ -374,7 +374,9 @@ def run(config, workdir: str) -> dict[str, float]:
                 last["step_time_s"] = dt
                 last[rate_key] = per_step_items / dt
                 if peak and "flops_per_token" in record:
-                    last["mfu"] = last[rate_key] * record["flops_per_token"] / (num_devices * peak)
+                    last["mfu"] = metrics.mfu(
+                        last[rate_key], record["flops_per_token"], num_devices, peak
+                    )
                 if t.eval_every and step % t.eval_every == 0:
                     last.update(evaluate(state))
                 writer.write_step(step, last)
