@@ -154,6 +154,23 @@ def module_loss(model: nnx.Module, batch: Batch, *, remat: str = "none") -> tupl
 
 
 @dataclasses.dataclass(frozen=True)
+class Decoder:
+    """What generation needs from a decoder family: the network against a fixed-size key/value
+    cache, the same function for a prompt's prefill and for one-token decode steps.
+
+    Attributes:
+      init_cache: (batch, length, dtype) -> zeroed cache (a pytree).
+      cache_axes: logical axes of each cache leaf (a pytree like the cache).
+      forward: (params, tokens [B, T], start [B], cache) -> (logits [B, T, V] float32, cache):
+        the tokens placed at positions start[b] + t, each attending to cached positions <= its own.
+    """
+
+    init_cache: Callable[[int, int, Any], Any]
+    cache_axes: Any
+    forward: Callable[[Params, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelFamily:
     """One model family, as the engine, the config check, the layout record and the pipeline see it.
 
@@ -172,6 +189,7 @@ class ModelFamily:
         where the family has no token count (the layout record then reports no MFU).
       tokens_per_example: config.model -> tokens in one example, or None (throughput in examples).
       stages: config.model -> `Stages`, or None for a family that cannot be pipelined.
+      decoder: config.model -> `Decoder`, or None for a family that cannot generate.
     """
 
     name: str
@@ -183,6 +201,7 @@ class ModelFamily:
     flops_per_token: Callable[[Any, Params], float] | None = None
     tokens_per_example: Callable[[Any], int] | None = None
     stages: Callable[[Any], Stages] | None = None
+    decoder: Callable[[Any], Decoder] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

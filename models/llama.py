@@ -227,6 +227,9 @@ class Llama(nnx.Module):
 # Generation: the same layers against a fixed-size key/value cache.
 
 
+CACHE_AXES = ("layers", "batch", "length", "heads", "kv")  # [L, B, S, K, H]
+
+
 def init_cache(cfg, batch: int, length: int, dtype=jnp.float32) -> dict[str, jax.Array]:
     """Zeroed key/value cache {"k", "v"}: [L, B, S, K, H] each, S = `length` positions."""
     d = dims(cfg)
@@ -241,7 +244,12 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
 
 
 def forward_cached(
-    params: dict[str, Any], tokens: jax.Array, start: jax.Array, cache: dict[str, jax.Array], cfg
+    params: dict[str, Any],
+    tokens: jax.Array,
+    start: jax.Array,
+    cache: dict[str, jax.Array],
+    *,
+    cfg,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Logits of tokens [B, T] placed at positions start[b] + t, and the cache with their keys and
     values written there. Each query attends to every cached key at a position <= its own, so
@@ -262,7 +270,8 @@ def forward_cached(
         lp, ck, cv = lp_and_cache
         c = lambda name: constrain(lp[name], BLOCK_AXES[name])
         q, k, v = _qkv(lp, x, positions, cfg, c)
-        ck, cv = _write_rows(ck, k, start), _write_rows(cv, v, start)
+        ck = constrain(_write_rows(ck, k, start), CACHE_AXES[1:])
+        cv = constrain(_write_rows(cv, v, start), CACHE_AXES[1:])
         qg = q.reshape(B, T, d["K"], G, d["H"]).astype(jnp.float32)  # [B, T, K, G, H]
         s = jnp.einsum("btkgh,bskh->bkgts", qg, ck.astype(jnp.float32)) / math.sqrt(d["H"])
         s = jnp.where(visible[:, None, None], s, -jnp.inf)
@@ -381,6 +390,15 @@ def stages(cfg) -> api.Stages:
     )
 
 
+def decoder(cfg) -> api.Decoder:
+    """The KV-cache forward for generation (`scripts/sample.py`)."""
+    return api.Decoder(
+        init_cache=functools.partial(init_cache, cfg),
+        cache_axes={"k": CACHE_AXES, "v": CACHE_AXES},
+        forward=functools.partial(forward_cached, cfg=cfg),
+    )
+
+
 FAMILY = api.ModelFamily(
     name="llama",
     make=lambda cfg, ds: lambda rngs: Llama(cfg, rngs=rngs),
@@ -390,4 +408,5 @@ FAMILY = api.ModelFamily(
     flops_per_token=flops_per_token,
     tokens_per_example=lambda cfg: cfg.seq_len,
     stages=stages,
+    decoder=decoder,
 )
