@@ -1,35 +1,20 @@
-"""Hugging Face checkpoints in and out: `config.json` + safetensors ↔ jaxdist's Llama parameters.
+"""Hugging Face checkpoints in and out: `config.json` + safetensors ↔ jaxdist parameters.
 
-The name and layout map, one row per tensor (HF stores `nn.Linear` weights as [out, in]; jaxdist as
-[in, out] with the heads axis split out, and the layers stacked along a leading [L] axis):
-
-| jaxdist (`params/...`) | shape        | Hugging Face (`LlamaForCausalLM`)              | shape      |
-|------------------------|--------------|------------------------------------------------|------------|
-| embed                  | [V, D]       | model.embed_tokens.weight                      | [V, D]     |
-| layers/attn_norm[i]    | [D]          | model.layers.i.input_layernorm.weight          | [D]        |
-| layers/wq[i]           | [D, N, H]    | model.layers.i.self_attn.q_proj.weight         | [N·H, D]   |
-| layers/wk[i], wv[i]    | [D, K, H]    | model.layers.i.self_attn.{k,v}_proj.weight     | [K·H, D]   |
-| layers/wo[i]           | [N, H, D]    | model.layers.i.self_attn.o_proj.weight         | [D, N·H]   |
-| layers/mlp_norm[i]     | [D]          | model.layers.i.post_attention_layernorm.weight | [D]        |
-| layers/w_gate[i], w_up | [D, F]       | model.layers.i.mlp.{gate,up}_proj.weight       | [F, D]     |
-| layers/w_down[i]       | [F, D]       | model.layers.i.mlp.down_proj.weight            | [D, F]     |
-| final_norm             | [D]          | model.norm.weight                              | [D]        |
-| head (untied only)     | [D, V]       | lm_head.weight                                 | [V, D]     |
-
-Both sides use the rotate-half rotary layout (transformers' `rotate_half`), so no row permutation
-is needed (Meta's original checkpoints interleave the pairs; transformers' converter permutes them
-once, and HF checkpoints are already in this layout). Files are read and written with the
-`safetensors` numpy API, one tensor at a time; nothing is unpickled.
+What a family's parameters are called in a Hugging Face checkpoint, and how its config.json maps to
+`config.model`, the family declares (`models.api.HFFormat`; the Llama's table is in
+models/llama.py). This module does the rest for any such family: it finds the family by the
+config's `architectures`, checks every tensor's name and shape against the config before
+converting it, gathers each stacked parameter's layers, and writes safetensors files (sharded past
+a size limit, with transformers' index). Files are read and written with the `safetensors` numpy
+API, one tensor at a time; nothing is unpickled.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
-import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import ml_collections
@@ -37,11 +22,8 @@ import numpy as np
 
 from jaxdist.errors import ConfigError
 
-ARCHITECTURES = ("LlamaForCausalLM",)
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size
 INDEX_FILE = "model.safetensors.index.json"
-# Tensors some HF checkpoints carry that are recomputed, not learned: skipped on import.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Files copied along with the weights, so a run folder keeps the model's tokenizer.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -85,174 +67,43 @@ def is_hf_folder(path: str) -> bool:
     return "architectures" in cfg or "model_type" in cfg
 
 
-def _field(hf: dict, key: str, where: str, kind: type, default: Any = None) -> Any:
-    """hf[key] (or `default`), checked to be an int, or a number when `kind` is float."""
-    value = hf.get(key, default)
-    _need(value is not None, f"{where}: missing field {key!r}")
-    ok = not isinstance(value, bool) and isinstance(value, int | float if kind is float else int)
-    _need(ok, f"{where}: {key}={value!r} must be {'a number' if kind is float else 'an integer'}")
-    return kind(value)
-
-
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ml_collections.ConfigDict:
-    """The `config.model` of a Hugging Face `LlamaForCausalLM` config.json.
+    """The `config.model` of a Hugging Face config.json, by the family its `architectures` names.
 
     Raises:
-      ConfigError: another architecture, a Llama variant jaxdist does not implement (biases, an
-        activation other than SiLU, a RoPE type other than default/llama3), or a missing or
-        mistyped field; one line naming `where` and the field.
+      ConfigError: an architecture no family imports, or a field the family cannot take; one
+        line naming `where` and the field.
     """
+    import models
     from jaxdist.config import base_config
 
-    arch = hf.get("architectures") or []
-    _need(
-        isinstance(arch, list) and any(a in ARCHITECTURES for a in arch),
-        f"{where}: architectures={arch!r} is not supported; jaxdist imports "
-        + ", ".join(ARCHITECTURES),
-    )
-    for key in ("attention_bias", "mlp_bias"):
-        _need(not hf.get(key, False), f"{where}: {key}=true is not supported (bias-free only)")
-    act = hf.get("hidden_act", "silu")
-    _need(act == "silu", f"{where}: hidden_act={act!r} is not supported; Llama uses 'silu'")
+    family = models.for_hf(hf.get("architectures"), where)
     m = base_config().model
-    m.name = "llama"
-    m.vocab_size = _field(hf, "vocab_size", where, int)
-    m.d_model = _field(hf, "hidden_size", where, int)
-    m.mlp_dim = _field(hf, "intermediate_size", where, int)
-    m.num_layers = _field(hf, "num_hidden_layers", where, int)
-    m.num_heads = _field(hf, "num_attention_heads", where, int)
-    m.num_kv_heads = _field(hf, "num_key_value_heads", where, int, m.num_heads)
-    m.head_dim = _field(hf, "head_dim", where, int, m.d_model // max(m.num_heads, 1))
-    m.seq_len = _field(hf, "max_position_embeddings", where, int)
-    m.norm_eps = _field(hf, "rms_norm_eps", where, float, 1e-6)
-    m.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
-    # transformers 5 writes `rope_parameters` (rope_theta inside); earlier, top-level `rope_theta`
-    # and `rope_scaling`.
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    _need(isinstance(rope, dict), f"{where}: rope_parameters/rope_scaling must be an object")
-    m.rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    _need(
-        kind in ("default", "llama3"),
-        f"{where}: rope type {kind!r} is not supported; jaxdist implements default, llama3",
-    )
-    if kind == "llama3":
-        rs = m.rope_scaling
-        rs.type = "llama3"
-        for ours, theirs in (
-            ("factor", "factor"),
-            ("low_freq_factor", "low_freq_factor"),
-            ("high_freq_factor", "high_freq_factor"),
-        ):
-            rs[ours] = _field(rope, theirs, f"{where} rope_scaling", float)
-        rs.original_max_len = _field(
-            rope, "original_max_position_embeddings", f"{where} rope_scaling", int
-        )
-    eos = hf.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    m.eos_token_id = eos if isinstance(eos, int) else -1
-    from models import llama
-
-    d = llama.dims(m)
-    _need(
-        d["N"] % d["K"] == 0,
-        f"{where}: num_attention_heads={d['N']} is not a multiple of num_key_value_heads={d['K']}",
-    )
+    m.name = family.name
+    family.hf.config_from_hf(hf, m, where)
     return m
 
 
+def _format(m) -> Any:
+    import models
+
+    family = models.get(m.name)
+    _need(
+        family.hf is not None,
+        f"model.name={m.name!r} has no Hugging Face form; families that have one: "
+        + ", ".join(n for n in models.names() if models.get(n).hf is not None),
+    )
+    return family.hf
+
+
 def hf_config_from(m, dtype: str = "float32") -> dict[str, Any]:
-    """A `LlamaForCausalLM` config.json for `config.model` `m` (transformers 4.x and 5 read it)."""
-    from models import llama
-
-    d = llama.dims(m)
-    out = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": d["V"],
-        "hidden_size": d["D"],
-        "intermediate_size": d["F"],
-        "num_hidden_layers": d["L"],
-        "num_attention_heads": d["N"],
-        "num_key_value_heads": d["K"],
-        "head_dim": d["H"],
-        "max_position_embeddings": int(m.seq_len),
-        "rms_norm_eps": float(m.norm_eps),
-        "rope_theta": float(m.rope_theta),
-        "rope_scaling": None,
-        "tie_word_embeddings": bool(m.tie_embeddings),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": dtype,
-    }
-    if m.rope_scaling.type == "llama3":
-        rs = m.rope_scaling
-        out["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": float(rs.factor),
-            "low_freq_factor": float(rs.low_freq_factor),
-            "high_freq_factor": float(rs.high_freq_factor),
-            "original_max_position_embeddings": int(rs.original_max_len),
-        }
-    if m.eos_token_id >= 0:
-        out["eos_token_id"] = int(m.eos_token_id)
-    return out
+    """The config.json of config.model `m`."""
+    return _format(m).config_to_hf(m, dtype)
 
 
-# ------------------------------------------------------------------------------------------------
-# The tensor map.
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One jaxdist parameter and its Hugging Face tensor(s).
-
-    Attributes:
-      path: top-level key, or ("layers", name) for a stacked layer parameter.
-      hf_name: the HF tensor name; "{i}" is the layer index for stacked ones.
-      hf_shape: the HF tensor's shape (one layer's).
-      to_jax: HF array -> jaxdist array (one layer's).
-      to_hf: jaxdist array (one layer's) -> HF array.
-    """
-
-    path: tuple[str, ...]
-    hf_name: str
-    hf_shape: tuple[int, ...]
-    to_jax: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
-
-    @property
-    def stacked(self) -> bool:
-        return self.path[0] == "layers"
-
-
-def tensor_map(m) -> list[Tensor]:
-    """Every parameter of the Llama for `config.model` `m`, in jaxdist's tree order."""
-    from models import llama
-
-    d = llama.dims(m)
-    D, N, K, H, F, V = d["D"], d["N"], d["K"], d["H"], d["F"], d["V"]
-    same = lambda a: a
-    linear = lambda shape: (lambda w: w.T.reshape(shape), lambda w: w.reshape(w.shape[0], -1).T)
-    out_proj = (lambda w: w.T.reshape(N, H, D), lambda w: w.reshape(N * H, D).T)
-    layer = "model.layers.{i}."
-    rows = [
-        (("embed",), "model.embed_tokens.weight", (V, D), (same, same)),
-        (("layers", "attn_norm"), layer + "input_layernorm.weight", (D,), (same, same)),
-        (("layers", "wq"), layer + "self_attn.q_proj.weight", (N * H, D), linear((D, N, H))),
-        (("layers", "wk"), layer + "self_attn.k_proj.weight", (K * H, D), linear((D, K, H))),
-        (("layers", "wv"), layer + "self_attn.v_proj.weight", (K * H, D), linear((D, K, H))),
-        (("layers", "wo"), layer + "self_attn.o_proj.weight", (D, N * H), out_proj),
-        (("layers", "mlp_norm"), layer + "post_attention_layernorm.weight", (D,), (same, same)),
-        (("layers", "w_gate"), layer + "mlp.gate_proj.weight", (F, D), linear((D, F))),
-        (("layers", "w_up"), layer + "mlp.up_proj.weight", (F, D), linear((D, F))),
-        (("layers", "w_down"), layer + "mlp.down_proj.weight", (D, F), linear((F, D))),
-        (("final_norm",), "model.norm.weight", (D,), (same, same)),
-    ]
-    if not m.tie_embeddings:
-        rows.append((("head",), "lm_head.weight", (V, D), linear((D, V))))
-    return [Tensor(p, n, s, *fns) for p, n, s, fns in rows]
+def tensor_map(m) -> list[Any]:
+    """Every parameter's `models.api.HFTensor`, in the params' tree order."""
+    return _format(m).tensors(m)
 
 
 def hf_names(m) -> list[str]:
@@ -329,9 +180,8 @@ class Weights:
 def check_names(weights: Weights, m, where: str) -> None:
     """ConfigError for a missing tensor or one no Llama parameter takes."""
     want = set(hf_names(m))
-    have = {n for n in weights.names() if not n.endswith(_IGNORED_SUFFIXES)}
-    if m.tie_embeddings:
-        have.discard("lm_head.weight")  # some tied checkpoints store the table twice
+    ignored = tuple(_format(m).ignored(m))
+    have = {n for n in weights.names() if not ignored or not n.endswith(ignored)}
     missing = sorted(want - have, key=_natural)
     _need(
         not missing,
@@ -342,7 +192,7 @@ def check_names(weights: Weights, m, where: str) -> None:
     _need(
         not extra,
         f"{where}: unexpected tensor {extra[0] if extra else ''} ({len(extra)} such) for a "
-        "LlamaForCausalLM with this config.json",
+        f"{m.name} model with this config.json",
     )
 
 
@@ -449,7 +299,3 @@ def write_hf(
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_from(m, dtype), f, indent=2)
     return {"files": names, "tensors": len(weight_map), "bytes": total}
-
-
-def param_count(m) -> int:
-    return sum(math.prod(t.hf_shape) * (m.num_layers if t.stacked else 1) for t in tensor_map(m))

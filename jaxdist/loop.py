@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist import checkpoint, data, distributed, metrics, train
+from jaxdist import checkpoint, data, distributed, metrics, train, weights
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
 from jaxdist.errors import ConfigError
@@ -159,6 +159,7 @@ def run(config, workdir: str) -> dict[str, float]:
     Returns the last logged metrics (and the final evaluation loss under "eval_loss").
     """
     workdir = os.path.abspath(workdir)  # orbax requires absolute checkpoint paths
+    init_from = weights.apply_init_from(config)  # the source's model fields, before validation
     num_devices = jax.device_count()
     config_lib.validate(config, num_devices)
     mesh_lib.check_backend(config)
@@ -193,6 +194,10 @@ def run(config, workdir: str) -> dict[str, float]:
         start = int(meta["data_position"])
         if main:
             print(f"resumed from {ckpt.directory} at step {int(state['step'])}", flush=True)
+    elif init_from is not None:  # its weights, a fresh optimizer, step 0
+        state = engine.init(params=weights.load_params(init_from, engine.abstract_state["params"]))
+        if main:
+            print(f"initialised from {init_from.path} ({init_from.kind})", flush=True)
     else:
         state = engine.init()
 

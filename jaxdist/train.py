@@ -50,13 +50,18 @@ class Engine:
     train_step: Callable[[State, Batch], tuple[State, dict]]
     eval_step: Callable[[State, Batch], dict]
     schedule: Any = None  # pipeline.Schedule when mesh.pipeline > 1: the tables the step runs
+    init_params_fn: Callable[[jax.Array, Any], State] | None = None  # init around given params
 
     @property
     def num_params(self) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.abstract_state["params"]))
 
-    def init(self, seed: int | None = None) -> State:
+    def init(self, seed: int | None = None, params: Any = None) -> State:
+        """A fresh train state at step 0; with `params` (a tree like the params, on their
+        shardings) those weights instead of a random init (`train.init_from`)."""
         seed = self.config.train.seed if seed is None else seed
+        if params is not None:
+            return self.init_params_fn(jax.random.key(seed), params)
         return self.init_fn(jax.random.key(seed))
 
     @property
@@ -147,9 +152,10 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
     accum = t.grad_accum
     skip_nonfinite = t.on_nonfinite == "skip"
 
-    def init(key: jax.Array) -> State:
-        module = make_model(nnx.Rngs(key))
-        params = nnx.to_pure_dict(nnx.state(module, nnx.Param))
+    def init(key: jax.Array, params: Any = None) -> State:
+        if params is None:
+            module = make_model(nnx.Rngs(key))
+            params = nnx.to_pure_dict(nnx.state(module, nnx.Param))
         state = {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
@@ -352,6 +358,7 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         return {"loss": loss, **aux}
 
     init_fn = jax.jit(init, out_shardings=state_shardings)
+    init_params_fn = jax.jit(init, out_shardings=state_shardings)
     step_fn = jax.jit(
         train_step,
         in_shardings=(state_shardings, batch_shardings),
@@ -377,6 +384,7 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         train_step=step_fn,
         eval_step=eval_fn,
         schedule=schedule,
+        init_params_fn=init_params_fn,
     )
 
 

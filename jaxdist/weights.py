@@ -264,3 +264,24 @@ def export_hf(
         summary["tokenizer_files"] = _copy_tokenizer_files(src, tmp)
     summary["step"] = src.step
     return summary
+
+
+# Model fields that belong to the run rather than to the weights: kept from the run's config when
+# `train.init_from` brings the rest from the source.
+RUN_MODEL_FIELDS = ("seq_len", "attention", "scan_unroll", "embed_grad")
+
+
+def apply_init_from(config: ml_collections.ConfigDict) -> Source | None:
+    """For `train.init_from=PATH`: the source, with `config.model` set to its architecture (every
+    field but `RUN_MODEL_FIELDS`); None when the field is empty."""
+    path = config.train.init_from
+    if not path:
+        return None
+    try:
+        src = resolve(path)
+    except ConfigError as e:
+        raise ConfigError(f"train.init_from={path!r}: {e}") from None
+    for key, value in src.config.model.items():
+        if key not in RUN_MODEL_FIELDS:
+            config.model[key] = value
+    return src

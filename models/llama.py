@@ -4,7 +4,7 @@ Pre-norm layers of RMSNorm → grouped-query attention with rotary embeddings �
 bias-free projections, a final RMSNorm and a vocabulary head that may be the embedding table itself
 (`model.tie_embeddings`). The rotary embedding uses Hugging Face's rotate-half layout (the two halves
 of each head are the pairs being rotated), so HF `LlamaForCausalLM` weights map 1:1, with transposes
-only (`scripts/hf.py`, `jaxdist/hf.py`).
+only (`HF` below; `scripts/hf.py` reads and writes the files).
 
 Like the GPT, the layers are stacked along a leading `layers` axis and applied with
 `api.scan_layers`; `embed_tokens`, `block` and `head_loss` are pure functions of their parameters
@@ -390,6 +390,156 @@ def stages(cfg) -> api.Stages:
     )
 
 
+# ------------------------------------------------------------------------------------------------
+# Hugging Face `LlamaForCausalLM` (jaxdist/hf.py reads and writes the files).
+#
+# | jaxdist (`params/...`) | shape     | Hugging Face                                   | shape    |
+# |------------------------|-----------|------------------------------------------------|----------|
+# | embed                  | [V, D]    | model.embed_tokens.weight                      | [V, D]   |
+# | layers/attn_norm[i]    | [D]       | model.layers.i.input_layernorm.weight          | [D]      |
+# | layers/wq[i]           | [D, N, H] | model.layers.i.self_attn.q_proj.weight         | [N·H, D] |
+# | layers/wk[i], wv[i]    | [D, K, H] | model.layers.i.self_attn.{k,v}_proj.weight     | [K·H, D] |
+# | layers/wo[i]           | [N, H, D] | model.layers.i.self_attn.o_proj.weight         | [D, N·H] |
+# | layers/mlp_norm[i]     | [D]       | model.layers.i.post_attention_layernorm.weight | [D]      |
+# | layers/w_gate[i], w_up | [D, F]    | model.layers.i.mlp.{gate,up}_proj.weight       | [F, D]   |
+# | layers/w_down[i]       | [F, D]    | model.layers.i.mlp.down_proj.weight            | [D, F]   |
+# | final_norm             | [D]       | model.norm.weight                              | [D]      |
+# | head (untied only)     | [D, V]    | lm_head.weight                                 | [V, D]   |
+#
+# HF stores `nn.Linear` weights as [out, in]. Both sides use the rotate-half rotary layout, so no
+# row permutation is needed (Meta's original checkpoints interleave the rotated pairs; transformers'
+# converter permutes q/k once, and HF checkpoints are already in this layout).
+
+
+def _hf_field(hf: Mapping[str, Any], key: str, where: str, kind: type, default: Any = None):
+    """hf[key] (or `default`), checked to be an integer, or a number when `kind` is float."""
+    value = hf.get(key, default)
+    _need(value is not None, f"{where}: missing field {key!r}")
+    ok = not isinstance(value, bool) and isinstance(value, int | float if kind is float else int)
+    _need(ok, f"{where}: {key}={value!r} must be {'a number' if kind is float else 'an integer'}")
+    return kind(value)
+
+
+def config_from_hf(hf: Mapping[str, Any], m, where: str) -> None:
+    """Fills config.model `m` from a `LlamaForCausalLM` config.json (transformers 4.x: top-level
+    `rope_theta`/`rope_scaling`; 5.x: `rope_parameters`). Llama variants jaxdist does not
+    implement (biases, an activation other than SiLU, other RoPE types) are refused."""
+    for key in ("attention_bias", "mlp_bias"):
+        _need(not hf.get(key, False), f"{where}: {key}=true is not supported (bias-free only)")
+    act = hf.get("hidden_act", "silu")
+    _need(act == "silu", f"{where}: hidden_act={act!r} is not supported; Llama uses 'silu'")
+    m.vocab_size = _hf_field(hf, "vocab_size", where, int)
+    m.d_model = _hf_field(hf, "hidden_size", where, int)
+    m.mlp_dim = _hf_field(hf, "intermediate_size", where, int)
+    m.num_layers = _hf_field(hf, "num_hidden_layers", where, int)
+    m.num_heads = _hf_field(hf, "num_attention_heads", where, int)
+    m.num_kv_heads = _hf_field(hf, "num_key_value_heads", where, int, m.num_heads)
+    m.head_dim = _hf_field(hf, "head_dim", where, int, m.d_model // max(m.num_heads, 1))
+    m.seq_len = _hf_field(hf, "max_position_embeddings", where, int)
+    m.norm_eps = _hf_field(hf, "rms_norm_eps", where, float, 1e-6)
+    m.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    _need(isinstance(rope, dict), f"{where}: rope_parameters/rope_scaling must be an object")
+    m.rope_theta = _hf_field(rope, "rope_theta", where, float, hf.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    _need(
+        kind in ("default", "llama3"),
+        f"{where}: rope type {kind!r} is not supported; jaxdist implements default, llama3",
+    )
+    if kind == "llama3":
+        rs, at = m.rope_scaling, f"{where} rope_scaling"
+        rs.type = "llama3"
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            rs[key] = _hf_field(rope, key, at, float)
+        rs.original_max_len = _hf_field(rope, "original_max_position_embeddings", at, int)
+    eos = hf.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    m.eos_token_id = eos if isinstance(eos, int) and not isinstance(eos, bool) else -1
+
+
+def config_to_hf(m, dtype: str) -> dict[str, Any]:
+    """A `LlamaForCausalLM` config.json for config.model `m`, read by transformers 4.x and 5."""
+    d = dims(m)
+    out = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": d["V"],
+        "hidden_size": d["D"],
+        "intermediate_size": d["F"],
+        "num_hidden_layers": d["L"],
+        "num_attention_heads": d["N"],
+        "num_key_value_heads": d["K"],
+        "head_dim": d["H"],
+        "max_position_embeddings": int(m.seq_len),
+        "rms_norm_eps": float(m.norm_eps),
+        "rope_theta": float(m.rope_theta),
+        "rope_scaling": None,
+        "tie_word_embeddings": bool(m.tie_embeddings),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+    }
+    if m.rope_scaling.type == "llama3":
+        rs = m.rope_scaling
+        out["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": float(rs.factor),
+            "low_freq_factor": float(rs.low_freq_factor),
+            "high_freq_factor": float(rs.high_freq_factor),
+            "original_max_position_embeddings": int(rs.original_max_len),
+        }
+    if m.eos_token_id >= 0:
+        out["eos_token_id"] = int(m.eos_token_id)
+    return out
+
+
+def hf_tensors(m) -> list[api.HFTensor]:
+    """Every parameter's Hugging Face tensor, in the params' tree order (the table above)."""
+    d = dims(m)
+    D, N, K, H, F, V = d["D"], d["N"], d["K"], d["H"], d["F"], d["V"]
+    same = (lambda a: a, lambda a: a)
+    # [out, in] <-> [in, *out split]: the transpose, then the heads axis split out (or merged).
+    linear = lambda shape: (lambda w: w.T.reshape(shape), lambda w: w.reshape(w.shape[0], -1).T)
+    out_proj = (lambda w: w.T.reshape(N, H, D), lambda w: w.reshape(N * H, D).T)
+    at = "model.layers.{i}."
+    rows = [
+        ("embed", "model.embed_tokens.weight", (V, D), same),
+        ("attn_norm", at + "input_layernorm.weight", (D,), same),
+        ("wq", at + "self_attn.q_proj.weight", (N * H, D), linear((D, N, H))),
+        ("wk", at + "self_attn.k_proj.weight", (K * H, D), linear((D, K, H))),
+        ("wv", at + "self_attn.v_proj.weight", (K * H, D), linear((D, K, H))),
+        ("wo", at + "self_attn.o_proj.weight", (D, N * H), out_proj),
+        ("mlp_norm", at + "post_attention_layernorm.weight", (D,), same),
+        ("w_gate", at + "mlp.gate_proj.weight", (F, D), linear((D, F))),
+        ("w_up", at + "mlp.up_proj.weight", (F, D), linear((D, F))),
+        ("w_down", at + "mlp.down_proj.weight", (D, F), linear((F, D))),
+        ("final_norm", "model.norm.weight", (D,), same),
+    ]
+    if not m.tie_embeddings:
+        rows.append(("head", "lm_head.weight", (V, D), linear((D, V))))
+    return [
+        api.HFTensor(
+            ("layers", name) if name in BLOCK_AXES else (name,),
+            hf_name,
+            shape,
+            *fns,
+            stacked=name in BLOCK_AXES,
+        )
+        for name, hf_name, shape, fns in rows
+    ]
+
+
+HF = api.HFFormat(
+    architectures=("LlamaForCausalLM",),
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    tensors=hf_tensors,
+    # Old checkpoints carry the rotary buffer; some tied ones store the table twice.
+    ignored=lambda m: ("rotary_emb.inv_freq",) + (("lm_head.weight",) if m.tie_embeddings else ()),
+)
+
+
 def decoder(cfg) -> api.Decoder:
     """The KV-cache forward for generation (`scripts/sample.py`)."""
     return api.Decoder(
@@ -409,4 +559,5 @@ FAMILY = api.ModelFamily(
     tokens_per_example=lambda cfg: cfg.seq_len,
     stages=stages,
     decoder=decoder,
+    hf=HF,
 )

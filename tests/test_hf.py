@@ -179,3 +179,54 @@ def test_bad_input_from_the_command_line_has_no_traceback(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == f"error: {tmp_path / 'nothing'}: no such file or directory"
     assert not (tmp_path / "out").exists()
+
+
+def test_init_from_trains_sharded_then_exports_to_transformers(tmp_path):
+    """import → `train.py --config.train.init_from=RUN` for 2 steps on data=2 × fsdp=2 × tensor=2
+    (its first loss is the imported weights' own, so it started from them) → export → transformers
+    loads the trained weights with jaxdist's logits within 1e-4."""
+    from ml_collections import ConfigDict
+
+    from jaxdist import data
+
+    _, hf_dir = hf_tiny(tmp_path, "hf", tie=False, seed=2)
+    run_script("import", hf_dir, "--out", tmp_path / "run")
+    tokens = np.random.default_rng(1).integers(0, VOCAB, size=20_000).astype(np.uint16)
+    tokens.tofile(tmp_path / "train.bin")
+    work = tmp_path / "ft"
+    cmd = [
+        sys.executable,
+        "scripts/train.py",
+        "--config=configs/llama_tiny.py",
+        f"--workdir={work}",
+    ]
+    cmd += [
+        f"--config.train.init_from={tmp_path / 'run'}",
+        f"--config.data.source={tmp_path / 'train.bin'}",
+    ]
+    cmd += ["--config.train.steps=2", "--config.train.log_every=1", "--config.checkpoint.every=2"]
+    cmd += [
+        "--config.model.seq_len=32",
+        "--config.train.batch_size=8",
+        "--config.train.eval_batches=1",
+    ]
+    cmd += ["--config.train.warmup_steps=0", "--config.train.learning_rate=0.01"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "initialised from" in proc.stdout
+    records = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "pipeline": 1}
+    first = next(r for r in records if r.get("step") == 1 and "loss" in r)
+    # The loss of step 1 is that of the imported weights on batch 0.
+    ds = data.load(ConfigDict({"source": str(tmp_path / "train.bin"), "val_fraction": 0.1,
+                               "max_bytes": 0}), seq_len=32, vocab_size=VOCAB)  # fmt: skip
+    batch = data.Batches(ds, batch_size=8, seq_len=32, seed=0, shardings={}).get_host(0)
+    logits = jaxdist_logits(tmp_path / "run", batch["inputs"]).astype(np.float64)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ref_loss = -np.take_along_axis(logp, batch["targets"][..., None], -1).mean()
+    np.testing.assert_allclose(first["loss"], ref_loss, rtol=1e-5)
+    run_script("export", work, "--out", tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    ours = jaxdist_logits(work, TOKENS)
+    assert np.abs(hf_logits(loaded, TOKENS) - ours).max() <= 1e-4
+    assert np.abs(ours - jaxdist_logits(tmp_path / "run", TOKENS)).max() > 1e-3  # it trained
