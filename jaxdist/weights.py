@@ -127,13 +127,12 @@ def resolve(path: str, step: int | None = None) -> Source:
     meta = ckpt.read_metadata(checkpoints, step)
     saved = meta.get("config")
     _need(isinstance(saved, dict), f"checkpoint step {meta['step']} in {checkpoints} has no config")
+    config = config_from_json(saved)
+    # A run trained on scripts/tokenize.py's shards uses the tokenizer saved with them.
+    data_dir = config.data.source if os.path.isdir(config.data.source) else None
+    folders = tuple(dict.fromkeys(f for f in (path, run_dir, data_dir) if f))
     return Source(
-        "jaxdist",
-        path,
-        config_from_json(saved),
-        checkpoints=checkpoints,
-        step=int(meta["step"]),
-        folders=(path, run_dir) if run_dir != path else (path,),
+        "jaxdist", path, config, checkpoints=checkpoints, step=int(meta["step"]), folders=folders
     )
 
 
