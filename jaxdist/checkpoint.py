@@ -849,3 +849,55 @@ def export_params(
         save_file(arrays, tmp)
     os.replace(tmp, out)
     return arrays
+
+
+def restore_subtree(
+    directory: epath.PathLike, abstract: PyTree, *, prefix: str = "params", step: int | None = None
+) -> PyTree:
+    """Reads the arrays under `prefix` of `step` (default newest) onto the shardings of `abstract`
+    (a tree of `jax.ShapeDtypeStruct(sharding=)` shaped like that subtree); the rest of the saved
+    state (optimizer moments, ...) is not read. Each device reads only its own shards.
+
+    Raises:
+      ConfigError: no such directory or step, or an array's path, shape or dtype differs.
+    """
+    step_dir, step = _resolve_step(directory, step)
+    state_dir = step_dir / STATE_ITEM
+    tree_md = _tree_metadata(state_dir)
+    saved = {p: md for p, md in _flatten(tree_md).items() if _under(p, prefix)}
+    expected = {f"{prefix}/{p}": leaf for p, leaf in _flatten(abstract).items()}
+    _check_matches(saved, expected, f"checkpoint step {step} in {directory}")
+    placeholder = getattr(ocp, "PLACEHOLDER", None)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree_md)
+    item, restore_args = [], []
+    for kp, md in leaves:
+        path = path_str(kp)
+        want = expected.get(path)
+        if want is None:
+            item.append(md if placeholder is None else placeholder)
+            restore_args.append(ocp.RestoreArgs(restore_type=np.ndarray))
+        else:
+            item.append(want)
+            restore_args.append(
+                ocp.ArrayRestoreArgs(
+                    sharding=want.sharding, global_shape=want.shape, dtype=want.dtype
+                )
+            )
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        out = handler.restore(
+            state_dir,
+            args=ocp.args.PyTreeRestore(
+                item=jax.tree_util.tree_unflatten(treedef, item),
+                restore_args=jax.tree_util.tree_unflatten(treedef, restore_args),
+            ),
+        )
+    finally:
+        handler.close()
+    got = _flatten(out)
+    paths = [
+        f"{prefix}/{path_str(kp)}" for kp, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]
+    ]
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(abstract), [got[p] for p in paths]
+    )

@@ -45,6 +45,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.attention = "xla"  # "xla", "cudnn" (flash attention on NVIDIA GPUs) or "auto"
     c.model.scan_unroll = 1  # layers per scan iteration (num_layers: no loop, no stacked copies)
     c.model.embed_grad = "scatter"  # or "matmul": one-hot matmul, no atomics (fast on GPUs)
+    # llama (models/llama.py): grouped-query attention, rotary embeddings, RMSNorm, tied head.
+    c.model.num_kv_heads = 0  # 0 = num_heads (no grouping)
+    c.model.head_dim = 0  # 0 = d_model // num_heads
+    c.model.rope_theta = 10000.0
+    c.model.rope_scaling = ml_collections.ConfigDict()
+    c.model.rope_scaling.type = "none"  # or "llama3" (Llama 3.1+ long-context frequencies)
+    c.model.rope_scaling.factor = 8.0
+    c.model.rope_scaling.low_freq_factor = 1.0
+    c.model.rope_scaling.high_freq_factor = 4.0
+    c.model.rope_scaling.original_max_len = 8192
+    c.model.norm_eps = 1e-5
+    c.model.tie_embeddings = False
+    c.model.eos_token_id = -1  # generation stops at this token; -1 = none
     c.model.hidden_dims = (256, 256)  # mlp
     c.model.widths = (16, 32, 64)  # resnet stage widths
     c.model.num_classes = 10  # mlp / resnet
@@ -78,6 +91,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.max_skipped = 10  # on_nonfinite=skip: stop after this many skipped updates in a row
     c.train.lr_scaling = "none"
     c.train.base_batch_size = 0  # 0 = batch_size: lr_scaling is relative to this
+    c.train.init_from = ""  # start from these weights: an HF folder or a jaxdist run/checkpoint
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist import checkpoint, data, distributed, metrics, train
+from jaxdist import checkpoint, data, distributed, metrics, train, weights
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
 from jaxdist.errors import ConfigError
@@ -220,6 +220,7 @@ def run(config, workdir: str) -> dict[str, float]:
     dict when the checkpoint in `workdir` already reached `train.steps` (nothing is run).
     """
     workdir = check_workdir(workdir)
+    init_from = weights.apply_init_from(config)  # the source's model fields, before validation
     num_devices = jax.device_count()
     config_lib.validate(config, num_devices)
     mesh_lib.check_backend(config)
@@ -277,6 +278,10 @@ def run(config, workdir: str) -> dict[str, float]:
             note = _schedule_change_note((saved or {}).get("train", {}), t, start)
             if note:
                 print(note, flush=True)
+    elif init_from is not None:  # its weights, a fresh optimizer, step 0
+        state = engine.init(params=weights.load_params(init_from, engine.abstract_state["params"]))
+        if main:
+            print(f"initialised from {init_from.path} ({init_from.kind})", flush=True)
     else:
         state = engine.init()
 

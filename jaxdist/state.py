@@ -63,7 +63,7 @@ class StateSpec:
 
     abstract: dict[str, Any]  # TrainState of ShapeDtypeStructs carrying their shardings
     shardings: dict[str, Any]  # TrainState of NamedShardings (storage rules)
-    init: Callable[[jax.Array], TrainState]  # key -> state; jit it with out_shardings=shardings
+    init: Callable[..., TrainState]  # (key, params=None) -> state; jit with out_shardings
 
 
 def opt_shardings(
@@ -121,9 +121,10 @@ def build_spec(
     for key, e in entries.items():
         shardings[key], abstract[key] = e.shardings, e.abstract
 
-    def init(key: jax.Array) -> TrainState:
-        module = make_model(nnx.Rngs(key))
-        params = nnx.to_pure_dict(nnx.state(module, nnx.Param))
+    def init(key: jax.Array, params: Any = None) -> TrainState:
+        if params is None:  # else given weights (`train.init_from`), on their shardings
+            module = make_model(nnx.Rngs(key))
+            params = nnx.to_pure_dict(nnx.state(module, nnx.Param))
         state: TrainState = {
             "step": jnp.zeros((), jnp.int32),
             "params": params,

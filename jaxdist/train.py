@@ -48,7 +48,7 @@ class Engine:
     batch_axes: dict[str, tuple]
     tx: optax.GradientTransformation
     lr_schedule: optax.Schedule
-    init_fn: Callable[[jax.Array], State]
+    init_fn: Callable[..., State]  # (key, params=None) -> state
     train_step: Callable[[State, Batch], tuple[State, dict]]
     eval_step: Callable[[State, Batch], dict]
     schedule: Any = None  # pipeline.Schedule when mesh.pipeline > 1: the tables the step runs
@@ -58,9 +58,11 @@ class Engine:
     def num_params(self) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.abstract_state["params"]))
 
-    def init(self, seed: int | None = None) -> State:
+    def init(self, seed: int | None = None, params: Any = None) -> State:
+        """A fresh train state at step 0; with `params` (a tree like the params, on their
+        shardings) those weights instead of a random init (`train.init_from`)."""
         seed = self.config.train.seed if seed is None else seed
-        return self.init_fn(jax.random.key(seed))
+        return self.init_fn(jax.random.key(seed), params)
 
     @property
     def stages(self) -> Stages | None:
