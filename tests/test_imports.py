@@ -136,7 +136,8 @@ def test_checker_sees_function_level_and_relative_imports(tmp_path):
 # above them all). Every jaxdist module is listed, so a new one has to pick its place.
 LAYERS = (
     {"jaxdist.loop"},
-    {"jaxdist.train", "jaxdist.strategies", "jaxdist.state", "jaxdist.plan"},  # step / state
+    # step / state; weights: what `train.init_from` and the HF tools read a model from
+    {"jaxdist.train", "jaxdist.strategies", "jaxdist.state", "jaxdist.plan", "jaxdist.weights"},
     {  # pipeline, gradient sync, checkpoint and their helpers
         "jaxdist.pipeline",
         "jaxdist.microbatch",
@@ -150,6 +151,10 @@ LAYERS = (
         "jaxdist.hlo_cost",
         "jaxdist.flops",
         "jaxdist.distributed",
+        "jaxdist.hf",  # Hugging Face config / tensor mapping
+        "jaxdist.generate",
+        "jaxdist.tokenizer",
+        "jaxdist.token_shards",
     },
     {"jaxdist.sharding", "jaxdist.mesh", "jaxdist.config", "jaxdist.xla_flags"},
     {"jaxdist", "jaxdist.errors"},
