@@ -129,7 +129,6 @@ NOT_RUN = {
     "python3 -m venv .venv": _SETUP,
     ". .venv/bin/activate": _SETUP,
     "pip install -e .": _SETUP,
-    "pip install -e '.[test]'": _SETUP,
     "pip install -e '.[test,hf]'": _SETUP,
     "python -m pytest -q -n 2 --dist loadfile": "the test suite this test is part of",
     "python scripts/bench_gpu.py --phase=point ...": (
