@@ -130,6 +130,9 @@ NOT_RUN = {
     ". .venv/bin/activate": _SETUP,
     "pip install -e .": _SETUP,
     "pip install -e '.[test,hf]'": _SETUP,
+    'pip install -e . "jax[cuda13]"': _SETUP + " and a GPU",
+    'pip install -e . "jax[cuda12]"': _SETUP + " and a GPU",
+    'pip install -e . "jax[tpu]"': _SETUP + " and a TPU",
     "python -m pytest -q -n 2 --dist loadfile": "the test suite this test is part of",
     "python scripts/bench_gpu.py --phase=point ...": (
         "a template; `bash scripts/gpu_check.sh` (run here) runs every point of it"
