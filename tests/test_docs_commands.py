@@ -134,6 +134,10 @@ NOT_RUN = {
     'pip install -e . "jax[cuda12]"': _SETUP + " and a GPU",
     'pip install -e . "jax[tpu]"': _SETUP + " and a TPU",
     "python -m pytest -q -n 2 --dist loadfile": "the test suite this test is part of",
+    "bash scripts/gpu_check.sh runs/gpu_check": (
+        "run by tests/test_gpu_check.py (the same CPU dry run into a temporary folder, its JSON and "
+        "table checked there)"
+    ),
     "python scripts/bench_gpu.py --phase=point ...": (
         "a template; `bash scripts/gpu_check.sh` (run here) runs every point of it"
     ),
