@@ -788,7 +788,7 @@ def _silence_failed_writes() -> None:
     writes; each completion's callback then raises "Event loop is closed", printed through
     sys.excepthook, one traceback per array. jaxdist reports the failure once, in one line.
     """
-    _silence_orphaned_reads()
+    orbax_reads.silence_orphaned_reads()
     if not getattr(sys.excepthook, "_jaxdist_filter", False):
         previous_excepthook = sys.excepthook
 
@@ -815,48 +815,6 @@ def _silence_failed_writes() -> None:
 
     hook._jaxdist_filter = True
     threading.excepthook = hook
-
-
-class _OrphanedReadFilter(logging.Filter):
-    """Drops asyncio's "Task/Future exception was never retrieved" for orbax's abandoned reads."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        if "exception was never retrieved" not in msg:
-            return True
-        detail = msg
-        if record.exc_info and record.exc_info[0] is not None:
-            detail += "".join(traceback.format_exception(*record.exc_info))
-        return "orbax" not in detail and "_read_array_index_and_device_put" not in detail
-
-
-def _silence_orphaned_reads() -> None:
-    """After a failed read, drop the noise of orbax's other reads still in flight.
-
-    When one array fails, orbax abandons the concurrent reads of the others; they surface later as
-    "Exception ignored in <coroutine ...>" (unraisable) or asyncio's "Task exception was never
-    retrieved" (logged), each with a traceback, long after the one-line fallback warning said what
-    happened. Only those are filtered; anything else still reaches its hook or handler.
-    """
-    asyncio_log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _OrphanedReadFilter) for f in asyncio_log.filters):
-        asyncio_log.addFilter(_OrphanedReadFilter())
-    previous = sys.unraisablehook
-    if getattr(previous, "_jaxdist_filter", False):
-        return
-
-    def hook(unraisable):
-        obj = getattr(unraisable, "object", None)
-        name = getattr(obj, "__qualname__", "") or getattr(
-            getattr(obj, "cr_code", None), "co_name", ""
-        )
-        msg = str(getattr(unraisable, "exc_value", ""))
-        if "_read_array_index_and_device_put" in name or "Event loop is closed" in msg:
-            return
-        previous(unraisable)
-
-    hook._jaxdist_filter = True
-    sys.unraisablehook = hook
 
 
 def _non_negative_int(value: Any, field: str, meaning: str) -> int:
