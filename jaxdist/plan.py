@@ -1292,6 +1292,22 @@ def device_memory_bytes() -> tuple[float, str] | None:
     return (float(limit), f"{devices[0].device_kind} memory") if limit else None
 
 
+def layout_prediction(config, engine) -> dict[str, Any]:
+    """The planner's per-device memory for the `layout` record (`predicted_bytes_per_device`).
+
+    Only the GPT is modelled. Local SGD keeps an outer state plus a copy of the model and
+    optimizer per replica, which the planner does not model: no prediction then either.
+    """
+    if config.model.name != "gpt" or "local" in engine.abstract_state:
+        return {}
+    predicted = predict(config, num_devices=engine.mesh.size).memory
+    return {
+        "predicted_bytes_per_device": {
+            k: int(predicted[k]) for k in ("params", "opt_state", "temp")
+        }
+    }
+
+
 def refuse_if_far_over_memory(config, num_devices: int, factor: float = REFUSE_FACTOR) -> None:
     """ConfigError when the predicted per-device peak is over `factor` × the device's memory.
 

@@ -189,3 +189,10 @@ def test_library_imports_go_down_the_layers():
     assert not up, sorted(up)
     config_top = _module_level_targets(ROOT / "jaxdist" / "config.py", set(graph))
     assert not config_top & CONFIG_READS, sorted(config_top & CONFIG_READS)
+
+
+def test_loop_does_not_import_the_planner():
+    """The planner's memory refusal and prediction reach the loop as hooks `scripts/train.py` passes
+    (`loop.run(checks=, layout_extras=)`): the loop itself does not depend on it."""
+    graph = import_graph()
+    assert "jaxdist.plan" not in graph["jaxdist.loop"], sorted(graph["jaxdist.loop"])
