@@ -574,7 +574,7 @@ def _train(config, workdir, setup: _Setup, state, start: int, layout_extras) -> 
     if main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(setup.cfg_json, f, indent=2, sort_keys=True)
-        if start == 0 or not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+        if start == 0 or _layout_changed(workdir, record):
             writer.write_layout(record)
         print(summary(record), flush=True)
     console = _Console(main, t.steps, start)
@@ -611,6 +611,21 @@ def _train(config, workdir, setup: _Setup, state, start: int, layout_extras) -> 
         setup.preemption.restore()
         console.close()
         writer.close()
+
+
+def _layout_changed(workdir: str, record: dict[str, Any]) -> bool:
+    """Whether a resumed run's program differs from the last `layout` record (an elastic restart on
+    fewer devices, another mesh): it then gets a record of its own."""
+    last = None
+    try:
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            for line in f:
+                if '"kind": "layout"' in line:
+                    last = json.loads(line)
+    except (OSError, json.JSONDecodeError):
+        return True
+    keys = ("mesh", "devices", "processes", "bytes_per_device", "collective_bytes_per_step")
+    return last is None or any(last.get(k) != record.get(k) for k in keys)
 
 
 def _checkpoint(ckpt, guard, console, step: int, state, m) -> None:
