@@ -97,6 +97,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.source = "stdlib"
     c.data.val_fraction = 0.1
     c.data.max_bytes = 16_000_000  # cap on the text corpus read into memory
+    c.data.sources = ()  # a mixture of token sources (replaces data.source when given)
+    c.data.weights = ()  # one per data.sources entry; default equal
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0
@@ -242,11 +244,32 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     )
     pipeline.check(config, mesh)
     strategies.check(config, mesh)
-    src = config.data.source
-    if src not in ("stdlib", "digits"):
-        _need(os.path.exists(src), f"data.source={src!r}: no such file or directory")
-        _need(os.access(src, os.R_OK), f"data.source={src!r}: not readable")
+    _check_sources(config.data)
     return mesh
+
+
+def _check_sources(d) -> None:
+    """data.source, or the mixture data.sources / data.weights: paths that exist and read."""
+    sources = tuple(d.sources) or (d.source,)
+    for src in sources:
+        if src not in ("stdlib", "digits"):
+            name = f"data.sources entry {src!r}" if tuple(d.sources) else f"data.source={src!r}"
+            _need(os.path.exists(src), f"{name}: no such file or directory")
+            _need(os.access(src, os.R_OK), f"{name}: not readable")
+    if tuple(d.sources):
+        _need("digits" not in sources, "data.sources mixes token sources; 'digits' is images")
+        weights = tuple(d.weights)
+        _need(
+            not weights or len(weights) == len(sources),
+            f"data.weights has {len(weights)} entries for {len(sources)} data.sources; give one "
+            "per source (or none: equal weights)",
+        )
+        _need(
+            all(float(w) > 0 for w in weights),
+            f"data.weights={list(weights)}: each must be > 0",
+        )
+    else:
+        _need(not tuple(d.weights), "data.weights is set without data.sources; give both")
 
 
 def to_json_dict(config: ml_collections.ConfigDict) -> dict:
