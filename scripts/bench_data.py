@@ -27,7 +27,6 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import sys
 import sysconfig
 import tempfile
@@ -35,13 +34,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchlib import build as _build  # noqa: E402
+from benchlib import stats as _stats  # noqa: E402
+
 from jaxdist.errors import ConfigError  # noqa: E402
-
-
-def _stats(xs: list[float]) -> dict[str, float]:
-    xs = sorted(xs)
-    pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]
-    return {"median": statistics.median(xs), "p10": pick(0.1), "p90": pick(0.9)}
 
 
 def _corpus(mb: float) -> list[str]:
@@ -119,7 +115,7 @@ def study_tokenize(args) -> dict:
     if len({row["tokens"] for row in rows.values()}) != 1:  # the same work, or no comparison
         raise RuntimeError(f"token counts differ: { {k: r['tokens'] for k, r in rows.items()} }")
     for name, row in rows.items():
-        row["tokens_per_s"] = row["tokens"] / row["seconds"]["median"]
+        row["tokens_per_s"] = row["tokens"] / row["seconds"]["median_s"]
         print(f"{name:28s} {row['tokens']:>11,d} tokens  {row['tokens_per_s'] / 1e6:6.2f} M tok/s")
     return {"study": "tokenize", "corpus_bytes": n_bytes, "documents": len(docs), "rows": rows}
 
@@ -128,12 +124,11 @@ def study_loader(args) -> dict:
     import jax
 
     from jaxdist import config as config_lib
-    from jaxdist import data, mesh, token_shards, train
+    from jaxdist import data, mesh, token_shards
 
     mesh.configure_cpu_devices(8)
     cfg = config_lib.base_config()
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 2, 2, 2  # the default job's layout
-    config_lib.validate(cfg, jax.device_count())
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         ns = argparse.Namespace(
@@ -153,14 +148,7 @@ def study_loader(args) -> dict:
         ):
             cfg.data.source, cfg.model.vocab_size = source, vocab
             ds = data.load(cfg.data, seq_len=cfg.model.seq_len, vocab_size=vocab)
-            engine = train.build(cfg, mesh.make_mesh(cfg.mesh), ds)
-            batches = data.Batches(
-                ds,
-                batch_size=cfg.train.batch_size,
-                seq_len=cfg.model.seq_len,
-                seed=0,
-                shardings=engine.batch_shardings,
-            )
+            engine, batches = _build(cfg, mesh.make_mesh(cfg.mesh), ds)
             times = []
             for step in range(args.steps):
                 t0 = time.perf_counter()
@@ -177,12 +165,12 @@ def study_loader(args) -> dict:
                     jax.block_until_ready(m)
                     step_times.append(time.perf_counter() - t0)
                 rows["default job train step"] = {"step_s": _stats(step_times[3:])}
-    step = rows["default job train step"]["step_s"]["median"]
+    step = rows["default job train step"]["step_s"]["median_s"]
     for name, row in rows.items():
         if "host_s_per_batch" in row:
-            row["fraction_of_step"] = row["host_s_per_batch"]["median"] / step
+            row["fraction_of_step"] = row["host_s_per_batch"]["median_s"] / step
             print(
-                f"{name:30s} {row['host_s_per_batch']['median'] * 1e3:7.2f} ms/batch "
+                f"{name:30s} {row['host_s_per_batch']['median_s'] * 1e3:7.2f} ms/batch "
                 f"({100 * row['fraction_of_step']:.1f}% of a {step * 1e3:.1f} ms step)"
             )
     return {
@@ -225,12 +213,12 @@ def study_decode(args) -> dict:
         rows[f"batch {batch}"] = {
             "prefill_s": _stats(prefill),
             "decode_s": d,
-            "decode_tokens_per_s": batch * (args.new_tokens - 1) / d["median"],
-            "decode_step_s": d["median"] / (args.new_tokens - 1),
+            "decode_tokens_per_s": batch * (args.new_tokens - 1) / d["median_s"],
+            "decode_step_s": d["median_s"] / (args.new_tokens - 1),
         }
         row = rows[f"batch {batch}"]
         print(
-            f"batch {batch}: prefill {row['prefill_s']['median'] * 1e3:.1f} ms "
+            f"batch {batch}: prefill {row['prefill_s']['median_s'] * 1e3:.1f} ms "
             f"({args.prompt_len} tokens), decode step {row['decode_step_s'] * 1e3:.2f} ms, "
             f"{row['decode_tokens_per_s']:.0f} tokens/s"
         )

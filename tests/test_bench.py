@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
+
+from tests.helpers import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -22,16 +22,7 @@ TINY = [
 
 def run_bench(*flags: str) -> subprocess.CompletedProcess:
     """scripts/bench.py on the tiny GPT with `flags`; fails the test unless it exits 0."""
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench.py", *TINY, *flags],
-        cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc
+    return run_script("scripts/bench.py", *TINY, *flags)
 
 
 def test_overhead_study_end_to_end(tmp_path):
