@@ -67,7 +67,10 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
     if local_steps > 1:
         record["local_steps"] = local_steps
     if engine.schedule is not None:
-        record["pipeline"] = engine.schedule.describe()
+        from jaxdist import pipeline
+
+        # The table bubble assumes unit-time ticks; the lock-step cost is what the program runs.
+        record["pipeline"] = {**engine.schedule.describe(), **pipeline.step_cost(engine, compiled)}
         record["bubble_fraction"] = engine.schedule.bubble_fraction
     family = engine.family
     if family.tokens_per_example is not None:
@@ -123,7 +126,10 @@ def summary(record: dict[str, Any]) -> str:
             f"temp {_fmt_bytes(p['temp'])} (jaxdist/plan.py)"
         )
     if "bubble_fraction" in record:
-        lines.append(f"pipeline│ bubble fraction {record['bubble_fraction']:.3f}")
+        line = f"pipeline│ bubble fraction {record['bubble_fraction']:.3f}"
+        if "lockstep_vs_ideal" in record.get("pipeline", {}):
+            line += f", lock-step cost {record['pipeline']['lockstep_vs_ideal']:.2f}× the ideal"
+        lines.append(line)
     return "\n".join(lines)
 
 

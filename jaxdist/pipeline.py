@@ -47,15 +47,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist import microbatch, sharding
+from jaxdist import metrics, microbatch, sharding
 from jaxdist.errors import ConfigError
 from models import api
 from models.api import Stages
 
 AXIS = "pipeline"
 IDLE, FWD, BWD = 0, 1, 2
+_WEIGHTS = "pipeline_stage_weights"  # checkpoint name of a tick's selected stage weights
 
 # --------------------------------------------------------------------------------------------------
 # Schedule tables
@@ -383,7 +385,7 @@ def _looped_forward(stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtu
     """Forward ticks of gpipe / interleaved on one stage; returns [m, ...] final activations.
 
     Args:
-      stage_fn: (one chunk's layer params [Lc, ...], x [b, T, D]) -> y.
+      stage_fn: (chunks [v, Lc, ...], virtual stage, x [b, T, D]) -> y (`looped_stage_fn`).
       chunks: this device's chunks, every leaf [v, Lc, ...] (float32: cast per tick, so autodiff
         accumulates their gradients over the ticks in float32).
       x0: [m, b, T, D] embedded microbatches (the same on every stage; stage 0 reads them).
@@ -405,13 +407,50 @@ def _looped_forward(stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtu
         recv, outs = carry
         ok, i, s = row[0][d], row[1][d], row[2][d]
         x = jnp.where((d == 0) & (s == 0), _take(x0, i).astype(dtype), recv)  # [b, T, D]
-        y = stage_fn(jax.tree.map(lambda a: _take(a, s), chunks), x)
+        y = stage_fn(chunks, s, x)
         outs = _put(outs, i, y, ok & (d == p - 1) & (s == v - 1))
         return (jax.lax.ppermute(y, AXIS, ring), outs), None
 
     rows = (jnp.asarray(valid), jnp.asarray(micro), jnp.asarray(virtual))
     (_, outs), _ = jax.lax.scan(tick, (zero, outs), rows)
     return outs
+
+
+class _StashedVjp:
+    """`jax.vjp` split across ticks: the forward tick keeps the residuals, a later tick applies
+    the backward to them, without running the forward again.
+
+    The residuals are the leaves of the vjp function (`jax.vjp` returns a pytree); those that are
+    one of the `fixed` arrays (the stage weights, which every tick has anyway) are not stashed but
+    passed again to the backward. What else a residual holds is decided by the remat policy of the
+    function (`train.remat`): activations for `none`, the layer inputs for `full`.
+    """
+
+    def __init__(self):
+        self.tree = None
+        self.where: list[int] | None = None  # per vjp leaf: index into `fixed`, or -1 = stashed
+
+    def forward(self, fn, fixed: list, *args):
+        """(fn(*args), stashed residual leaves)."""
+        out, vjp = jax.vjp(fn, *args)
+        leaves, tree = jax.tree.flatten(vjp)
+        ids = {id(f): k for k, f in enumerate(fixed)}
+        where = [ids.get(id(leaf), -1) for leaf in leaves]
+        if self.where is not None and where != self.where:
+            raise AssertionError("stashed vjp: residual layout differs between traces")
+        self.tree, self.where = tree, where
+        return out, [leaf for leaf, w in zip(leaves, where) if w < 0]
+
+    def backward(self, fixed: list, stashed: list, cotangent):
+        """The input cotangents of `forward`'s args, from its stashed residuals."""
+        rest = iter(stashed)
+        leaves = [fixed[w] if w >= 0 else next(rest) for w in self.where]
+        return jax.tree.unflatten(self.tree, leaves)(cotangent)
+
+
+# Branches of the 1F1B tick switch; the last stage runs its own forward (with head and loss) and
+# backward (from the loss) branches.
+F_LAST, B_LAST = 3, 4
 
 
 def _one_f_one_b(
@@ -424,6 +463,7 @@ def _one_f_one_b(
     *,
     p: int,
     scale: float,
+    dtype,
     action,
     micro,
     recv_f,
@@ -431,15 +471,21 @@ def _one_f_one_b(
 ):
     """The 1F1B ticks on one stage: loss, gradients and the gradient of the stage-0 input.
 
+    A forward tick runs the stage under `jax.vjp` and stashes its residuals (at most p microbatches
+    in flight: p slots, slot = microbatch mod p); the backward tick applies the stashed vjp to the
+    arriving gradient, so it costs about two forwards and recomputes nothing (unless `train.remat`
+    says so). The last stage also runs head and loss in its forward tick, stashing their residuals
+    in one slot (its backward follows on the next tick).
+
     Args:
-      stage_fn: (layer params [Lc, ...] float32, x [b, T, D]) -> y (casts to the compute dtype).
-      head_loss: (head params float32, y, targets [b, T]) -> mean cross-entropy of the microbatch.
+      stage_fn: (layer params [Lc, ...] in the compute dtype, x [b, T, D]) -> y.
+      head_loss: (head params, y, targets [b, T]) -> mean cross-entropy of the microbatch.
       chunk: this stage's layer params, every leaf [Lc, ...], float32.
       head: the head's params (final norm, projection), float32, the same on every stage.
       x0: [m, b, T, D] embedded microbatches; targets: [m, b, T].
       scale: d loss / d (one microbatch's head_loss) = 1 / (m · data replicas).
-      action: [ticks, p] what runs (IDLE / FWD / BWD); the last stage's FWD entries are IDLE here:
-        its backward recomputes the forward, so a separate forward would be wasted work.
+      dtype: the compute dtype.
+      action: [ticks, p] the branch each stage runs (IDLE / FWD / BWD / F_LAST / B_LAST).
       micro: [ticks, p] microbatch per action.
       recv_f, recv_b: [ticks, p] the slot an arriving activation / gradient goes into at the end of
         the tick, -1 if none arrives.
@@ -448,62 +494,79 @@ def _one_f_one_b(
       head gradients are nonzero on the last stage only, d x0 on stage 0 only; float32 gradients.
     """
     d = jax.lax.axis_index(AXIS)
-    first, last = d == 0, d == p - 1
+    first = d == 0
     # Differentiate with respect to per-device copies, so no vjp inside a tick sums over the manual
     # axes (a collective inside one stage's branch would deadlock the others); sum once at the end.
-    chunk, head = jax.tree.map(_varying, (chunk, head))
+    # Cast once per step: the stage's vjp then keeps the weights it was given, not a cast copy.
+    chunk, head = jax.tree.map(_varying, microbatch.cast_floating((chunk, head), dtype))
     fwd_pairs = [(s, s + 1) for s in range(p - 1)]
     bwd_pairs = [(s + 1, s) for s in range(p - 1)]
-    shape, dtype = x0.shape[1:], x0.dtype
-    zeros = lambda *lead: _varying(jnp.zeros((*lead, *shape), dtype))
+    shape, act_dtype = x0.shape[1:], x0.dtype
+    zeros = lambda *lead: _varying(jnp.zeros((*lead, *shape), act_dtype))
     f32_zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, jnp.float32)), tree)
+    add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
     m = x0.shape[0]
+    leaves = jax.tree.leaves
+    stage_vjp, head_vjp = _StashedVjp(), _StashedVjp()
+    head_fn = lambda hp, y, tgt: head_loss(hp, y, tgt)
+    # The stash: residual leaves [p, ...] per slot; the head's [1, ...] (the last stage keeps one).
+    # Their shapes come from tracing one forward on zeros here, which compiles to nothing (unused).
+    slots = lambda n, avals: [_varying(jnp.zeros((n, *a.shape), a.dtype)) for a in avals]
+    res0 = slots(p, stage_vjp.forward(stage_fn, leaves(chunk), chunk, zeros())[1])
+    hres0 = slots(1, head_vjp.forward(head_fn, leaves(head), head, zeros(), targets[0])[1])
 
-    def f(cp, hp, x, tgt):
-        y = stage_fn(cp, x)
-        loss = jax.lax.cond(
-            last,
-            lambda: head_loss(hp, y, tgt),
-            lambda: _varying(jnp.zeros((), jnp.float32)),
-        )
-        return y, loss
+    def store(bufs, slot, values):
+        return [jax.lax.dynamic_update_index_in_dim(b, v, slot, 0) for b, v in zip(bufs, values)]
 
-    def idle(x, dy, i, g_c, g_h, loss):
-        return zeros(), zeros(), g_c, g_h, loss
+    def load(bufs, slot):
+        return [_take(b, slot) for b in bufs]
 
-    def forward(x, dy, i, g_c, g_h, loss):
-        return stage_fn(chunk, x), zeros(), g_c, g_h, loss
+    def idle(ck, hp, x, dy, tgt, slot, res, hres, g_c, g_h, loss):
+        return zeros(), zeros(), res, hres, g_c, g_h, loss
 
-    def backward(x, dy, i, g_c, g_h, loss):
-        tgt = _take(targets, i)
-        (_, mb_loss), vjp = jax.vjp(lambda cp, hp, x: f(cp, hp, x, tgt), chunk, head, x)
-        dl = _varying(jnp.where(last, jnp.float32(scale), jnp.float32(0)))
-        dc, dh, dx = vjp((jnp.where(last, jnp.zeros_like(dy), dy), dl))
-        add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
-        return zeros(), dx.astype(dtype), add(g_c, dc), add(g_h, dh), loss + mb_loss * scale
+    def forward(ck, hp, x, dy, tgt, slot, res, hres, g_c, g_h, loss):
+        y, r = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
+        return y, zeros(), store(res, slot, r), hres, g_c, g_h, loss
+
+    def backward(ck, hp, x, dy, tgt, slot, res, hres, g_c, g_h, loss):
+        dc, dx = stage_vjp.backward(leaves(ck), load(res, slot), dy)
+        return zeros(), dx.astype(act_dtype), res, hres, add(g_c, dc), g_h, loss
+
+    def forward_last(ck, hp, x, dy, tgt, slot, res, hres, g_c, g_h, loss):
+        y, r = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
+        mb_loss, hr = head_vjp.forward(head_fn, leaves(hp), hp, y, tgt)
+        res, hres = store(res, slot, r), store(hres, 0, hr)
+        return zeros(), zeros(), res, hres, g_c, g_h, loss + mb_loss * scale
+
+    def backward_last(ck, hp, x, dy, tgt, slot, res, hres, g_c, g_h, loss):
+        dh, dy, _ = head_vjp.backward(leaves(hp), load(hres, 0), _varying(jnp.float32(scale)))
+        dc, dx = stage_vjp.backward(leaves(ck), load(res, slot), dy.astype(act_dtype))
+        return zeros(), dx.astype(act_dtype), res, hres, add(g_c, dc), add(g_h, dh), loss
+
+    branches = (idle, forward, backward, forward_last, backward_last)
 
     def tick(carry, row):
-        stash, gbuf, dx0, g_c, g_h, loss = carry
+        xin, gbuf, res, hres, dx0, g_c, g_h, loss = carry
         act, i, rf, rb = row[0][d], row[1][d], row[2][d], row[3][d]
         slot = i % p
-        # Stage 0 takes the microbatch from the embedded input and keeps it for its backward.
-        stash = _put(stash, slot, _take(x0, i), first & (act == FWD))
-        x, dy = _take(stash, slot), _take(gbuf, slot)
-        y, dx, g_c, g_h, loss = jax.lax.switch(
-            act, (idle, forward, backward), x, dy, i, g_c, g_h, loss
+        # Stage 0 takes the microbatch from the embedded input; the others from what arrived.
+        x = jnp.where(first, _take(x0, i), _take(xin, slot))
+        dy, tgt = _take(gbuf, slot), _take(targets, i)
+        y, dx, res, hres, g_c, g_h, loss = jax.lax.switch(
+            act, branches, chunk, head, x, dy, tgt, slot, res, hres, g_c, g_h, loss
         )
         dx0 = _put(dx0, i, dx, first & (act == BWD))
         # Every stage sends every tick (all must join a collective); receivers keep only arrivals.
         y_in = jax.lax.ppermute(y, AXIS, fwd_pairs)
         dy_in = jax.lax.ppermute(dx, AXIS, bwd_pairs)
-        stash = _put(stash, jnp.maximum(rf, 0), y_in, rf >= 0)
+        xin = _put(xin, jnp.maximum(rf, 0), y_in, rf >= 0)
         gbuf = _put(gbuf, jnp.maximum(rb, 0), dy_in, rb >= 0)
-        return (stash, gbuf, dx0, g_c, g_h, loss), None
+        return (xin, gbuf, res, hres, dx0, g_c, g_h, loss), None
 
-    carry = (zeros(p), zeros(p), zeros(m), f32_zeros(chunk), f32_zeros(head))
+    carry = (zeros(p), zeros(p), res0, hres0, zeros(m), f32_zeros(chunk), f32_zeros(head))
     carry += (_varying(jnp.zeros((), jnp.float32)),)
     rows = tuple(jnp.asarray(a) for a in (action, micro, recv_f, recv_b))
-    (_, _, dx0, g_c, g_h, loss), _ = jax.lax.scan(tick, carry, rows)
+    (*_, dx0, g_c, g_h, loss), _ = jax.lax.scan(tick, carry, rows)
     return loss, g_c, g_h, dx0
 
 
@@ -549,11 +612,14 @@ def _looped_gradients(
 
 
 def one_f_one_b_exec_tables(sched: Schedule) -> dict[str, np.ndarray]:
-    """What the 1F1B executor reads: actions (last stage's forwards folded into its backwards) and
+    """What the 1F1B executor reads: the switch branch per tick and stage (the last stage's forward
+    and backward have branches of their own, with head and loss) and
     the stash / gradient-buffer slots arrivals go to, checked to never overwrite a live slot."""
     p = sched.stages
     action = sched.action.copy()
-    action[action[:, p - 1] == FWD, p - 1] = IDLE
+    last = action[:, p - 1].copy()
+    action[last == FWD, p - 1] = F_LAST
+    action[last == BWD, p - 1] = B_LAST
     recv_f = np.full_like(sched.micro, -1)
     recv_b = np.full_like(sched.micro, -1)
     for t in range(sched.ticks):
@@ -662,24 +728,41 @@ class _Pipe:
         spec = sharding.logical_to_spec(axes, self.outer_rules, self.mesh)
         return sharding.constrain_to(x, NamedSharding(self.mesh, spec))
 
-    def stage_fn(self, remat_per_layer: bool) -> Callable:
-        """(one chunk's layer params [Lc, ...], x) -> y, run inside the stages' shard_map.
+    def layers(self, chunk, x, remat: str = "none"):
+        """One chunk's layers [Lc, ...] (float32, cast here) applied to x, inside the shard_map."""
+        with sharding.activation_rules(jax.sharding.get_abstract_mesh(), self.inner_rules):
+            chunk = microbatch.cast_floating(chunk, self.dtype)
+            return api.scan_layers(self.stages.block, chunk, x, remat=remat)
 
-        `remat_per_layer`: each layer keeps what `train.remat` allows (1F1B, whose backward
-        recomputes its stage anyway); otherwise the policy applies to the whole stage per tick.
+    def looped_stage_fn(self) -> Callable:
+        """(this device's chunks [v, Lc, ...], virtual stage s, x) -> y for the looped ticks.
+
+        The chunk is selected inside the function autodiff saves residuals for, so no tick keeps
+        a copy of its stage's weights: with v = 1 the index is static (the weights stay a loop
+        invariant); with v > 1 the selection and cast run inside a `jax.checkpoint` whose policy
+        never saves them (they are recomputed, a slice, in the backward). With `train.remat` the
+        policy applies to the whole stage per tick (`full` keeps only each tick's stage input).
         """
+        v = self.sched.virtual_stages
 
-        def layers(chunk, x, remat):
-            with sharding.activation_rules(jax.sharding.get_abstract_mesh(), self.inner_rules):
-                chunk = microbatch.cast_floating(chunk, self.dtype)
-                return api.scan_layers(self.stages.block, chunk, x, remat=remat)
+        def fn(chunks, s, x):
+            chunk = jax.tree.map(lambda a: a[0] if v == 1 else _take(a, s), chunks)
+            chunk = microbatch.cast_floating(chunk, self.dtype)
+            chunk = jax.tree.map(lambda a: checkpoint_name(a, _WEIGHTS), chunk)
+            return self.layers(chunk, x)
 
-        if remat_per_layer:
-            return lambda chunk, x: layers(chunk, x, self.remat)
-        fn = lambda chunk, x: layers(chunk, x, "none")
-        if self.remat == "none":
+        if self.remat != "none":
+            return jax.checkpoint(fn, policy=api.REMAT_POLICIES[self.remat])
+        if v == 1:
             return fn
-        return jax.checkpoint(fn, policy=api.REMAT_POLICIES[self.remat])
+        return jax.checkpoint(
+            fn, policy=jax.checkpoint_policies.save_anything_except_these_names(_WEIGHTS)
+        )
+
+    def stage_fn(self) -> Callable:
+        """(one chunk's layer params [Lc, ...], x) -> y, each layer keeping what `train.remat`
+        allows (1F1B)."""
+        return lambda chunk, x: self.layers(chunk, x, self.remat)
 
     def shard_map(self, body: Callable, in_specs: Any, out_specs: Any) -> Callable:
         def run(*args):
@@ -738,7 +821,7 @@ def _autodiff_outside(pipe: _Pipe) -> microbatch.GradFn:
     the backward is the autodiff of all of it, the ticks in reverse."""
     p, v, m = pipe.sched.stages, pipe.sched.virtual_stages, pipe.sched.microbatches
     valid, micro, virtual = looped_forward_table(p, m, v)
-    stage_fn = pipe.stage_fn(remat_per_layer=False)
+    stage_fn = pipe.looped_stage_fn()
     act = pipe.stages.activation_axes
 
     def body(chunks, x0):
@@ -776,19 +859,19 @@ def _stage_executor(pipe: _Pipe) -> Callable:
     p, v, m = pipe.sched.stages, pipe.sched.virtual_stages, pipe.sched.microbatches
     if not SCHEDULES[pipe.sched.name].autodiff_backward:
         tables = one_f_one_b_exec_tables(pipe.sched)
-        stage_fn = pipe.stage_fn(remat_per_layer=True)
+        stage_fn = pipe.stage_fn()
 
         def one_f_one_b(head_loss, chunks, head, x0, targets):
             chunk = jax.tree.map(lambda a: a[0], chunks)  # [Lc, ...]
             loss, g_c, g_h, dx0 = _one_f_one_b(
                 stage_fn, head_loss, chunk, head, x0, targets,
-                p=p, scale=1.0 / (m * pipe.n_summed), **tables,
+                p=p, scale=1.0 / (m * pipe.n_summed), dtype=pipe.dtype, **tables,
             )  # fmt: skip
             return loss, jax.tree.map(lambda g: g[None], g_c), g_h, dx0
 
         return one_f_one_b
     valid, micro, virtual = looped_forward_table(p, m, v)
-    stage_fn = pipe.stage_fn(remat_per_layer=False)
+    stage_fn = pipe.looped_stage_fn()
 
     def looped(head_loss, chunks, head, x0, targets):
         return _looped_gradients(
@@ -880,3 +963,160 @@ def make_gradients(
     # Accumulation chunk a takes rows a, a+A, ... as in train.build: no row changes device.
     gradients = microbatch.accumulated(chunk_gradients, config.train.grad_accum, batch_axes, mesh)
     return gradients, pipe.sched
+
+
+# --------------------------------------------------------------------------------------------------
+# Lock-step cost, read from the compiled program
+# --------------------------------------------------------------------------------------------------
+
+
+def executed_actions(sched: Schedule) -> np.ndarray | None:
+    """int [ticks, p]: the `lax.switch` branch each stage takes at each tick of a schedule whose
+    executor switches per tick (1f1b, zb), or None when every stage runs the same tick body
+    (gpipe and interleaved: the forward ticks and their autodiff)."""
+    if SCHEDULES[sched.name].autodiff_backward:
+        return None
+    return one_f_one_b_exec_tables(sched)["action"]
+
+
+def _dot_flops(inst, comp) -> float:
+    """2 · |output| · |contracted| of one HLO `dot` (operand shapes looked up by name)."""
+    _, out_dims = metrics._parse_shape(inst.shape)
+    lhs = comp.instructions.get(inst.operands[0])
+    if lhs is None:
+        raise ValueError(f"dot {inst.name!r}: operand {inst.operands[0]!r} not in {comp.name!r}")
+    _, lhs_dims = metrics._parse_shape(lhs.shape)
+    contracted = metrics._int_list(inst.attrs.get("lhs_contracting_dims", "{}"))
+    return 2.0 * float(np.prod(out_dims)) * float(np.prod([lhs_dims[i] for i in contracted]))
+
+
+class _LockStep:
+    """Dot FLOPs of one device's program, with each tick of a switching schedule charged for the
+    slowest stage's branch (`actions`: the branch per tick and stage, None for none). `count`
+    replaces the dot FLOPs by another per-instruction count (e.g. all-reduces)."""
+
+    def __init__(self, module, actions: np.ndarray | None, count: Callable | None = None):
+        self.module, self.actions = module, actions
+        self.count = count or (lambda inst, c: _dot_flops(inst, c) if inst.opcode == "dot" else 0)
+        self.trips = metrics._Analysis(module)
+        self.memo: dict[str, float] = {}
+        self.branches: list[float] | None = None  # FLOPs of each switch branch, once found
+
+    def comp(self, name: str, skip: str | None = None) -> float:
+        if name in self.memo and skip is None:
+            return self.memo[name]
+        c = self.module.computations[name]
+        total = 0.0
+        for inst in c.instructions.values():
+            if inst.name == skip:
+                continue
+            total += self.count(inst, c)
+            if inst.opcode == "while":
+                total += self.loop(inst, c)
+            elif inst.opcode == "conditional":
+                total += max(self.comp(b) for b in metrics._callees(inst))
+            else:
+                total += sum(self.comp(b) for b in metrics._callees(inst))
+        if skip is None:
+            self.memo[name] = total
+        return total
+
+    def loop(self, inst, parent) -> float:
+        body, cond = (inst.attrs[k].lstrip("%") for k in ("body", "condition"))
+        if self.comp(body) == 0 and self.comp(cond) == 0:
+            return 0.0
+        trips = self.trips._trip_count(inst, parent)
+        switch = self._switch(body, trips)
+        if switch is None:
+            return trips * self.comp(body) + (trips + 1) * self.comp(cond)
+        branches = [self.comp(b) for b in metrics._callees(switch)]
+        self.branches = branches
+        ticks = sum(max(branches[a] for a in row) for row in self.actions)
+        return trips * self.comp(body, skip=switch.name) + (trips + 1) * self.comp(cond) + ticks
+
+    def _switch(self, body: str, trips: int):
+        """The per-tick `lax.switch` of the schedule: a conditional directly in a loop body that
+        runs once per tick, with one branch per action."""
+        if self.actions is None or trips != self.actions.shape[0]:
+            return None
+        n = int(self.actions.max()) + 1
+        for inst in self.module.computations[body].instructions.values():
+            if inst.opcode == "conditional" and len(list(metrics._callees(inst))) == n:
+                return inst
+        return None
+
+
+def lockstep_flops(hlo_text: str, sched: Schedule) -> dict[str, Any]:
+    """What a lock-step pipeline step costs one device, from its compiled HLO.
+
+    All stages advance together, so a tick lasts as long as the slowest stage's work in it: for a
+    switching schedule (1f1b, zb) each tick is charged the largest FLOPs of the branches its stages
+    take (the branch FLOPs read from the conditional's branch computations, nested loops times
+    their trip counts); gpipe and interleaved run one tick body on every stage. Work outside the
+    tick loop (embedding, head, optimizer) counts once. Only `dot` FLOPs are counted.
+
+    Returns:
+      `lockstep_flops` per device per step, and `branch_flops` (FLOPs of each switch branch,
+      idle first) for a switching schedule.
+    """
+    walk = _LockStep(metrics._parse_module(hlo_text), executed_actions(sched))
+    total = walk.comp(walk.module.entry)
+    out: dict[str, Any] = {"lockstep_flops": total}
+    if walk.branches is not None:
+        out["branch_flops"] = walk.branches
+    elif walk.actions is not None:
+        raise ValueError(f"{sched.name}: no per-tick switch found in the compiled program")
+    return out
+
+
+def branch_counts(hlo_text: str, sched: Schedule, opcode: str) -> list[float]:
+    """How many `opcode` instructions (e.g. "all-reduce") each branch of a switching schedule's
+    per-tick switch executes (nested loops times their trip counts), idle branch first."""
+    count = lambda inst, c: 1.0 if inst.opcode in (opcode, f"{opcode}-start") else 0.0
+    walk = _LockStep(metrics._parse_module(hlo_text), executed_actions(sched), count)
+    walk.comp(walk.module.entry)
+    if walk.branches is None:
+        raise ValueError(f"{sched.name}: no per-tick switch found in the compiled program")
+    return walk.branches
+
+
+def useful_flops(stages: Stages, params: Any, batch: Mapping[str, Any], dtype: Any = None) -> float:
+    """Dot FLOPs of the same model's loss and gradient on one device without a pipeline or remat
+    (embedding, the stacked layers in a scan, head and loss), from its lowered HLO: the work an
+    ideal pipeline would split evenly over the devices.
+
+    Args:
+      params, batch: shapes (anything with `.shape` and `.dtype`), global.
+      dtype: the compute dtype (`train.compute_dtype`), None to keep the parameters' dtypes.
+    """
+    plain = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+
+    def loss(params, batch):
+        if dtype is not None:
+            params = microbatch.cast_floating(params, dtype)
+        embed, layers, head = stages.split(params)
+        x = stages.embed(embed, batch["inputs"])
+        x = api.scan_layers(stages.block, layers, x)
+        return stages.head_loss(head, x, batch["targets"])
+
+    text = jax.jit(jax.value_and_grad(loss)).lower(plain(params), plain(batch)).as_text("hlo")
+    walk = _LockStep(metrics._parse_module(text), None)
+    return walk.comp(walk.module.entry)
+
+
+def cost(hlo_text: str, sched: Schedule, useful: float, devices: int) -> dict[str, Any]:
+    """The layout record's pipeline cost: lock-step FLOPs per device per step (`lockstep_flops`),
+    the ideal (`ideal_flops` = useful FLOPs / devices) and their ratio (`lockstep_vs_ideal`, 1.0
+    for a pipeline without bubble, recompute or imbalance)."""
+    out = lockstep_flops(hlo_text, sched)
+    out["ideal_flops"] = useful / devices
+    out["lockstep_vs_ideal"] = out["lockstep_flops"] / out["ideal_flops"]
+    return out
+
+
+def step_cost(engine, compiled) -> dict[str, Any]:
+    """`cost` of a compiled train step of `engine` (a `train.Engine` with a schedule), for the
+    layout record; the useful FLOPs come from the step's own argument shapes."""
+    (state, batch), _ = compiled.args_info
+    useful = useful_flops(engine.stages, state["params"], batch, engine.config.train.compute_dtype)
+    return cost(compiled.as_text(), engine.schedule, useful, engine.mesh.size)

@@ -1,0 +1,89 @@
+"""What the compiled pipelines execute: lock-step cost, no per-tick weight copies, 1F1B's backward
+without recompute and with Megatron's all-reduces, from the HLO and the memory analysis."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdist import loop, pipeline
+from tests.helpers import compile_step, engine_for, tiny_gpt_config
+
+
+def _compiled(schedule: str, m: int, per_microbatch: int = 2, layers: int = 4, **mesh_and_train):
+    mesh = {k: v for k, v in mesh_and_train.items() if k in ("pipeline", "data", "fsdp", "tensor")}
+    c = tiny_gpt_config(**{"pipeline": 2, **mesh})
+    c.model.num_layers = layers
+    c.pipeline.update(schedule=schedule, microbatches=m)
+    c.train.batch_size = m * per_microbatch
+    for k, v in mesh_and_train.items():
+        if k not in mesh:
+            c.train[k] = v
+    eng, batches = engine_for(c)
+    fn, sched = pipeline.make_gradients(c, eng.mesh, eng.stages, eng.param_axes, eng.batch_axes)
+    shapes = batches.global_shapes()
+    batch = eng.abstract_batch(shapes, {k: np.int32 for k in shapes})
+    compiled = jax.jit(fn).lower(eng.abstract_state["params"], batch).compile()
+    return eng, sched, compiled
+
+
+def test_gpipe_remat_full_keeps_only_stage_inputs():
+    """No tick keeps a copy of its stage's weights: with remat=full, gpipe's temp memory grows with
+    m by the stage inputs only, and no [ticks, layers, ...] weight stack is in the program."""
+    temp, text = {}, {}
+    for m in (2, 8):
+        eng, sched, compiled = _compiled("gpipe", m, remat="full")
+        temp[m] = compiled.memory_analysis().temp_size_in_bytes
+        text[m] = compiled.as_text()
+    assert temp[8] <= 1.5 * temp[2], temp
+    _, layers, _ = eng.stages.split(eng.abstract_state["params"])
+    lc = 2  # 4 layers on 2 stages
+    ticks = pipeline.build_schedule("gpipe", 2, 8).ticks
+    for leaf in jax.tree.leaves(layers):
+        dims = ",".join(str(n) for n in (ticks, lc, *leaf.shape[1:]))
+        assert f"[{dims}]" not in text[8], dims
+
+
+def test_1f1b_backward_does_not_recompute_and_reduces_like_megatron():
+    """The backward branch costs about two forwards (it applies the stashed vjp) and, with tensor
+    parallelism, does 2 all-reduces per layer (Megatron's backward), the forward 2 per layer."""
+    _, sched, compiled = _compiled("1f1b", 4, tensor=2)
+    text = compiled.as_text()
+    flops = pipeline.lockstep_flops(text, sched)["branch_flops"]
+    idle, fwd, bwd = flops[: pipeline.BWD + 1]
+    assert idle == 0 and fwd > 0
+    assert bwd <= 2.2 * fwd, flops  # recomputing the forward would make it 3×
+    reduces = pipeline.branch_counts(text, sched, "all-reduce")
+    lc = 2
+    assert reduces[pipeline.FWD] == 2 * lc, reduces
+    assert reduces[pipeline.BWD] == 2 * lc, reduces
+
+
+def test_lockstep_cost_in_layout_record():
+    """The layout record reports the lock-step cost next to the table bubble; 1F1B's is above the
+    ideal (its ticks cost the slowest stage's backward) and gpipe's without remat too."""
+    c = tiny_gpt_config(pipeline=2)
+    c.model.num_layers = 4
+    c.pipeline.update(schedule="1f1b", microbatches=4)
+    eng, compiled = compile_step(c)
+    record = loop.layout_record(eng, compiled, c)
+    cost = record["pipeline"]
+    assert cost["bubble_fraction"] == pytest.approx(1 / 5)
+    assert cost["lockstep_flops"] > cost["ideal_flops"] > 0
+    assert cost["lockstep_vs_ideal"] == pytest.approx(cost["lockstep_flops"] / cost["ideal_flops"])
+    assert "lock-step cost" in loop.summary(record)
+
+
+def test_useful_flops_is_the_plain_model():
+    """The ideal's numerator: three times the forward's dot FLOPs of the unpipelined model."""
+    c = tiny_gpt_config(pipeline=2)
+    c.model.num_layers = 4
+    eng, batches = engine_for(c)
+    shapes = batches.global_shapes()
+    batch = {k: jax.ShapeDtypeStruct(s, np.int32) for k, s in shapes.items()}
+    params = eng.abstract_state["params"]
+    useful = pipeline.useful_flops(eng.stages, params, batch)
+    B, T, D, L, V = 16, 16, 32, 4, 256
+    forward = 2 * B * T * (L * 12 * D * D + D * V) + L * 2 * 2 * B * T * T * D
+    assert useful == pytest.approx(3 * forward, rel=0.02)
