@@ -819,6 +819,18 @@ def _pipe(
 def _autodiff_outside(pipe: _Pipe) -> microbatch.GradFn:
     """gpipe / interleaved: forward ticks in the stages' shard_map, embedding and head outside it;
     the backward is the autodiff of all of it, the ticks in reverse."""
+    grad_fn = jax.value_and_grad(_looped_loss(pipe), has_aux=True)
+
+    def gradients(params, batch):
+        (loss, aux), grads = grad_fn(params, batch)
+        return loss, aux, grads
+
+    return gradients
+
+
+def _looped_loss(pipe: _Pipe) -> Callable:
+    """loss(params, batch) -> (mean loss, {}): the looped forward ticks (v = 1 unless interleaved)
+    in the stages' shard_map, embedding and head outside it."""
     p, v, m = pipe.sched.stages, pipe.sched.virtual_stages, pipe.sched.microbatches
     valid, micro, virtual = looped_forward_table(p, m, v)
     stage_fn = pipe.looped_stage_fn()
@@ -843,13 +855,7 @@ def _autodiff_outside(pipe: _Pipe) -> microbatch.GradFn:
             head = microbatch.cast_floating(head, pipe.dtype)
             return pipe.stages.head_loss(head, y, batch["targets"]), {}
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def gradients(params, batch):
-        (loss, aux), grads = grad_fn(params, batch)
-        return loss, aux, grads
-
-    return gradients
+    return loss_fn
 
 
 def _stage_executor(pipe: _Pipe) -> Callable:
@@ -1120,3 +1126,17 @@ def step_cost(engine, compiled) -> dict[str, Any]:
     (state, batch), _ = compiled.args_info
     useful = useful_flops(engine.stages, state["params"], batch, engine.config.train.compute_dtype)
     return cost(compiled.as_text(), engine.schedule, useful, engine.mesh.size)
+
+
+def make_loss(
+    config, mesh: Mesh, stages: Stages, param_axes: Any, batch_axes: dict[str, tuple]
+) -> Callable:
+    """The pipelined forward for evaluation: `loss(params, batch) -> (mean loss, {})`.
+
+    Every schedule evaluates with the looped forward ticks (gpipe's, or interleaved's with its
+    virtual stages) over `pipeline.microbatches`: each device keeps its own layers, so evaluating
+    needs no more parameter memory than training (the plain model would gather the whole layer
+    stack onto every device). Same arguments as `make_gradients`; the batch is split like a
+    training batch.
+    """
+    return _looped_loss(_pipe(config, mesh, stages, param_axes, batch_axes, data_manual=False))

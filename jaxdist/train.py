@@ -195,6 +195,8 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         gradients, schedule = pipeline.make_gradients(
             config, mesh, stages, param_axes, batch_axes, data_manual=per_replica
         )
+        # Evaluation runs through the pipeline too: the plain model would gather every layer.
+        loss_fn = pipeline.make_loss(config, mesh, stages, param_axes, batch_axes)
 
     def add_per_replica_state(key: str, abstract: Any) -> None:
         """state[key]: leaves [R, ...] over `data`, sharded like their parameters on the rest."""

@@ -87,3 +87,22 @@ def test_useful_flops_is_the_plain_model():
     B, T, D, L, V = 16, 16, 32, 4, 256
     forward = 2 * B * T * (L * 12 * D * D + D * V) + L * 2 * 2 * B * T * T * D
     assert useful == pytest.approx(3 * forward, rel=0.02)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_eval_runs_through_the_pipeline(schedule):
+    """eval_step equals the plain model's loss and gathers no layer stack onto every device."""
+    from tests.test_pipeline import _config, _reference
+
+    ref_loss, _, host_params, host_batch = _reference(4)
+    c = _config(4, dict(pipeline=2), schedule, 2)
+    eng, _ = engine_for(c)
+    state = eng.init()
+    state["params"] = jax.device_put(host_params, eng.state_shardings["params"])
+    batch = jax.device_put(host_batch, eng.batch_shardings)
+    np.testing.assert_allclose(float(eng.eval_step(state, batch)["loss"]), ref_loss, rtol=1e-5)
+    text = eng.eval_step.lower(state, batch).compile().as_text()
+    _, layers, _ = eng.stages.split(eng.abstract_state["params"])
+    for leaf in jax.tree.leaves(layers):
+        dims = ",".join(str(n) for n in leaf.shape)
+        assert not any(f"[{dims}]" in ln and "all-gather" in ln for ln in text.splitlines()), dims
