@@ -19,12 +19,12 @@ stage at every tick, and `Schedule.bubble_fraction` counts the idle entries of t
 * `gpipe`: all forwards, then all backwards; the backward is JAX's autodiff of the scanned forward
   ticks, so a stage keeps the activations of every microbatch (remat at the stage boundary with
   `train.remat` keeps only each tick's stage input). Bubble (p-1)/(m+p-1).
-* `1f1b`: PipeDream-Flush. Forward and backward ticks interleave per stage; the backward of a
-  microbatch is an explicit `jax.vjp` of its stage (recomputed from the stashed stage input) in a
-  `lax.switch` branch, so all stages run one SPMD program while doing different work. A stage keeps
-  the inputs of at most `p` microbatches, in a circular buffer of `p` slots: activation memory does
-  not grow with `m`. The head and loss of a microbatch run on the last stage as it leaves, so its
-  backward starts on the next tick. Bubble (p-1)/(m+p-1).
+* `1f1b`: PipeDream-Flush. Forward and backward ticks interleave per stage, each a `lax.switch`
+  branch, so all stages run one SPMD program while doing different work. A forward tick runs the
+  stage under `jax.vjp` and stashes the residuals (what `train.remat` lets a layer keep) of at most
+  `p` microbatches, in `p` slots; the backward tick applies the stashed vjp, so it recomputes
+  nothing and activation memory does not grow with `m`. The head and loss of a microbatch run on
+  the last stage as it leaves, so its backward starts on the next tick. Bubble (p-1)/(m+p-1).
 * `interleaved`: the looped (circular) schedule over `v` chunks per device: microbatches enter in
   groups of `p`, each loops `v` times around the ring. Backward by autodiff as for gpipe. Bubble
   (p-1)/(v·m+p-1); needs `m` to be a multiple of `p`.
@@ -36,6 +36,10 @@ them and no stage carries extra work. The price is moving the activations ([B, T
 pipeline once and out once per step. 1f1b computes head and loss inside the schedule on the last
 stage instead: its backward must start as soon as a microbatch leaves, and collecting all `m`
 outputs first would bring back the memory that grows with `m`.
+
+The table bubble counts idle entries as if every tick cost the same; `cost` reads what the compiled
+step executes instead: the lock-step FLOPs (per tick, the slowest stage's branch) against the ideal.
+Evaluation (`make_loss`) runs the looped forward ticks, so no device gathers the layer stack.
 """
 
 from __future__ import annotations
