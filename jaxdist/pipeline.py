@@ -519,33 +519,29 @@ def _one_f_one_b(
     res0 = slots(p, stage_vjp.forward(stage_fn, leaves(chunk), chunk, zeros())[1])
     hres0 = slots(1, head_vjp.forward(head_fn, leaves(head), head, zeros(), targets[0])[1])
 
-    def store(bufs, slot, values):
-        return [jax.lax.dynamic_update_index_in_dim(b, v, slot, 0) for b, v in zip(bufs, values)]
+    # The branches take one microbatch's residuals and return one microbatch's new residuals; the
+    # stash itself is read and written outside the switch, in place (passing it through the
+    # branches would make XLA copy it).
+    def idle(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
+        return zeros(), zeros(), r, hr, g_c, g_h, loss
 
-    def load(bufs, slot):
-        return [_take(b, slot) for b in bufs]
-
-    def idle(ck, hp, x, dy, tgt, slot, res, hres, g_c, g_h, loss):
-        return zeros(), zeros(), res, hres, g_c, g_h, loss
-
-    def forward(ck, hp, x, dy, tgt, slot, res, hres, g_c, g_h, loss):
+    def forward(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
         y, r = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
-        return y, zeros(), store(res, slot, r), hres, g_c, g_h, loss
+        return y, zeros(), r, hr, g_c, g_h, loss
 
-    def backward(ck, hp, x, dy, tgt, slot, res, hres, g_c, g_h, loss):
-        dc, dx = stage_vjp.backward(leaves(ck), load(res, slot), dy)
-        return zeros(), dx.astype(act_dtype), res, hres, add(g_c, dc), g_h, loss
+    def backward(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
+        dc, dx = stage_vjp.backward(leaves(ck), r, dy)
+        return zeros(), dx.astype(act_dtype), r, hr, add(g_c, dc), g_h, loss
 
-    def forward_last(ck, hp, x, dy, tgt, slot, res, hres, g_c, g_h, loss):
+    def forward_last(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
         y, r = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
         mb_loss, hr = head_vjp.forward(head_fn, leaves(hp), hp, y, tgt)
-        res, hres = store(res, slot, r), store(hres, 0, hr)
-        return zeros(), zeros(), res, hres, g_c, g_h, loss + mb_loss * scale
+        return zeros(), zeros(), r, hr, g_c, g_h, loss + mb_loss * scale
 
-    def backward_last(ck, hp, x, dy, tgt, slot, res, hres, g_c, g_h, loss):
-        dh, dy, _ = head_vjp.backward(leaves(hp), load(hres, 0), _varying(jnp.float32(scale)))
-        dc, dx = stage_vjp.backward(leaves(ck), load(res, slot), dy.astype(act_dtype))
-        return zeros(), dx.astype(act_dtype), res, hres, add(g_c, dc), add(g_h, dh), loss
+    def backward_last(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
+        dh, dy, _ = head_vjp.backward(leaves(hp), hr, _varying(jnp.float32(scale)))
+        dc, dx = stage_vjp.backward(leaves(ck), r, dy.astype(act_dtype))
+        return zeros(), dx.astype(act_dtype), r, hr, add(g_c, dc), add(g_h, dh), loss
 
     branches = (idle, forward, backward, forward_last, backward_last)
 
@@ -556,9 +552,13 @@ def _one_f_one_b(
         # Stage 0 takes the microbatch from the embedded input; the others from what arrived.
         x = jnp.where(first, _take(x0, i), _take(xin, slot))
         dy, tgt = _take(gbuf, slot), _take(targets, i)
-        y, dx, res, hres, g_c, g_h, loss = jax.lax.switch(
-            act, branches, chunk, head, x, dy, tgt, slot, res, hres, g_c, g_h, loss
+        r, hr = [_take(b, slot) for b in res], [_take(b, 0) for b in hres]
+        y, dx, r, hr, g_c, g_h, loss = jax.lax.switch(
+            act, branches, chunk, head, x, dy, tgt, r, hr, g_c, g_h, loss
         )
+        fwd = (act == FWD) | (act == F_LAST)
+        res = [_put(b, slot, v, fwd) for b, v in zip(res, r)]
+        hres = [_put(b, 0, v, act == F_LAST) for b, v in zip(hres, hr)]
         dx0 = _put(dx0, i, dx, first & (act == BWD))
         # Every stage sends every tick (all must join a collective); receivers keep only arrivals.
         y_in = jax.lax.ppermute(y, AXIS, fwd_pairs)
