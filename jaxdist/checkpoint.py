@@ -3,12 +3,13 @@
 One folder per saved step under the checkpoint directory::
 
     checkpoints/
-      40/                       # committed: written as 40.orbax-checkpoint-tmp-*, then renamed
+      40/                       # committed: written as 40.orbax-checkpoint-tmp, then renamed
         _CHECKPOINT_METADATA    # orbax: item handlers, init and commit timestamps
         commit_success.txt      # orbax's commit marker
         state/                  # the train-state pytree: OCDBT + zarr, a data folder per process
-        meta/metadata           # JSON: data_position, config, versions, per-array shardings
-      50.orbax-checkpoint-tmp-7/  # a save in flight, or killed mid-write: never read
+        meta/metadata           # JSON: data_position, config, versions, per-array shardings,
+                                #   a CRC-32 per saved array shard (`checksums`)
+      50.orbax-checkpoint-tmp/  # a save in flight, or killed mid-write: never read
 
 Saves are asynchronous and cooperative: every process calls `Checkpointer.save` with the same
 step, each writes the shards it owns, and orbax's primary process commits the step (the rename)
@@ -31,9 +32,12 @@ import math
 import operator
 import os
 import sys
+import threading
 import time
 import traceback
+import zlib
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -41,6 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxdist import orbax_reads
 from jaxdist.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -230,6 +235,100 @@ def _barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+# ------------------------------------------------------------------------------------------------
+# Checksums: one CRC-32 per saved array shard, so a flipped bit in a data file is found.
+
+
+def _slice_key(index: Sequence[slice], shape: Sequence[int]) -> str:
+    """A shard's place in its global array, `0:8,0:64` (`` for a scalar)."""
+    return ",".join(
+        f"{sl.start or 0}:{dim if sl.stop is None else sl.stop}"
+        for sl, dim in zip(index, shape, strict=True)
+    )
+
+
+def _parse_slice_key(key: str) -> tuple[slice, ...]:
+    return tuple(slice(*map(int, part.split(":"))) for part in key.split(",") if part)
+
+
+def _crc32(block: np.ndarray) -> str:
+    """CRC-32 of an array's bytes in C order, as 8 hex digits (zlib releases the GIL)."""
+    block = np.ascontiguousarray(block)
+    return f"{zlib.crc32(block.reshape(-1).view(np.uint8)) & 0xFFFFFFFF:08x}"
+
+
+def shard_checksums(state: PyTree) -> dict[str, dict[str, str]]:
+    """{path: {slice key: CRC-32}} of the shards this process writes (replica 0 of each).
+
+    Each process sums its own shards from a host copy of them; `Checkpointer.save` gathers the
+    processes' results into the step's metadata.
+    """
+    jobs: list[tuple[str, str, Any]] = []
+    for path, leaf in _flatten(state).items():
+        if isinstance(leaf, jax.Array):
+            for shard in leaf.addressable_shards:
+                if shard.replica_id == 0:
+                    jobs.append((path, _slice_key(shard.index, leaf.shape), shard.data))
+        else:  # a host value: process 0 stands for it
+            if jax.process_index() == 0:
+                value = np.asarray(leaf)
+                jobs.append((path, _slice_key((slice(None),) * value.ndim, value.shape), value))
+    if not jobs:
+        return {}
+    host = jax.device_get([data for _, _, data in jobs])
+    with ThreadPoolExecutor(max_workers=min(8, len(jobs))) as pool:
+        sums = list(pool.map(_crc32, host))
+    out: dict[str, dict[str, str]] = {}
+    for (path, key, _), crc in zip(jobs, sums, strict=True):
+        out.setdefault(path, {})[key] = crc
+    return out
+
+
+def _gather_json(obj: Any) -> list[Any]:
+    """`obj` (JSON-serialisable) from every process, in process order."""
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64)))
+    sizes = sizes.reshape(-1)
+    buf = np.zeros(int(sizes.max()), np.uint8)
+    buf[: data.size] = data
+    every = np.asarray(multihost_utils.process_allgather(buf))
+    return [json.loads(bytes(every[i, : int(n)])) for i, n in enumerate(sizes)]
+
+
+def checksum_mismatches(
+    path: str, value: np.ndarray, saved: Mapping[str, str], offset: Sequence[slice] | None = None
+) -> list[str]:
+    """One line per saved shard of `value` whose CRC-32 differs from `saved`.
+
+    Args:
+      path: the array's tree path, for the message.
+      value: the array read back, whole, or the block of it at `offset` (a restored shard).
+      saved: {slice key: CRC-32} from the metadata; shards outside the block are skipped.
+      offset: where `value` sits in the global array (None: it is the whole array).
+    """
+    problems = []
+    for key, want in saved.items():
+        index = _parse_slice_key(key)
+        if offset is not None:  # offset: start/stop ints, as _check_restored makes them
+            if not _inside(index, offset):
+                continue
+            index = tuple(
+                slice(a.start - b.start, a.stop - b.start)
+                for a, b in zip(index, offset, strict=True)
+            )
+        got = _crc32(value[index])
+        if got != want:
+            problems.append(
+                f"{path} shard [{key}]: checksum mismatch (saved crc32 {want}, read {got}); "
+                "its data file is corrupted"
+            )
+    return problems
+
+
 class _Absent:
     def __repr__(self) -> str:
         return "<absent>"
@@ -337,6 +436,8 @@ class Checkpointer:
         self._config_json = config_json
         # Committed steps that failed to restore; moved aside before the next save.
         self._unreadable: set[int] = set()
+        self._in_flight: int | None = None  # the step of a save that may still be writing
+        _silence_failed_writes()  # a background save's failure is reported once, by `wait`/`save`
         options = ocp.CheckpointManagerOptions(
             step_name_format=_CommittedStepFormat(),
             preservation_policy=ocp.checkpoint_managers.LatestN(n=self.keep or None),
@@ -347,13 +448,26 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=(STATE_ITEM, META_ITEM)
         )
+        # A `<step>` folder without orbax's commit marker is a save or a deletion (orbax deletes
+        # old steps in place) cut short, or a partial copy: never read, and moved aside once so
+        # that it is not warned about at every start. The primary process renames; all wait.
         ignored = _uncommitted_step_folders(self.directory)
         if ignored:
+            stamp = time.time_ns()
             log.warning(
-                "ignoring checkpoint folders without orbax's commit marker in %s: %s",
+                "checkpoint folders without orbax's commit marker in %s (a save or deletion cut "
+                "short, or a partial copy), moved aside to <step>.uncommitted-%d: %s",
                 self.directory,
+                stamp,
                 ", ".join(ignored),
             )
+            if jax.process_index() == 0:
+                for name in ignored:
+                    src = self.directory / name
+                    if src.exists():
+                        src.rename(self.directory / f"{name}.uncommitted-{stamp}")
+            _barrier("jaxdist_checkpoint_uncommitted_aside")
+            self._manager.reload()
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -385,11 +499,16 @@ class Checkpointer:
         return _read_json_item(_step_dir(self.directory, step) / META_ITEM)
 
     def should_save(self, step: int) -> bool:
-        """True every `every` steps and at a preemption sync point, unless `step` is saved."""
+        """True every `every` steps, unless `step` is saved.
+
+        A preemption save is the caller's (`save(..., force=True)` where
+        `multihost_utils.reached_preemption_sync_point` says so): that point must be asked for
+        once per step on every process, which the training loop does.
+        """
         step = int(step)
         if self.every == 0 or step in self.all_steps():
             return False
-        return step % self.every == 0 or self._manager.reached_preemption(step)
+        return step % self.every == 0
 
     # -- save --------------------------------------------------------------------------------
 
@@ -417,6 +536,10 @@ class Checkpointer:
             for leaf in leaves.values()
             if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)
         ]
+        checksums: dict[str, dict[str, str]] = {}
+        for part in _gather_json(shard_checksums(state)):  # a collective: every process saves
+            for path, sums in part.items():
+                checksums.setdefault(path, {}).update(sums)
         meta = {
             "format": FORMAT,
             "step": step,
@@ -429,11 +552,18 @@ class Checkpointer:
             "shardings": {
                 p: describe_sharding(getattr(x, "sharding", None)) for p, x in leaves.items()
             },
+            "checksums": checksums,
         }
         args = ocp.args.Composite(
             **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
         )
-        return bool(self._manager.save(step, args=args, force=True))
+        try:  # a failure of the previous (background) save surfaces here too
+            started = bool(self._manager.save(step, args=args, force=True))
+        except Exception as err:  # most often the previous save, still in flight, failed
+            raise self._write_error(err, self._in_flight or step) from None
+        if started:
+            self._in_flight = step
+        return started
 
     def _move_aside_unusable(self, step: int) -> None:
         """Renames folders a save would collide with: an uncommitted `step`, unreadable steps.
@@ -459,12 +589,39 @@ class Checkpointer:
         self._manager.reload()
 
     def wait(self) -> None:
-        """Blocks until the last save is committed; raises if it failed."""
-        self._manager.wait_until_finished()
+        """Blocks until the last save is committed; CheckpointWriteError if it failed."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            raise self._write_error(err, self._in_flight) from None
+        self._in_flight = None
 
     def close(self) -> None:
         """Waits for pending saves and stops orbax's background threads."""
-        self._manager.close()
+        try:
+            self._manager.close()
+        except Exception as err:
+            raise self._write_error(err, self._in_flight) from None
+
+    def _write_error(self, err: BaseException, step: int | None) -> CheckpointWriteError:
+        """One line for a save that failed: which step, where, why; the older steps are intact."""
+        self._in_flight = None
+        root = err
+        while root.__cause__ is not None:
+            root = root.__cause__
+        cause = one_line_error(err)
+        if "No space left on device" in str(root) or "os_error_code='28'" in str(root):
+            why = "no space left on device"
+            hint = "free space (or lower checkpoint.keep), then rerun the command to resume"
+        else:
+            why, hint = cause, "rerun the command to resume from the last committed step"
+        kept = committed_steps(self.directory)
+        older = f"steps {', '.join(map(str, kept))}" if kept else "none"
+        what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+        return CheckpointWriteError(
+            f"{what} could not be written to {self.directory}: {why}; the committed checkpoints "
+            f"are untouched ({older}); {hint}"
+        )
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -558,53 +715,106 @@ class Checkpointer:
             state = handler.restore(_step_dir(self.directory, step) / STATE_ITEM, args=args)
             meta = self._read_meta(step)
         except Exception as err:
-            _silence_orphaned_reads()
+            orbax_reads.silence_orphaned_reads()
             return None, one_line_error(err)
         finally:
             handler.close()
+        problems = _check_restored(state, meta.get("checksums") or {})
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            return None, problems[0] + more
         return (state, {**meta, "step": step}), None
 
 
-class _OrphanedReadFilter(logging.Filter):
-    """Drops asyncio's "Task/Future exception was never retrieved" for orbax's abandoned reads."""
+def _check_restored(state: PyTree, checksums: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """Checksum problems in the shards this process restored.
+
+    Each saved shard is checked where it lies inside one restored shard of this process: all of
+    them when the mesh is the one saved with (or fewer devices split each array); with a finer or
+    different split some cannot be, and `ckpt.py verify` (whole arrays) checks those.
+    """
+    problems: list[str] = []
+    for path, leaf in _flatten(state).items():
+        saved = checksums.get(path)
+        if not saved or not isinstance(leaf, jax.Array):
+            continue
+        done: set[str] = set()
+        for shard in leaf.addressable_shards:
+            todo = {k: v for k, v in saved.items() if k not in done}
+            if not todo:
+                break
+            block = np.asarray(shard.data)
+            index = tuple(
+                slice(sl.start or 0, dim if sl.stop is None else sl.stop)
+                for sl, dim in zip(shard.index, leaf.shape, strict=True)
+            )
+            problems += checksum_mismatches(path, block, todo, offset=index)
+            done |= {k for k in todo if _inside(_parse_slice_key(k), index)}
+    return problems
+
+
+def _inside(index: Sequence[slice], block: Sequence[slice]) -> bool:
+    return all(a.start >= b.start and a.stop <= b.stop for a, b in zip(index, block, strict=True))
+
+
+class CheckpointWriteError(ConfigError):
+    """A save failed (disk full, permissions, ...); its message is one line for the user."""
+
+
+class _FailedWriteFilter(logging.Filter):
+    """Drops orbax's own report of a background save that raised: jaxdist re-raises it as one line.
+
+    Orbax logs the exception with its traceback from the writing thread (`future.py`) and then
+    hands it to the caller, which turns it into CheckpointWriteError.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        if "exception was never retrieved" not in msg:
-            return True
-        detail = msg
-        if record.exc_info and record.exc_info[0] is not None:
-            detail += "".join(traceback.format_exception(*record.exc_info))
-        return "orbax" not in detail and "_read_array_index_and_device_put" not in detail
+        path = record.pathname.replace(os.sep, "/")
+        failed_thread = path.endswith("/futures/future.py") or record.exc_info is not None
+        return not ("/orbax/" in path and record.levelno >= logging.ERROR and failed_thread)
 
 
-def _silence_orphaned_reads() -> None:
-    """After a failed read, drop the noise of orbax's other reads still in flight.
+def _is_closed_loop_callback(exc_type, exc_value, tb) -> bool:
+    """asyncio's "Event loop is closed" from a late callback of an abandoned write (or read)."""
+    if exc_type is not RuntimeError or "Event loop is closed" not in str(exc_value):
+        return False
+    return any("asyncio" in frame.filename for frame in traceback.extract_tb(tb))
 
-    When one array fails, orbax abandons the concurrent reads of the others; they surface later as
-    "Exception ignored in <coroutine ...>" (unraisable) or asyncio's "Task exception was never
-    retrieved" (logged), each with a traceback, long after the one-line fallback warning said what
-    happened. Only those are filtered; anything else still reaches its hook or handler.
+
+def _silence_failed_writes() -> None:
+    """Keeps orbax's and asyncio's tracebacks of a failed background save off the console.
+
+    When one write fails, orbax closes its event loop while tensorstore still completes the other
+    writes; each completion's callback then raises "Event loop is closed", printed through
+    sys.excepthook, one traceback per array. jaxdist reports the failure once, in one line.
     """
-    asyncio_log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _OrphanedReadFilter) for f in asyncio_log.filters):
-        asyncio_log.addFilter(_OrphanedReadFilter())
-    previous = sys.unraisablehook
+    orbax_reads.silence_orphaned_reads()
+    if not getattr(sys.excepthook, "_jaxdist_filter", False):
+        previous_excepthook = sys.excepthook
+
+        def excepthook(exc_type, exc_value, tb):
+            if not _is_closed_loop_callback(exc_type, exc_value, tb):
+                previous_excepthook(exc_type, exc_value, tb)
+
+        excepthook._jaxdist_filter = True
+        sys.excepthook = excepthook
+    for name in ("absl", "orbax", ""):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _FailedWriteFilter) for f in logger.filters):
+            logger.addFilter(_FailedWriteFilter())
+    previous = threading.excepthook
     if getattr(previous, "_jaxdist_filter", False):
         return
 
-    def hook(unraisable):
-        obj = getattr(unraisable, "object", None)
-        name = getattr(obj, "__qualname__", "") or getattr(
-            getattr(obj, "cr_code", None), "co_name", ""
-        )
-        msg = str(getattr(unraisable, "exc_value", ""))
-        if "_read_array_index_and_device_put" in name or "Event loop is closed" in msg:
+    def hook(args):
+        if "Event loop is closed" in str(args.exc_value) or (
+            args.exc_type is ImportError and "shutting down" in str(args.exc_value)
+        ):
             return
-        previous(unraisable)
+        previous(args)
 
     hook._jaxdist_filter = True
-    sys.unraisablehook = hook
+    threading.excepthook = hook
 
 
 def _non_negative_int(value: Any, field: str, meaning: str) -> int:
@@ -791,14 +1001,18 @@ def verify_checkpoint(directory: epath.PathLike, step: int | None = None) -> Ver
     """Reads every array of `step` (default newest) back, one at a time, against the metadata.
 
     Problems reported: metadata unreadable; the arrays in storage, in orbax's metadata and in our
-    meta item differ; an array fails to read (a data file missing or corrupted); an array holds
-    NaN or Inf. Host memory stays within the largest single array.
+    meta item differ; an array fails to read (a data file missing or corrupted); a shard's CRC-32
+    differs from the one stored at save (a silently corrupted data file); an array holds NaN or
+    Inf. Host memory stays within the largest single array.
     """
     step_dir, step = _resolve_step(directory, step)
     report = VerifyReport(step)
     state_dir = step_dir / STATE_ITEM
+    checksums: dict[str, dict[str, str]] = {}
     try:
-        listed = set(_read_json_item(step_dir / META_ITEM).get("shardings", {}))
+        meta = _read_json_item(step_dir / META_ITEM)
+        listed = set(meta.get("shardings", {}))
+        checksums = meta.get("checksums") or {}  # absent in checkpoints of older versions
     except Exception as err:
         listed = None
         report.problems.append(f"{step_dir / META_ITEM} unreadable ({one_line_error(err)})")
@@ -844,6 +1058,10 @@ def verify_checkpoint(directory: epath.PathLike, step: int | None = None) -> Ver
             continue
         if value.shape != _shape_of(md):
             report.problems.append(f"{path} read back as {value.shape}, saved as {_shape_of(md)}")
+            continue
+        mismatches = checksum_mismatches(path, value, checksums.get(path, {}))
+        if mismatches:
+            report.problems += mismatches
             continue
         if jax.numpy.issubdtype(value.dtype, jax.numpy.inexact):
             finite = np.isfinite(value if value.dtype.kind in "fc" else value.astype(np.float32))
@@ -892,3 +1110,55 @@ def export_params(
         save_file(arrays, tmp)
     os.replace(tmp, out)
     return arrays
+
+
+def restore_subtree(
+    directory: epath.PathLike, abstract: PyTree, *, prefix: str = "params", step: int | None = None
+) -> PyTree:
+    """Reads the arrays under `prefix` of `step` (default newest) onto the shardings of `abstract`
+    (a tree of `jax.ShapeDtypeStruct(sharding=)` shaped like that subtree); the rest of the saved
+    state (optimizer moments, ...) is not read. Each device reads only its own shards.
+
+    Raises:
+      ConfigError: no such directory or step, or an array's path, shape or dtype differs.
+    """
+    step_dir, step = _resolve_step(directory, step)
+    state_dir = step_dir / STATE_ITEM
+    tree_md = _tree_metadata(state_dir)
+    saved = {p: md for p, md in _flatten(tree_md).items() if _under(p, prefix)}
+    expected = {f"{prefix}/{p}": leaf for p, leaf in _flatten(abstract).items()}
+    _check_matches(saved, expected, f"checkpoint step {step} in {directory}")
+    placeholder = getattr(ocp, "PLACEHOLDER", None)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree_md)
+    item, restore_args = [], []
+    for kp, md in leaves:
+        path = path_str(kp)
+        want = expected.get(path)
+        if want is None:
+            item.append(md if placeholder is None else placeholder)
+            restore_args.append(ocp.RestoreArgs(restore_type=np.ndarray))
+        else:
+            item.append(want)
+            restore_args.append(
+                ocp.ArrayRestoreArgs(
+                    sharding=want.sharding, global_shape=want.shape, dtype=want.dtype
+                )
+            )
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        out = handler.restore(
+            state_dir,
+            args=ocp.args.PyTreeRestore(
+                item=jax.tree_util.tree_unflatten(treedef, item),
+                restore_args=jax.tree_util.tree_unflatten(treedef, restore_args),
+            ),
+        )
+    finally:
+        handler.close()
+    got = _flatten(out)
+    paths = [
+        f"{prefix}/{path_str(kp)}" for kp, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]
+    ]
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(abstract), [got[p] for p in paths]
+    )

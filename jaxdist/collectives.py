@@ -101,8 +101,19 @@ def sync_grads(
             axis_names=set(axes),
         )
 
-    manual = set(axes) | set(shard_axes)
+    grads_of = _replica_grads(grad_fn, mesh, axes, per_replica)
+    reduce_of = _sharded_reduce(tx_sync, mesh, axes, shard_axes, param_specs, state_specs)
 
+    def step(params, batch, state):
+        loss, grads = grads_of(params, batch)
+        grads, state = reduce_of(grads, state)
+        return loss, grads, state
+
+    return step
+
+
+def _replica_grads(grad_fn: GradFn, mesh: Mesh, axes: tuple[str, ...], per_replica: str):
+    """(params, batch) -> (mean loss, grads [R, ...]): every replica's own gradient, stacked."""
     if per_replica == "vmap":
         replica_grads = _replica_vmap(grad_fn, (None,), mesh, axes)
 
@@ -110,19 +121,21 @@ def sync_grads(
             losses, grads = replica_grads(params, batch)
             return jnp.mean(losses), grads
 
-    else:
+        return grads_of
 
-        def local_grads(params, batch):
-            loss, grads = grad_fn(replica_local(params, axes), batch)
-            return jax.lax.pmean(loss, axes), _stacked(grads)
+    def local_grads(params, batch):
+        loss, grads = grad_fn(replica_local(params, axes), batch)
+        return jax.lax.pmean(loss, axes), _stacked(grads)
 
-        grads_of = jax.shard_map(
-            local_grads,
-            mesh=mesh,
-            in_specs=(P(), lead),
-            out_specs=(P(), lead),
-            axis_names=set(axes),
-        )
+    lead = P(_data_spec(axes))
+    return jax.shard_map(
+        local_grads, mesh=mesh, in_specs=(P(), lead), out_specs=(P(), lead), axis_names=set(axes)
+    )
+
+
+def _sharded_reduce(tx_sync, mesh: Mesh, axes, shard_axes, param_specs, state_specs):
+    """(grads [R, ...], state) -> (mean grads, state): `tx_sync` on each device's own shard."""
+    manual = set(axes) | set(shard_axes)
     g_specs = jax.tree.map(
         lambda sp: sharding.spec_only(P(_data_spec(axes), *sp), manual), param_specs
     )
@@ -132,20 +145,13 @@ def sync_grads(
     def reduce(grads, state):
         return tx_sync.update(_local(grads), state)
 
-    reduce_of = jax.shard_map(
+    return jax.shard_map(
         reduce,
         mesh=mesh,
         in_specs=(g_specs, s_specs),
         out_specs=(mean_specs, s_specs),
         axis_names=manual,
     )
-
-    def step(params, batch, state):
-        loss, grads = grads_of(params, batch)
-        grads, state = reduce_of(grads, state)
-        return loss, grads, state
-
-    return step
 
 
 class LocalSGDState(NamedTuple):
@@ -166,6 +172,13 @@ class LocalSGD(NamedTuple):
 def diloco_outer(learning_rate: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformation:
     """DiLoCo's outer optimizer (Douillard et al., 2023): Nesterov SGD on the averaged delta."""
     return optax.sgd(learning_rate, momentum=momentum, nesterov=True)
+
+
+# The one registry of `grad_sync.outer_optimizer` names: name -> grad_sync config -> outer optimizer.
+OUTER_OPTIMIZERS: dict[str, Callable[[Any], optax.GradientTransformation]] = {
+    "average": lambda g: optax.sgd(1.0),  # plain averaging of the replicas' parameters
+    "nesterov": lambda g: diloco_outer(g.outer_learning_rate, g.outer_momentum),  # DiLoCo
+}
 
 
 def local_sgd(
@@ -202,16 +215,31 @@ def local_sgd(
     if local_steps < 1:
         raise ValueError(f"local_sgd: local_steps={local_steps} must be >= 1")
     outer = optax.sgd(1.0) if outer_tx is None else outer_tx
-    axes = _axes(data_axes)
+    run = _local_sgd_vmap if per_replica == "vmap" else _local_sgd_shard_map
+    return run(grad_fn, inner_tx, outer, mesh, _axes(data_axes), local_steps)
+
+
+def _outer_step(outer: optax.GradientTransformation) -> Callable:
+    """(anchor, outer_state, mean of the replicas' params) -> (new anchor, outer_state)."""
+
+    def step(anchor, outer_state, mean):
+        delta = jax.tree.map(lambda a, m: a - m, anchor, mean)  # the outer "gradient"
+        upd, outer_state = outer.update(delta, outer_state, anchor)
+        return optax.apply_updates(anchor, upd), outer_state
+
+    return step
+
+
+def _keep(anchor, outer_state, local):
+    return anchor, outer_state, local
+
+
+def _local_sgd_shard_map(grad_fn, inner_tx, outer, mesh, axes, local_steps) -> LocalSGD:
+    """Local SGD with each replica's step in a shard_map manual over `axes`."""
     lead = P(_data_spec(axes))
+    outer_step = _outer_step(outer)
 
     def init(params):
-        if per_replica == "vmap":
-            r = math.prod(mesh.shape[a] for a in axes)
-            local = jax.tree.map(lambda p: jnp.broadcast_to(p, (r, *p.shape)), params)
-            inner = jax.vmap(inner_tx.init)(local)
-            return LocalSGDState(jnp.zeros((), jnp.int32), params, outer.init(params), local, inner)
-
         def one(p):
             return _stacked(p), _stacked(inner_tx.init(p))
 
@@ -231,11 +259,8 @@ def local_sgd(
             anchor, outer_state = outer_step(anchor, outer_state, jax.lax.pmean(local, axes))
             return anchor, outer_state, jax.tree.map(_varying_like, anchor, local)
 
-        def keep(anchor, outer_state, local):
-            return anchor, outer_state, local
-
         anchor, outer_state, local = jax.lax.cond(
-            (step + 1) % local_steps == 0, sync, keep, anchor, outer_state, local
+            (step + 1) % local_steps == 0, sync, _keep, anchor, outer_state, local
         )
         metrics = {"loss": loss, "grad_norm": grad_norm}
         metrics = jax.lax.pmean(metrics, axes)
@@ -249,10 +274,22 @@ def local_sgd(
         axis_names=set(axes),
     )
 
-    def outer_step(anchor, outer_state, mean):
-        delta = jax.tree.map(lambda a, m: a - m, anchor, mean)  # the outer "gradient"
-        upd, outer_state = outer.update(delta, outer_state, anchor)
-        return optax.apply_updates(anchor, upd), outer_state
+    def step(state, batch):
+        metrics, anchor, outer_state, local, inner = stepped(*state, batch)
+        return LocalSGDState(state.step + 1, anchor, outer_state, local, inner), metrics
+
+    return LocalSGD(init, step)
+
+
+def _local_sgd_vmap(grad_fn, inner_tx, outer, mesh, axes, local_steps) -> LocalSGD:
+    """Local SGD with the replicas vmapped over a leading axis (`spmd_axis_name=axes`)."""
+    outer_step = _outer_step(outer)
+
+    def init(params):
+        r = math.prod(mesh.shape[a] for a in axes)
+        local = jax.tree.map(lambda p: jnp.broadcast_to(p, (r, *p.shape)), params)
+        inner = jax.vmap(inner_tx.init)(local)
+        return LocalSGDState(jnp.zeros((), jnp.int32), params, outer.init(params), local, inner)
 
     def inner_step(local, inner, rows):
         loss, grads = grad_fn(local, rows)
@@ -261,35 +298,18 @@ def local_sgd(
 
     replica_steps = _replica_vmap(inner_step, (0, 0), mesh, axes)
 
-    def vmapped_step(state, batch):
-        local, inner, losses, norms = replica_steps(state.local_params, state.inner_state, batch)
-
-        def sync(anchor, outer_state, local):
-            mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), local)  # all-reduce over data
-            anchor, outer_state = outer_step(anchor, outer_state, mean)
-            restart = jax.tree.map(lambda a, x: jnp.broadcast_to(a, x.shape), anchor, local)
-            return anchor, outer_state, restart
-
-        def keep(anchor, outer_state, local):
-            return anchor, outer_state, local
-
-        anchor, outer_state, local = jax.lax.cond(
-            (state.step + 1) % local_steps == 0, sync, keep, state.params, state.outer_state, local
-        )
-        metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(norms)}
-        return LocalSGDState(state.step + 1, anchor, outer_state, local, inner), metrics
+    def sync(anchor, outer_state, local):
+        mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), local)  # all-reduce over data
+        anchor, outer_state = outer_step(anchor, outer_state, mean)
+        restart = jax.tree.map(lambda a, x: jnp.broadcast_to(a, x.shape), anchor, local)
+        return anchor, outer_state, restart
 
     def step(state, batch):
-        if per_replica == "vmap":
-            return vmapped_step(state, batch)
-        metrics, anchor, outer_state, local, inner = stepped(
-            state.step,
-            state.params,
-            state.outer_state,
-            state.local_params,
-            state.inner_state,
-            batch,
+        local, inner, losses, norms = replica_steps(state.local_params, state.inner_state, batch)
+        anchor, outer_state, local = jax.lax.cond(
+            (state.step + 1) % local_steps == 0, sync, _keep, state.params, state.outer_state, local
         )
+        metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(norms)}
         return LocalSGDState(state.step + 1, anchor, outer_state, local, inner), metrics
 
     return LocalSGD(init, step)

@@ -42,7 +42,6 @@ from jaxdist import sharding
 from jaxdist.errors import ConfigError
 
 AxisName = str | tuple[str, ...]
-COMPRESSORS = ("none", "bf16", "int8", "topk", "powersgd", "sign")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -696,74 +695,108 @@ def sign(
 # Config, global state and its shardings
 
 
-def from_config(
-    grad_sync_cfg: Any, axis_name: AxisName, *, momentum: float = 0.9, batch_dims: Any = None
-) -> optax.GradientTransformation:
-    """The compressor `config.grad_sync` names.
+def _field(grad_sync_cfg: Any, name: str) -> Any:
+    """A `grad_sync` field from a ConfigDict or a plain dict, with the schema's default."""
+    if isinstance(grad_sync_cfg, dict):
+        return grad_sync_cfg.get(name, _DEFAULTS[name])
+    return getattr(grad_sync_cfg, name, _DEFAULTS[name])
 
-    Reads `compression` (none|bf16|int8|topk|powersgd|sign), `rank` (powersgd), `topk_ratio`
-    (topk), `error_feedback` (topk, powersgd, sign), `warmup_steps` (topk: density warm-up;
-    powersgd: `start_iter`; sign: `start_step`) and `momentum_correction` (topk, sign: the SGD
-    `momentum` is applied inside the compressor); accepts a ConfigDict or a plain dict.
-    `batch_dims` (a tree like the params) marks stacked-layer axes: every compressor treats each
-    layer as a tensor of its own.
+
+_DEFAULTS = {
+    "compression": "none",
+    "rank": 2,
+    "topk_ratio": 0.01,
+    "error_feedback": True,
+    "warmup_steps": 0,
+    "momentum_correction": False,
+}
+
+
+def _from_fields(name: str, axis_name: AxisName, cfg: Any, momentum: float, batch_dims: Any):
+    ef, warmup = bool(_field(cfg, "error_feedback")), int(_field(cfg, "warmup_steps"))
+    mc = bool(_field(cfg, "momentum_correction"))
+    if name == "sign":
+        return sign(
+            axis_name, error_feedback=ef, momentum_correction=mc, momentum=momentum,
+            start_step=warmup, batch_dims=batch_dims,
+        )  # fmt: skip
+    if name == "topk":
+        return topk(
+            axis_name, _field(cfg, "topk_ratio"), error_feedback=ef, momentum_correction=mc,
+            momentum=momentum, warmup_steps=warmup, batch_dims=batch_dims,
+        )  # fmt: skip
+    rank = int(_field(cfg, "rank"))
+    return powersgd(axis_name, rank, start_iter=warmup, error_feedback=ef, batch_dims=batch_dims)
+
+
+# The one registry of `grad_sync.compression` names: name -> (axis_name, grad_sync config,
+# momentum, batch_dims) -> compressor. config.validate reads the names from here.
+COMPRESSORS: dict[str, Any] = {
+    "none": lambda axis_name, cfg, momentum, batch_dims: none(axis_name),
+    "bf16": lambda axis_name, cfg, momentum, batch_dims: bf16(axis_name, batch_dims=batch_dims),
+    "int8": lambda axis_name, cfg, momentum, batch_dims: int8(axis_name, batch_dims=batch_dims),
+    "topk": functools.partial(_from_fields, "topk"),
+    "powersgd": functools.partial(_from_fields, "powersgd"),
+    "sign": functools.partial(_from_fields, "sign"),
+}
+MOMENTUM_CORRECTED = (
+    "topk",
+    "sign",
+)  # compressors that can carry the SGD momentum (DGC, 1-bit Adam)
+
+
+def check(grad_sync_cfg: Any) -> None:
+    """The compressor fields' rules, each checked here only (config.validate calls this too).
+
+    Accepts a ConfigDict or a plain dict; missing fields take the schema's defaults.
 
     Raises:
       ConfigError: an unknown compressor, `rank` <= 0, `topk_ratio` outside (0, 1],
-        `warmup_steps` < 0, or `momentum_correction` with a compressor that has none.
+        `warmup_steps` < 0, or `momentum_correction` with a compressor that has none or without
+        error feedback.
     """
-
-    def get(field, default=None):
-        if isinstance(grad_sync_cfg, dict):
-            return grad_sync_cfg.get(field, default)
-        return getattr(grad_sync_cfg, field, default)
-
-    name = get("compression", "none")
-    ef = bool(get("error_feedback", True))
-    warmup = get("warmup_steps", 0)
-    mc = bool(get("momentum_correction", False))
+    name = _field(grad_sync_cfg, "compression")
     if name not in COMPRESSORS:
-        raise ConfigError(f"grad_sync.compression={name!r} is not one of {', '.join(COMPRESSORS)}")
+        raise ConfigError(
+            f"grad_sync.compression={name!r} is not valid; choose one of {', '.join(COMPRESSORS)}"
+        )
+    if _field(grad_sync_cfg, "momentum_correction"):
+        if name not in MOMENTUM_CORRECTED:
+            raise ConfigError(
+                "grad_sync.momentum_correction applies to compression='topk' (DGC) or 'sign' "
+                f"(1-bit Adam), not {name!r}"
+            )
+        if not _field(grad_sync_cfg, "error_feedback"):
+            raise ConfigError("grad_sync.momentum_correction needs grad_sync.error_feedback=True")
+    if name == "none":
+        return
+    warmup, rank = _field(grad_sync_cfg, "warmup_steps"), _field(grad_sync_cfg, "rank")
+    ratio = _field(grad_sync_cfg, "topk_ratio")
     if not isinstance(warmup, int | np.integer) or warmup < 0:
         raise ConfigError(f"grad_sync.warmup_steps={warmup} must be an integer >= 0")
-    if mc and name not in ("topk", "sign"):
-        raise ConfigError(
-            f"grad_sync.momentum_correction applies to compression='topk' or 'sign', not {name!r}"
-        )
-    if name == "none":
-        return none(axis_name)
-    if name == "bf16":
-        return bf16(axis_name, batch_dims=batch_dims)
-    if name == "int8":
-        return int8(axis_name, batch_dims=batch_dims)
-    if name == "sign":
-        return sign(
-            axis_name,
-            error_feedback=ef,
-            momentum_correction=mc,
-            momentum=momentum,
-            start_step=int(warmup),
-            batch_dims=batch_dims,
-        )
-    if name == "topk":
-        ratio = get("topk_ratio", 0.01)
-        if not 0 < ratio <= 1:
-            raise ConfigError(f"grad_sync.topk_ratio={ratio} must be in (0, 1], e.g. 0.01")
-        return topk(
-            axis_name,
-            ratio,
-            error_feedback=ef,
-            momentum_correction=mc,
-            momentum=momentum,
-            warmup_steps=int(warmup),
-            batch_dims=batch_dims,
-        )
-    rank = get("rank", 2)
     if not isinstance(rank, int | np.integer) or rank <= 0:
         raise ConfigError(f"grad_sync.rank={rank} must be a positive integer, e.g. 2")
-    return powersgd(
-        axis_name, int(rank), start_iter=int(warmup), error_feedback=ef, batch_dims=batch_dims
-    )
+    if not 0 < ratio <= 1:
+        raise ConfigError(f"grad_sync.topk_ratio={ratio} must be in (0, 1], e.g. 0.01")
+
+
+def from_config(
+    grad_sync_cfg: Any, axis_name: AxisName, *, momentum: float = 0.9, batch_dims: Any = None
+) -> optax.GradientTransformation:
+    """The compressor `config.grad_sync` names, after `check`.
+
+    Reads `compression` (a `COMPRESSORS` name), `rank` (powersgd), `topk_ratio` (topk),
+    `error_feedback` (topk, powersgd, sign), `warmup_steps` (topk: density warm-up; powersgd:
+    `start_iter`; sign: `start_step`) and `momentum_correction` (topk, sign: the SGD `momentum` is
+    applied inside the compressor); accepts a ConfigDict or a plain dict. `batch_dims` (a tree like
+    the params) marks stacked-layer axes: every compressor treats each layer as a tensor of its own.
+
+    Raises:
+      ConfigError: see `check`.
+    """
+    check(grad_sync_cfg)
+    name = _field(grad_sync_cfg, "compression")
+    return COMPRESSORS[name](axis_name, grad_sync_cfg, momentum, batch_dims)
 
 
 def _data_spec(data_axes: AxisName) -> str | tuple[str, ...]:

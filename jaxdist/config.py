@@ -19,11 +19,7 @@ import ml_collections
 from jaxdist.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor", "pipeline")
-OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
-SCHEDULES = ("cosine", "linear", "constant")
 COMPUTE_DTYPES = ("float32", "bfloat16")
-COMPRESSIONS = ("none", "bf16", "int8", "topk", "powersgd", "sign")
-LR_SCALINGS = ("none", "linear", "sqrt")
 NONFINITE = ("stop", "skip")
 
 
@@ -49,6 +45,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.attention = "xla"  # "xla", "cudnn" (flash attention on NVIDIA GPUs) or "auto"
     c.model.scan_unroll = 1  # layers per scan iteration (num_layers: no loop, no stacked copies)
     c.model.embed_grad = "scatter"  # or "matmul": one-hot matmul, no atomics (fast on GPUs)
+    # llama (models/llama.py): grouped-query attention, rotary embeddings, RMSNorm, tied head.
+    c.model.num_kv_heads = 0  # 0 = num_heads (no grouping)
+    c.model.head_dim = 0  # 0 = d_model // num_heads
+    c.model.rope_theta = 10000.0
+    c.model.rope_scaling = ml_collections.ConfigDict()
+    c.model.rope_scaling.type = "none"  # or "llama3" (Llama 3.1+ long-context frequencies)
+    c.model.rope_scaling.factor = 8.0
+    c.model.rope_scaling.low_freq_factor = 1.0
+    c.model.rope_scaling.high_freq_factor = 4.0
+    c.model.rope_scaling.original_max_len = 8192
+    c.model.norm_eps = 1e-5
+    c.model.tie_embeddings = False
+    c.model.eos_token_id = -1  # generation stops at this token; -1 = none
     c.model.hidden_dims = (256, 256)  # mlp
     c.model.widths = (16, 32, 64)  # resnet stage widths
     c.model.num_classes = 10  # mlp / resnet
@@ -82,6 +91,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.max_skipped = 10  # on_nonfinite=skip: stop after this many skipped updates in a row
     c.train.lr_scaling = "none"
     c.train.base_batch_size = 0  # 0 = batch_size: lr_scaling is relative to this
+    c.train.init_from = ""  # start from these weights: an HF folder or a jaxdist run/checkpoint
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"
@@ -176,24 +186,25 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, Any], num_devices: int) -> dict[st
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     """Checks every field a user can get wrong; returns the resolved mesh shape.
 
-    The choices and rules of models (`models/`), remat policies (`models/api.py`) and pipeline
-    schedules (`jaxdist/pipeline.py`) are read from the modules that own them.
+    The choices and rules of models (`models/`), remat policies (`models/api.py`), pipeline
+    schedules (`jaxdist/pipeline.py`), optimizers and learning-rate schedules (`jaxdist/optim.py`),
+    compressors and the gradient strategies (`jaxdist/compression.py`, `jaxdist/strategies.py`)
+    are read from the modules that own them.
 
     Raises:
       ConfigError: one line naming the field and what would be valid.
     """
     import models
-    from jaxdist import pipeline
+    from jaxdist import optim, pipeline, strategies
     from models import api
 
     models.get(config.model.name)
-    _choice(config, "train.optimizer", OPTIMIZERS)
-    _choice(config, "train.schedule", SCHEDULES)
+    _choice(config, "train.optimizer", tuple(optim.OPTIMIZERS))
+    _choice(config, "train.schedule", tuple(optim.SCHEDULES))
     _choice(config, "train.compute_dtype", COMPUTE_DTYPES)
     _choice(config, "train.remat", api.remat_names())
     _choice(config, "train.on_nonfinite", NONFINITE)
-    _choice(config, "train.lr_scaling", LR_SCALINGS)
-    _choice(config, "grad_sync.compression", COMPRESSIONS)
+    _choice(config, "train.lr_scaling", tuple(optim.LR_SCALINGS))
     _choice(config, "model.norm", ("rmsnorm", "layernorm"))
     _choice(config, "model.attention", ("xla", "cudnn", "auto"))
     for path in (
@@ -230,66 +241,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
         f"{config.train.grad_accum} = {per_step}",
     )
     pipeline.check(config, mesh)
-    if config.grad_sync.compression != "none":
-        others = [a for a in ("fsdp", "tensor", "pipeline") if mesh[a] > 1]
-        _need(
-            mesh["data"] > 1,
-            f"grad_sync.compression={config.grad_sync.compression!r} compresses the data-parallel "
-            f"reduction, but mesh.data={mesh['data']}; set mesh.data > 1 or compression='none'",
-        )
-        # With stages, each replica's pipelined gradients come from a shard_map manual over `data`,
-        # and XLA's SPMD partitioner (jax 0.10) aborts on one while two or more other axes stay
-        # automatic; refuse it here instead of crashing in compilation.
-        _need(
-            mesh["pipeline"] == 1 or len(others) <= 1,
-            f"grad_sync.compression with mesh axes {'×'.join(['data', *others])} > 1 is not "
-            "supported (XLA SPMD partitioner limit); with mesh.pipeline > 1 set fsdp = tensor = 1",
-        )
-        _need(config.grad_sync.rank > 0, f"grad_sync.rank={config.grad_sync.rank} must be > 0")
-        _need(
-            config.grad_sync.warmup_steps >= 0,
-            f"grad_sync.warmup_steps={config.grad_sync.warmup_steps} must be >= 0",
-        )
-        _need(
-            0 < config.grad_sync.topk_ratio <= 1,
-            f"grad_sync.topk_ratio={config.grad_sync.topk_ratio} must be in (0, 1]",
-        )
-    if config.grad_sync.momentum_correction:
-        _need(
-            config.grad_sync.compression in ("topk", "sign"),
-            "grad_sync.momentum_correction applies to compression='topk' (DGC) or 'sign' "
-            f"(1-bit Adam), not {config.grad_sync.compression!r}",
-        )
-        _need(
-            config.train.optimizer == "sgd" and config.train.momentum > 0,
-            "grad_sync.momentum_correction moves the SGD momentum into the compressor: it "
-            f"needs train.optimizer='sgd' with train.momentum > 0, not "
-            f"{config.train.optimizer!r} with momentum {config.train.momentum}",
-        )
-        _need(
-            config.grad_sync.error_feedback,
-            "grad_sync.momentum_correction needs grad_sync.error_feedback=True",
-        )
-    _choice(config, "grad_sync.outer_optimizer", ("average", "nesterov"))
-    if config.grad_sync.local_steps > 1:
-        g = config.grad_sync
-        _need(
-            mesh["data"] > 1,
-            f"grad_sync.local_steps={g.local_steps} averages replicas over the data axis, but "
-            f"mesh.data={mesh['data']}; set mesh.data > 1 or local_steps=1",
-        )
-        _need(
-            g.compression == "none",
-            f"grad_sync.local_steps={g.local_steps} sends no gradients to compress; set "
-            f"grad_sync.compression='none' (not {g.compression!r})",
-        )
-        _need(
-            mesh["pipeline"] == 1 or (mesh["fsdp"] == 1 and mesh["tensor"] == 1),
-            f"grad_sync.local_steps={g.local_steps} with mesh.pipeline > 1 needs fsdp = tensor = 1 "
-            "(XLA SPMD partitioner limit, as for compression)",
-        )
-        _need(g.outer_learning_rate > 0, "grad_sync.outer_learning_rate must be > 0")
-        _need(0 <= g.outer_momentum < 1, "grad_sync.outer_momentum must be in [0, 1)")
+    strategies.check(config, mesh)
     src = config.data.source
     if src not in ("stdlib", "digits"):
         _need(os.path.exists(src), f"data.source={src!r}: no such file or directory")

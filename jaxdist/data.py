@@ -4,7 +4,8 @@ Sources (`data.source`):
 * `stdlib`: the Python standard library's `.py` files, read in sorted order as bytes (vocabulary 256).
   Real text on every machine, no download.
 * a text file or a directory of text files: the same byte-level tokenisation.
-* a `.bin` file of uint16 tokens (nanoGPT format), or a directory with `train.bin` (and `val.bin`).
+* a `.bin` file of uint16 tokens (nanoGPT format), or a directory with `train.bin` (and `val.bin`);
+  with an `index.json` (scripts/tokenize.py) the tokens may be uint32, and are checked against it.
 * a `.npz` with `images` [N, H, W(, C)] and integer `labels` [N].
 * `digits`: the 8×8 handwritten digits scikit-learn ships (extra `digits`).
 
@@ -16,6 +17,7 @@ materialises only the rows its devices hold and builds the global array with
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
 from dataclasses import dataclass, field
@@ -106,17 +108,56 @@ def noise_warning(source: str, data: np.ndarray, sample: int = 1 << 20) -> str |
     )
 
 
-def _check_token_file(src: str, path: str) -> None:
-    """ConfigError unless `path` (data.source, or its val.bin) holds whole uint16 tokens."""
-    size = os.path.getsize(path)
+def _check_token_file(src: str, path: str, dtype: np.dtype) -> None:
+    """ConfigError unless `path` (data.source, or its val.bin) holds whole `dtype` tokens."""
+    size, width, name = os.path.getsize(path), dtype.itemsize, dtype.name
     what = f"data.source={src!r}" + (f": {path}" if path != src else "")
-    if size % 2:
+    if size % width:
         raise ConfigError(
-            f"{what} is {size} bytes, not a whole number of uint16 tokens (2 bytes each): "
-            "a truncated or non-token file; write tokens with numpy's .astype(np.uint16).tofile()"
+            f"{what} is {size} bytes, not a whole number of {name} tokens ({width} bytes each): "
+            f"a truncated or non-token file; write tokens with numpy's .astype(np.{name}).tofile()"
         )
     if size == 0:
-        raise ConfigError(f"{what} is empty; it should hold uint16 tokens")
+        raise ConfigError(f"{what} is empty; it should hold {name} tokens")
+
+
+TOKEN_INDEX = "index.json"  # scripts/tokenize.py's description of train.bin / val.bin
+
+
+def is_token_source(src: str) -> bool:
+    """A `.bin` token file, or a folder with `train.bin` (nanoGPT's, or scripts/tokenize.py's)."""
+    return src.endswith(".bin") or os.path.isfile(os.path.join(src, "train.bin"))
+
+
+def _token_index(folder: str, vocab_size: int) -> dict | None:
+    """The folder's index.json (scripts/tokenize.py), checked against its .bin files; None when
+    there is none (then the files are nanoGPT's uint16)."""
+    path = os.path.join(folder, TOKEN_INDEX)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            index = json.load(f)
+        dtype = np.dtype(index["dtype"])
+        counts = {k: int(v) for k, v in index["tokens"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{path}: malformed token index ({type(e).__name__}: {e})") from None
+    if dtype not in (np.uint16, np.uint32):
+        raise ConfigError(f"{path}: dtype={index['dtype']!r}; token shards are uint16 or uint32")
+    for split, count in counts.items():
+        shard = os.path.join(folder, f"{split}.bin")
+        size = os.path.getsize(shard) if os.path.isfile(shard) else -1
+        if size != count * dtype.itemsize:
+            raise ConfigError(
+                f"{shard}: {size} bytes, but {path} says {count} {dtype.name} tokens "
+                f"({count * dtype.itemsize} bytes); re-run scripts/tokenize.py"
+            )
+    if int(index.get("vocab_size", 0)) > vocab_size:
+        raise ConfigError(
+            f"{path}: the tokenizer has {index['vocab_size']} tokens, more than "
+            f"model.vocab_size={vocab_size}"
+        )
+    return {**index, "dtype": dtype}
 
 
 def _split(x: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -163,12 +204,14 @@ def load(data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
         return Dataset("images", tr, va, ltr, lva)
     bin_train = src if src.endswith(".bin") else os.path.join(src, "train.bin")
     if os.path.isfile(bin_train):
-        _check_token_file(src, bin_train)
-        tokens = np.memmap(bin_train, dtype=np.uint16, mode="r")
+        index = _token_index(os.path.dirname(bin_train), vocab_size)
+        dtype = np.dtype(np.uint16 if index is None else index["dtype"])
+        _check_token_file(src, bin_train, dtype)
+        tokens = np.memmap(bin_train, dtype=dtype, mode="r")
         val_path = os.path.join(os.path.dirname(bin_train), "val.bin")
         if os.path.isfile(val_path) and val_path != bin_train:
-            _check_token_file(src, val_path)
-            train, val = tokens, np.memmap(val_path, dtype=np.uint16, mode="r")
+            _check_token_file(src, val_path, dtype)
+            train, val = tokens, np.memmap(val_path, dtype=dtype, mode="r")
         else:
             train, val = _split(tokens, vf)
         top = int(np.max(train[: 1 << 20]))

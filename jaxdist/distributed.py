@@ -27,6 +27,21 @@ A field nobody sets means one process: `initialize()` is then a no-op.
 
 The `source` of a `ClusterSpec` is the least specific layer that contributed a field, so a Slurm job
 whose coordinator was overridden by `JAXDIST_COORDINATOR` still reports `"slurm"`.
+
+Why not JAX's own detection (`jax._src.clusters`, jax 0.10.2)? Where it works it gives the same
+answer (Slurm under `srun`: first host of `SLURM_STEP_NODELIST`, port 61440 + job id % 4096), but:
+- Slurm: it needs the step variables, so an `sbatch` script outside `srun` is not detected (jaxdist
+  falls back to `SLURM_JOB_NODELIST`); it reads only the first bracket group of a hostlist
+  (`rack[1-2]-n[01-02]` gives `rack1`, `expand_nodelist` gives `rack1-n01`); and it pins every task
+  to the GPU of its `SLURM_LOCALID`, also when one task per node should drive all of its GPUs.
+- Open MPI: it reads Open MPI 4's `OMPI_MCA_orte_hnp_uri` only; Open MPI 5 (PRRTE) publishes the
+  launcher through `PMIX_SERVER_URI*`.
+- Kubernetes: `K8sCluster` asks the Kubernetes API (the `kubernetes` package and a service account
+  with pod read access); an indexed Job or JobSet pod can find index 0 by DNS from its environment.
+- A join timeout: JAX's `initialization_timeout` ends the process with `LOG(FATAL)`; `initialize`
+  waits in a thread and raises a catchable one-line `ConfigError` instead.
+Once `detect` has answered, JAX's detection is switched off (`cluster_detection_method=
+"deactivate"`) so it cannot override the answer (e.g. pin one GPU per process from `SLURM_LOCALID`).
 """
 
 from __future__ import annotations
@@ -372,25 +387,8 @@ def detect(
         "num_processes": num_processes,
         "process_id": process_id,
     }
-    ours = {
-        "coordinator_address": env.get(ENV_COORDINATOR, "").strip() or None,
-        "num_processes": _int(env, ENV_NUM_PROCESSES),
-        "process_id": _int(env, ENV_PROCESS_ID),
-    }
     scheduler = next((s for s in (f(env) for f in _SCHEDULERS) if s is not None), None)
-
-    layers: list[tuple[str, dict]] = [("flags", flags), ("env", ours)]
-    if scheduler is not None:
-        layers.append(
-            (
-                scheduler.name,
-                {
-                    "num_processes": scheduler.num_processes,
-                    "process_id": scheduler.process_id,
-                    "coordinator_address": scheduler.coordinator,
-                },
-            )
-        )
+    layers = _layers(env, flags, scheduler)
 
     # Count and rank first: a one-process job needs no coordinator, so it must not fail on one.
     used: list[int] = []
@@ -401,22 +399,57 @@ def detect(
                 resolved[field] = values[field]
                 used.append(i)
                 break
-        if field == "process_id":
-            n, pid = resolved.get("num_processes"), resolved.get("process_id")
-            if n is None and scheduler is not None and scheduler.name == "kubernetes":
-                raise ConfigError(
-                    f"Kubernetes indexed Job (JOB_COMPLETION_INDEX={pid}) but no process count: "
-                    f"set {ENV_NUM_PROCESSES} to the Job's completions"
-                )
-            if n is None and pid:
-                raise ConfigError(f"process id {pid} but no process count: set {ENV_NUM_PROCESSES}")
-            if n is None or n == 1:
-                return SINGLE
+        if field == "process_id" and _one_process(resolved, scheduler):
+            return SINGLE
     source = layers[max(used)][0]
-    where = f"(cluster source {source})"
+    n, pid = _checked_rank(resolved, f"(cluster source {source})")
+    local_ids = _int_list(env, ENV_LOCAL_DEVICE_IDS)
+    if local_ids is None and scheduler is not None and source == scheduler.name:
+        local_ids = scheduler.local_device_ids
+    return ClusterSpec(
+        coordinator_address=_coordinator(resolved.get("coordinator_address"), env, n, source),
+        num_processes=n,
+        process_id=pid,
+        local_device_ids=local_ids,
+        source=source,
+    )
 
-    n = resolved["num_processes"]
-    pid = resolved.get("process_id")
+
+def _layers(
+    env: Mapping[str, str], flags: dict, scheduler: _Scheduler | None
+) -> list[tuple[str, dict]]:
+    """(source, fields) from the most specific to the least: flags, our variables, the scheduler."""
+    ours = {
+        "coordinator_address": env.get(ENV_COORDINATOR, "").strip() or None,
+        "num_processes": _int(env, ENV_NUM_PROCESSES),
+        "process_id": _int(env, ENV_PROCESS_ID),
+    }
+    layers: list[tuple[str, dict]] = [("flags", flags), ("env", ours)]
+    if scheduler is not None:
+        fields = {
+            "num_processes": scheduler.num_processes,
+            "process_id": scheduler.process_id,
+            "coordinator_address": scheduler.coordinator,
+        }
+        layers.append((scheduler.name, fields))
+    return layers
+
+
+def _one_process(resolved: dict, scheduler: _Scheduler | None) -> bool:
+    """True when no layer asks for more than one process; raises on a rank without a count."""
+    n, pid = resolved.get("num_processes"), resolved.get("process_id")
+    if n is None and scheduler is not None and scheduler.name == "kubernetes":
+        raise ConfigError(
+            f"Kubernetes indexed Job (JOB_COMPLETION_INDEX={pid}) but no process count: "
+            f"set {ENV_NUM_PROCESSES} to the Job's completions"
+        )
+    if n is None and pid:
+        raise ConfigError(f"process id {pid} but no process count: set {ENV_NUM_PROCESSES}")
+    return n is None or n == 1
+
+
+def _checked_rank(resolved: dict, where: str) -> tuple[int, int]:
+    n, pid = resolved["num_processes"], resolved.get("process_id")
     if not isinstance(n, int) or n < 1:
         raise ConfigError(f"num_processes={n} {where}: must be a positive integer")
     if pid is None:
@@ -425,28 +458,19 @@ def detect(
         )
     if not 0 <= pid < n:
         raise ConfigError(f"process_id={pid} {where}: must be in 0..{n - 1} for {n} processes")
+    return n, pid
 
-    address = resolved.get("coordinator_address")
+
+def _coordinator(address: object, env: Mapping[str, str], n: int, source: str) -> str:
+    """`host:port` of process 0: a scheduler's (lazy) answer, or a given address with its port."""
     if callable(address):
-        address = address()
-    elif address is not None:
-        address = _with_port(address, env)
+        return address()
     if address is None:
         raise ConfigError(
-            f"num_processes={n} {where} but no coordinator: set {ENV_COORDINATOR}=host:port "
-            "(the host of process 0) or pass coordinator_address"
+            f"num_processes={n} (cluster source {source}) but no coordinator: set "
+            f"{ENV_COORDINATOR}=host:port (the host of process 0) or pass coordinator_address"
         )
-
-    local_ids = _int_list(env, ENV_LOCAL_DEVICE_IDS)
-    if local_ids is None and scheduler is not None and source == scheduler.name:
-        local_ids = scheduler.local_device_ids
-    return ClusterSpec(
-        coordinator_address=address,
-        num_processes=n,
-        process_id=pid,
-        local_device_ids=local_ids,
-        source=source,
-    )
+    return _with_port(address, env)
 
 
 def cpu_devices_from_env(env: Mapping[str, str] = os.environ) -> int:
@@ -504,13 +528,18 @@ def _note_exit_status(status: object) -> None:
 
 
 def _exit_now_if_failing() -> None:
-    if _exit_status:
+    """At exit, before JAX's shutdown barrier: a failing process leaves at once (`os._exit`)."""
+    status = _exit_status
+    if status is None and getattr(sys, "last_value", None) is not None:
+        # The interpreter records an uncaught exception here before running exit hooks.
+        status = 130 if isinstance(sys.last_value, KeyboardInterrupt) else 1
+    if status:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        os._exit(_exit_status)
+        os._exit(status)
 
 
 def _install_fail_fast() -> None:
@@ -518,23 +547,25 @@ def _install_fail_fast() -> None:
 
     At exit JAX waits (up to 300 s) until every process reaches its shutdown barrier, so a process
     that raised, or called `sys.exit(3)`, would look alive to its launcher or scheduler while its
-    peers block in their next collective. An uncaught exception (via `sys.excepthook`) or
-    `sys.exit(non-zero)` (via a thin wrapper around `sys.exit`) is recorded, and an exit hook that
-    runs before JAX's skips the barrier with `os._exit(code)`. A clean exit keeps the barrier.
-    (A `sys.exit(n)` whose SystemExit the program catches and survives still counts as failing.)
+    peers block in their next collective. An exit hook that runs before JAX's (atexit is last-in
+    first-out) skips the barrier with `os._exit(code)` when the process is failing; a clean exit
+    keeps it. An uncaught exception is seen without any hook (`sys.last_value`). `sys.exit(n)` is
+    not: Python gives exit hooks no exit status, so `sys.exit` gets a thin wrapper that records a
+    non-zero status. That wrapper is the one process-wide patch, installed only once this process
+    has joined a multi-process job. (A `sys.exit(n)` whose SystemExit the program catches and
+    survives still counts as failing; `raise SystemExit(n)` is not seen.)
     """
-    previous_hook, real_exit = sys.excepthook, sys.exit
-
-    def excepthook(kind, value, traceback):
-        _note_exit_status(130 if issubclass(kind, KeyboardInterrupt) else 1)
-        previous_hook(kind, value, traceback)
+    real_exit = sys.exit
+    if getattr(real_exit, "_jaxdist_exit", False):
+        return
 
     def exit_(status: object = None):
         _note_exit_status(status)
         real_exit(status)
 
-    sys.excepthook, sys.exit = excepthook, exit_
-    atexit.register(_exit_now_if_failing)  # atexit is last-in first-out: runs before JAX's hook
+    exit_._jaxdist_exit = True
+    sys.exit = exit_
+    atexit.register(_exit_now_if_failing)
 
 
 def initialize(

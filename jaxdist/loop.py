@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist import checkpoint, data, distributed, metrics, train
+from jaxdist import checkpoint, data, distributed, metrics, train, weights
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
 from jaxdist.errors import ConfigError
@@ -133,14 +133,132 @@ def summary(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _fmt_duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `1h02m`: an ETA at the precision a reader needs."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _fmt_rate(per_s: float, unit: str) -> str:
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if per_s >= scale:
+            return f"{per_s / scale:.3g}{suffix} {unit}/s"
+    return f"{per_s:.3g} {unit}/s"
+
+
+def step_line(step: int, total: int, m: dict[str, float], eta_s: float | None) -> str:
+    """The periodic log line, as nanoGPT and torchtitan print theirs.
+
+    `step     20/300 │ loss 4.5491 │ lr 2.25e-03 │ 412.3 ms/step │ 1.24k tok/s │ MFU 41.2% │ ETA 1m55s`
+    (MFU only where the device's peak is known; eval figures when the step evaluated).
+    """
+    parts = [f"step {step:6d}/{total}", f"loss {m['loss']:.4f}"]
+    if "learning_rate" in m:
+        parts.append(f"lr {m['learning_rate']:.2e}")
+    if "step_time_s" in m:
+        parts.append(f"{m['step_time_s'] * 1e3:.1f} ms/step")
+    if "tokens_per_s" in m:
+        parts.append(_fmt_rate(m["tokens_per_s"], "tok"))
+    elif "examples_per_s" in m:
+        parts.append(_fmt_rate(m["examples_per_s"], "ex"))
+    if "mfu" in m:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if eta_s is not None and step < total:
+        parts.append(f"ETA {_fmt_duration(eta_s)}")
+    parts += eval_parts(m)
+    return " │ ".join(parts)
+
+
+def eval_parts(m: dict[str, float]) -> list[str]:
+    """`eval loss 4.4241`, `eval accuracy 0.913`: every eval_* figure of a record."""
+    return [
+        f"eval {k.removeprefix('eval_')} {v:.4f}" for k, v in m.items() if k.startswith("eval_")
+    ]
+
+
+def _terminal_width() -> int:
+    """Columns of the terminal stdout is, 0 for none (a pipe, a file, CI, a size-less pty)."""
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else 0
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def outputs_lines(workdir: str, ckpt_dir: str, steps: list[int]) -> list[str]:
+    """Where a run's outputs are, and the commands that read them; printed last."""
+    saved = f" (steps {', '.join(map(str, steps[-3:]))})" if steps else " (none saved)"
+    lines = [
+        f"outputs │ {workdir}",
+        f"        │ checkpoints  {ckpt_dir}{saved}",
+        f"        │ metrics      {os.path.join(workdir, 'metrics.jsonl')} (TensorBoard: "
+        f"tensorboard --logdir {workdir})",
+        f"        │ plot         python scripts/plot.py {workdir}",
+    ]
+    if steps:
+        lines.append(f"        │ verify       python scripts/ckpt.py verify {ckpt_dir}")
+    return lines
+
+
+# Exit status of a run stopped by a preemption notice after its checkpoint: 128 + SIGTERM, what a
+# process killed by SIGTERM reports, so SLURM (--requeue) and JobSet/Job restart policies see an
+# unfinished run. `JAXDIST_PREEMPTED_EXIT_CODE` overrides it.
+PREEMPTED_EXIT_CODE = 128 + int(signal.SIGTERM)
+# Variables that say a scheduler runs this process (SLURM, a Kubernetes indexed Job or JobSet).
+_SCHEDULER_VARS = ("SLURM_JOB_ID", "JOB_COMPLETION_INDEX", "JOBSET_NAME")
+
+
+class Preempted(Exception):
+    """Raised by `run` after the checkpoint of a stop asked for by SIGTERM/SIGINT is committed.
+
+    Attributes:
+      step: the step the run stopped at and saved.
+      directory: the checkpoint folder.
+      exit_code: what the process should exit with (`preempted_exit_code()`).
+    """
+
+    def __init__(self, step: int, directory: str, exit_code: int):
+        super().__init__(f"preempted at step {step}: checkpoint saved in {directory}")
+        self.step, self.directory, self.exit_code = step, directory, exit_code
+
+
+def preempted_exit_code(env: dict[str, str] | None = None) -> int:
+    """PREEMPTED_EXIT_CODE for a job a scheduler or launcher may restart, else 0.
+
+    A job of several processes, or one under SLURM or Kubernetes, was preempted: it exits non-zero
+    so that it is requeued. A lone process outside a scheduler was stopped by its user (Ctrl-C,
+    `kill`): it exits 0. `JAXDIST_PREEMPTED_EXIT_CODE` sets the code in every case.
+    """
+    env = os.environ if env is None else env
+    if env.get("JAXDIST_PREEMPTED_EXIT_CODE", "").strip():
+        return int(env["JAXDIST_PREEMPTED_EXIT_CODE"])
+    if jax.process_count() > 1 or any(v in env for v in _SCHEDULER_VARS):
+        return PREEMPTED_EXIT_CODE
+    return 0
+
+
 class _Preemption:
-    """Turns SIGTERM/SIGINT into a flag checked at step boundaries."""
+    """Turns SIGTERM/SIGINT into a stop at a step boundary that every process agrees on.
+
+    One process: a Python handler sets a flag. Several: `jax.distributed.initialize` starts JAX's
+    preemption service, whose C++ SIGTERM handler tells every process through the coordinator and
+    makes `reached_preemption_sync_point` true at one common step. A Python SIGTERM handler would
+    replace that handler (the service would never hear of the signal), so none is installed for
+    SIGTERM; SIGINT (Ctrl-C) is passed on to it as a SIGTERM.
+    """
 
     def __init__(self):
         self.signum: int | None = None
         self._old = {}
+        self._multi = jax.process_count() > 1
 
     def install(self):
+        if self._multi:
+            self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._forward)
+            return
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._old[sig] = signal.signal(sig, self._handle)
 
@@ -148,15 +266,19 @@ class _Preemption:
         del frame
         self.signum = signum
 
+    def _forward(self, signum, frame):
+        del frame
+        self.signum = signum
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def restore(self):
         for sig, h in self._old.items():
             signal.signal(sig, h)
 
     def requested(self, step: int) -> bool:
         """True on every process at the same step once a stop was asked for."""
-        if jax.process_count() == 1:
+        if not self._multi:
             return self.signum is not None
-        # With several processes JAX's preemption service takes SIGTERM and agrees on a step.
         return distributed.reached_preemption_point(step)
 
 
@@ -224,8 +346,12 @@ def run(config, workdir: str) -> dict[str, float]:
 
     Returns the last logged metrics (and the final evaluation loss under "eval_loss"); an empty
     dict when the checkpoint in `workdir` already reached `train.steps` (nothing is run).
+
+    Raises:
+      Preempted: SIGTERM or SIGINT stopped the run; its checkpoint is committed.
     """
     workdir = check_workdir(workdir)
+    init_from = weights.apply_init_from(config)  # the source's model fields, before validation
     num_devices = jax.device_count()
     config_lib.validate(config, num_devices)
     mesh_lib.check_backend(config)
@@ -283,6 +409,10 @@ def run(config, workdir: str) -> dict[str, float]:
             note = _schedule_change_note((saved or {}).get("train", {}), t, start)
             if note:
                 print(note, flush=True)
+    elif init_from is not None:  # its weights, a fresh optimizer, step 0
+        state = engine.init(params=weights.load_params(init_from, engine.abstract_state["params"]))
+        if main:
+            print(f"initialised from {init_from.path} ({init_from.kind})", flush=True)
     else:
         state = engine.init()
 
@@ -343,10 +473,21 @@ def run(config, workdir: str) -> dict[str, float]:
                 f"{last_good} (lower train.learning_rate, or raise train.max_skipped)"
             )
 
+    progress_file = os.environ.get("JAXDIST_PROGRESS_FILE")  # set by scripts/launch.py
+
+    def report_progress(at_step: int) -> None:
+        """Tells the launcher's watchdog (--hang_s) this process is still moving."""
+        if progress_file:
+            try:
+                with open(progress_file, "w", encoding="ascii") as f:
+                    f.write(f"{at_step}\n")
+            except OSError:
+                pass  # the watchdog is a help, never a reason to stop training
+
     pre = _Preemption()
     pre.install()
     bar = None
-    if main and sys.stdout.isatty():
+    if main and _terminal_width() > 0:
         from tqdm import tqdm
 
         bar = tqdm(total=t.steps, initial=start, unit="step", dynamic_ncols=True)
@@ -354,6 +495,7 @@ def run(config, workdir: str) -> dict[str, float]:
     last: dict[str, float] = {}
     prev_metrics = None
     t_last, n_since = time.perf_counter(), 0
+    t_start = t_last
     step = start
     try:
         while step < t.steps:
@@ -362,6 +504,8 @@ def run(config, workdir: str) -> dict[str, float]:
             state, m = compiled(state, batches.get(step))
             step += 1
             n_since += 1
+            if step > start + 1:  # the first step pays one-off costs (first run, warm-up)
+                report_progress(step)
             if step - 1 in profile_steps and step not in profile_steps:
                 jax.block_until_ready(m)
                 jax.profiler.stop_trace()
@@ -380,48 +524,64 @@ def run(config, workdir: str) -> dict[str, float]:
                 last["step_time_s"] = dt
                 last[rate_key] = per_step_items / dt
                 if peak and "flops_per_token" in record:
-                    last["mfu"] = last[rate_key] * record["flops_per_token"] / (num_devices * peak)
+                    last["mfu"] = metrics.mfu(
+                        last[rate_key], record["flops_per_token"], num_devices, peak
+                    )
                 if t.eval_every and step % t.eval_every == 0:
                     last.update(evaluate(state))
+                    report_progress(step)
                 writer.write_step(step, last)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{last['loss']:.4f}")
+                eta = (now - t_start) / (step - start) * (t.steps - step)
+                if bar is not None:  # tqdm shows the ETA itself
+                    line = step_line(step, t.steps, last, None).split(" │ ", 1)[1]
+                    bar.set_postfix_str(line.split(" │ eval ")[0], refresh=False)
+                    if any(k.startswith("eval_") for k in last):
+                        bar.write(f"step {step}: " + ", ".join(eval_parts(last)))
                 elif main:
-                    print(
-                        f"step {step:6d} │ loss {last['loss']:.4f} │ lr {last['learning_rate']:.2e} │ "
-                        f"{dt * 1e3:.1f} ms/step",
-                        flush=True,
-                    )
+                    print(step_line(step, t.steps, last, eta), flush=True)
             if bar is not None:
                 bar.update(1)
             # A checkpoint is written only once its step is known to be finite, so the "last
             # good checkpoint" named by check_finite never holds a non-finite state.
-            if ckpt.should_save(step) and step < t.steps:
-                check_finite(m, step)
-                ckpt.save(step, state, data_position=step)
-            if pre.requested(step):
+            if pre.requested(step):  # asked once per step, on every process
                 check_finite(m, step)
                 ckpt.save(step, state, data_position=step, force=True)
                 ckpt.wait()
+                if bar is not None:
+                    bar.close()
+                    bar = None
+                stopped = Preempted(step, str(ckpt.directory), preempted_exit_code())
                 if main:
+                    code = stopped.exit_code
                     print(
-                        f"preempted at step {step}: checkpoint saved in {ckpt.directory}",
+                        f"{stopped}" + (f"; exit status {code} (unfinished)" if code else ""),
                         flush=True,
                     )
-                return last
+                raise stopped
+            if ckpt.should_save(step) and step < t.steps:
+                check_finite(m, step)
+                ckpt.save(step, state, data_position=step)
         if prev_metrics is not None:
             check_finite(prev_metrics, step)
         final_eval = evaluate(state)
+        report_progress(step)
         last.update(final_eval)
         writer.write_step(step, {**final_eval, "kind": "eval"})
-        if main:
-            print(
-                f"done: step {step}, train loss {last.get('loss', float('nan')):.4f}, "
-                f"eval loss {final_eval['eval_loss']:.4f}",
-                flush=True,
-            )
         if config.checkpoint.every > 0:
             ckpt.save(step, state, data_position=step, force=True)
+        ckpt.wait()
+        report_progress(step)
+        if bar is not None:  # closed first: `done:` gets its own line, not the bar's
+            bar.close()
+            bar = None
+        if main:
+            evals = ", ".join(eval_parts(final_eval))
+            print(
+                f"done: step {step}, train loss {last.get('loss', float('nan')):.4f}, {evals}",
+                flush=True,
+            )
+            steps = ckpt.all_steps()
+            print("\n".join(outputs_lines(workdir, str(ckpt.directory), steps)), flush=True)
         return last
     finally:
         pre.restore()

@@ -12,6 +12,7 @@ gets L ratios, exactly as if the layers were separate arrays.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -20,29 +21,33 @@ import optax
 
 from jaxdist import sharding
 
+# The one registry of `train.lr_scaling` names: name -> batch_size / base_batch_size -> factor.
+LR_SCALINGS: dict[str, Callable[[float], float]] = {
+    "none": lambda ratio: 1.0,
+    "linear": lambda ratio: ratio,
+    "sqrt": math.sqrt,
+}
+
+# The one registry of `train.schedule` names (the decay after warmup): name -> (peak learning
+# rate, decay steps, min_lr_ratio) -> schedule.
+SCHEDULES: dict[str, Callable[[float, int, float], optax.Schedule]] = {
+    "cosine": lambda peak, steps, floor: optax.cosine_decay_schedule(peak, steps, alpha=floor),
+    "linear": lambda peak, steps, floor: optax.linear_schedule(peak, peak * floor, steps),
+    "constant": lambda peak, steps, floor: optax.constant_schedule(peak),
+}
+
 
 def scaled_learning_rate(train_cfg) -> float:
     base = train_cfg.base_batch_size or train_cfg.batch_size
-    ratio = train_cfg.batch_size / base
-    if train_cfg.lr_scaling == "linear":
-        return train_cfg.learning_rate * ratio
-    if train_cfg.lr_scaling == "sqrt":
-        return train_cfg.learning_rate * math.sqrt(ratio)
-    return train_cfg.learning_rate
+    return train_cfg.learning_rate * LR_SCALINGS[train_cfg.lr_scaling](train_cfg.batch_size / base)
 
 
 def schedule(train_cfg) -> optax.Schedule:
     """Linear warmup from 0, then cosine or linear decay to min_lr_ratio · peak (or constant)."""
     peak = scaled_learning_rate(train_cfg)
     warmup = min(train_cfg.warmup_steps, train_cfg.steps)
-    end = peak * train_cfg.min_lr_ratio
     decay_steps = max(train_cfg.steps - warmup, 1)
-    if train_cfg.schedule == "cosine":
-        after = optax.cosine_decay_schedule(peak, decay_steps, alpha=train_cfg.min_lr_ratio)
-    elif train_cfg.schedule == "linear":
-        after = optax.linear_schedule(peak, end, decay_steps)
-    else:
-        after = optax.constant_schedule(peak)
+    after = SCHEDULES[train_cfg.schedule](peak, decay_steps, train_cfg.min_lr_ratio)
     if warmup == 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
@@ -89,39 +94,50 @@ def scale_by_layerwise_trust_ratio(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _adamw(c, lr, wd_mask, axes_tree) -> optax.GradientTransformation:
+    return optax.adamw(lr, b1=c.b1, b2=c.b2, eps=1e-8, weight_decay=c.weight_decay, mask=wd_mask)
+
+
+def _lamb(c, lr, wd_mask, axes_tree) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.scale_by_adam(b1=c.b1, b2=c.b2, eps=1e-6),
+        optax.add_decayed_weights(c.weight_decay, mask=wd_mask),
+        scale_by_layerwise_trust_ratio(axes_tree),
+        optax.scale_by_learning_rate(lr),
+    )
+
+
+def _lars(c, lr, wd_mask, axes_tree) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.add_decayed_weights(c.weight_decay, mask=wd_mask),
+        scale_by_layerwise_trust_ratio(axes_tree, trust_coefficient=0.001, eps=0.0),
+        optax.scale_by_learning_rate(lr),
+        optax.trace(decay=c.momentum, nesterov=False),
+    )
+
+
+def _sgd(c, lr, wd_mask, axes_tree) -> optax.GradientTransformation:
+    """SGD with momentum (none when `train.momentum` is 0)."""
+    return optax.chain(
+        optax.add_decayed_weights(c.weight_decay, mask=wd_mask),
+        optax.sgd(lr, momentum=c.momentum or None),
+    )
+
+
+# The one registry of `train.optimizer` names: name -> (train config, learning-rate schedule,
+# weight-decay mask, logical axes of the params) -> optimizer (before clipping).
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "adamw": _adamw,
+    "lamb": _lamb,
+    "lars": _lars,
+    "sgd": _sgd,
+}
+
+
 def build(train_cfg, axes_tree: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optimizer named by `train.optimizer`, with clipping, decay mask and schedule."""
     lr = schedule(train_cfg)
-    wd_mask = _matrix_mask(axes_tree)
-    name = train_cfg.optimizer
-    if name == "adamw":
-        opt = optax.adamw(
-            lr,
-            b1=train_cfg.b1,
-            b2=train_cfg.b2,
-            eps=1e-8,
-            weight_decay=train_cfg.weight_decay,
-            mask=wd_mask,
-        )
-    elif name == "lamb":
-        opt = optax.chain(
-            optax.scale_by_adam(b1=train_cfg.b1, b2=train_cfg.b2, eps=1e-6),
-            optax.add_decayed_weights(train_cfg.weight_decay, mask=wd_mask),
-            scale_by_layerwise_trust_ratio(axes_tree),
-            optax.scale_by_learning_rate(lr),
-        )
-    elif name == "lars":
-        opt = optax.chain(
-            optax.add_decayed_weights(train_cfg.weight_decay, mask=wd_mask),
-            scale_by_layerwise_trust_ratio(axes_tree, trust_coefficient=0.001, eps=0.0),
-            optax.scale_by_learning_rate(lr),
-            optax.trace(decay=train_cfg.momentum, nesterov=False),
-        )
-    else:  # sgd with momentum
-        opt = optax.chain(
-            optax.add_decayed_weights(train_cfg.weight_decay, mask=wd_mask),
-            optax.sgd(lr, momentum=train_cfg.momentum or None),
-        )
+    opt = OPTIMIZERS[train_cfg.optimizer](train_cfg, lr, _matrix_mask(axes_tree), axes_tree)
     if train_cfg.grad_clip > 0:
         opt = optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), opt)
     return opt, lr

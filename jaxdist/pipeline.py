@@ -54,7 +54,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist import metrics, microbatch, sharding
+from jaxdist import hlo_cost, microbatch, sharding
 from jaxdist.errors import ConfigError
 from models import api
 from models.api import Stages
@@ -989,17 +989,6 @@ def executed_actions(sched: Schedule) -> np.ndarray | None:
     return one_f_one_b_exec_tables(sched)["action"]
 
 
-def _dot_flops(inst, comp) -> float:
-    """2 · |output| · |contracted| of one HLO `dot` (operand shapes looked up by name)."""
-    _, out_dims = metrics._parse_shape(inst.shape)
-    lhs = comp.instructions.get(inst.operands[0])
-    if lhs is None:
-        raise ValueError(f"dot {inst.name!r}: operand {inst.operands[0]!r} not in {comp.name!r}")
-    _, lhs_dims = metrics._parse_shape(lhs.shape)
-    contracted = metrics._int_list(inst.attrs.get("lhs_contracting_dims", "{}"))
-    return 2.0 * float(np.prod(out_dims)) * float(np.prod([lhs_dims[i] for i in contracted]))
-
-
 class _LockStep:
     """Dot FLOPs of one device's program, with each tick of a switching schedule charged for the
     slowest stage's branch (`actions`: the branch per tick and stage, None for none). `count`
@@ -1007,8 +996,9 @@ class _LockStep:
 
     def __init__(self, module, actions: np.ndarray | None, count: Callable | None = None):
         self.module, self.actions = module, actions
-        self.count = count or (lambda inst, c: _dot_flops(inst, c) if inst.opcode == "dot" else 0)
-        self.trips = metrics._Analysis(module)
+        self.count = count or (
+            lambda inst, c: hlo_cost.dot_flops(inst, c) if inst.opcode == "dot" else 0
+        )
         self.memo: dict[str, float] = {}
         self.branches: list[float] | None = None  # FLOPs of each switch branch, once found
 
@@ -1024,9 +1014,9 @@ class _LockStep:
             if inst.opcode == "while":
                 total += self.loop(inst, c)
             elif inst.opcode == "conditional":
-                total += max(self.comp(b) for b in metrics._callees(inst))
+                total += max(self.comp(b) for b in hlo_cost.callees(inst))
             else:
-                total += sum(self.comp(b) for b in metrics._callees(inst))
+                total += sum(self.comp(b) for b in hlo_cost.callees(inst))
         if skip is None:
             self.memo[name] = total
         return total
@@ -1035,11 +1025,11 @@ class _LockStep:
         body, cond = (inst.attrs[k].lstrip("%") for k in ("body", "condition"))
         if self.comp(body) == 0 and self.comp(cond) == 0:
             return 0.0
-        trips = self.trips._trip_count(inst, parent)
+        trips = hlo_cost.trip_count(self.module, inst, parent)
         switch = self._switch(body, trips)
         if switch is None:
             return trips * self.comp(body) + (trips + 1) * self.comp(cond)
-        branches = [self.comp(b) for b in metrics._callees(switch)]
+        branches = [self.comp(b) for b in hlo_cost.callees(switch)]
         self.branches = branches
         ticks = sum(max(branches[a] for a in row) for row in self.actions)
         return trips * self.comp(body, skip=switch.name) + (trips + 1) * self.comp(cond) + ticks
@@ -1051,7 +1041,7 @@ class _LockStep:
             return None
         n = int(self.actions.max()) + 1
         for inst in self.module.computations[body].instructions.values():
-            if inst.opcode == "conditional" and len(list(metrics._callees(inst))) == n:
+            if inst.opcode == "conditional" and len(list(hlo_cost.callees(inst))) == n:
                 return inst
         return None
 
@@ -1069,7 +1059,7 @@ def lockstep_flops(hlo_text: str, sched: Schedule) -> dict[str, Any]:
       `lockstep_flops` per device per step, and `branch_flops` (FLOPs of each switch branch,
       idle first) for a switching schedule.
     """
-    walk = _LockStep(metrics._parse_module(hlo_text), executed_actions(sched))
+    walk = _LockStep(hlo_cost.parse_module(hlo_text), executed_actions(sched))
     total = walk.comp(walk.module.entry)
     out: dict[str, Any] = {"lockstep_flops": total}
     if walk.branches is not None:
@@ -1083,7 +1073,7 @@ def branch_counts(hlo_text: str, sched: Schedule, opcode: str) -> list[float]:
     """How many `opcode` instructions (e.g. "all-reduce") each branch of a switching schedule's
     per-tick switch executes (nested loops times their trip counts), idle branch first."""
     count = lambda inst, c: 1.0 if inst.opcode in (opcode, f"{opcode}-start") else 0.0
-    walk = _LockStep(metrics._parse_module(hlo_text), executed_actions(sched), count)
+    walk = _LockStep(hlo_cost.parse_module(hlo_text), executed_actions(sched), count)
     walk.comp(walk.module.entry)
     if walk.branches is None:
         raise ValueError(f"{sched.name}: no per-tick switch found in the compiled program")
@@ -1110,7 +1100,7 @@ def useful_flops(stages: Stages, params: Any, batch: Mapping[str, Any], dtype: A
         return stages.head_loss(head, x, batch["targets"])
 
     text = jax.jit(jax.value_and_grad(loss)).lower(plain(params), plain(batch)).as_text("hlo")
-    walk = _LockStep(metrics._parse_module(text), None)
+    walk = _LockStep(hlo_cost.parse_module(text), None)
     return walk.comp(walk.module.entry)
 
 

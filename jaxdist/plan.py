@@ -28,7 +28,7 @@ model (read off the compiled HLO of small layouts; see docs/PLANNER.md for each 
   activations go to the next stage by collective-permute every tick forward and backward; the batch
   moves into and out of the stages once per step; stage gradients are synchronised once.
 
-Collective bytes are costed with `jaxdist.metrics.ring_wire_bytes`, the same ring costs the layout
+Collective bytes are costed with `jaxdist.hlo_cost.ring_wire_bytes`, the same ring costs the layout
 record reads from the HLO, so a prediction and a compiled step compare term by term.
 """
 
@@ -46,7 +46,7 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from jaxdist import config as config_lib
-from jaxdist import metrics, sharding
+from jaxdist import flops, hlo_cost, sharding
 from jaxdist.errors import ConfigError
 from models.api import abstract_model, remat_names
 
@@ -118,7 +118,7 @@ PROFILES: dict[str, Hardware] = {
     # attention its 12·L·d·T·tokens at 0.65, and the rest of the step moved bytes at ~3.0 TB/s.
     "h100_nvlink_ib": Hardware(
         name="h100_nvlink_ib",
-        peak_flops=metrics.PEAK_FLOPS["H100"],
+        peak_flops=flops.PEAK_FLOPS["H100"],
         memory_bytes=80e9,
         intra_bandwidth=450e9,
         intra_latency=3e-6,
@@ -135,7 +135,7 @@ PROFILES: dict[str, Hardware] = {
     # 100 Gb/s Ethernet link shared by the 8 GPUs (1.56 GB/s each), TCP latencies.
     "cloud_ethernet": Hardware(
         name="cloud_ethernet",
-        peak_flops=metrics.PEAK_FLOPS["A100"],
+        peak_flops=flops.PEAK_FLOPS["A100"],
         memory_bytes=80e9,
         intra_bandwidth=240e9,
         intra_latency=5e-6,
@@ -145,28 +145,11 @@ PROFILES: dict[str, Hardware] = {
         matmul_efficiency=0.5,
         overlap=0.5,
     ),
-    # 8×H200 per node, as the H100 profile (its compute constants are the H100's, not re-measured
-    # on an H200) with 141 GB of memory at ~4.3 TB/s.
-    "h200_nvlink_ib": Hardware(
-        name="h200_nvlink_ib",
-        peak_flops=metrics.PEAK_FLOPS["H200"],
-        memory_bytes=141e9,
-        intra_bandwidth=450e9,
-        intra_latency=3e-6,
-        inter_bandwidth=50e9,
-        inter_latency=8e-6,
-        devices_per_host=8,
-        matmul_efficiency=0.75,
-        overlap=0.8,
-        attention_efficiency=0.65,
-        hbm_bandwidth=4.3e12,
-        fused_attention=True,
-    ),
     # A TPU v5p pod: 95 GB HBM, ICI across the whole slice (up to 8960 chips, so every layout here
     # stays on ICI; ~200 GB/s usable per direction along a ring), DCN beyond it.
     "tpu_v5p_pod": Hardware(
         name="tpu_v5p_pod",
-        peak_flops=metrics.PEAK_FLOPS["TPU v5p"],
+        peak_flops=flops.PEAK_FLOPS["TPU v5p"],
         memory_bytes=95e9,
         intra_bandwidth=200e9,
         intra_latency=2e-6,
@@ -195,6 +178,13 @@ PROFILES: dict[str, Hardware] = {
         bf16_activations=False,
     ),
 }
+
+
+# 8×H200 per node: the H100 profile (its compute constants are the H100's, not re-measured on an
+# H200) with 141 GB of memory at ~4.3 TB/s.
+PROFILES["h200_nvlink_ib"] = dataclasses.replace(
+    PROFILES["h100_nvlink_ib"], name="h200_nvlink_ib", memory_bytes=141e9, hbm_bandwidth=4.3e12
+)
 
 
 def hardware(name: str | Hardware) -> Hardware:
@@ -445,7 +435,7 @@ def enumerate_layouts(
 class CommTerm:
     """One collective of the step: what it moves, over which mesh axes, how often.
 
-    `payload` is S of `metrics.ring_wire_bytes` for one execution; `count` executions per step.
+    `payload` is S of `hlo_cost.ring_wire_bytes` for one execution; `count` executions per step.
     `hidden` terms (FSDP gathers, gradient sync) may overlap compute; the others may not.
     """
 
@@ -459,7 +449,7 @@ class CommTerm:
 
     @property
     def wire_bytes(self) -> float:
-        return metrics.ring_wire_bytes(self.kind, self.payload, self.group) * self.count
+        return hlo_cost.ring_wire_bytes(self.kind, self.payload, self.group) * self.count
 
 
 @dataclasses.dataclass
@@ -489,13 +479,13 @@ class Prediction:
 
     @property
     def collective_bytes(self) -> dict[str, float]:
-        """Bytes one device sends per step per collective kind, as `metrics.collective_bytes`."""
+        """Bytes one device sends per step per collective kind, as `hlo_cost.collective_bytes`."""
         out: dict[str, float] = {}
         for t in self.terms:
             w = t.wire_bytes
             if w > 0:
                 out[t.kind] = out.get(t.kind, 0.0) + w
-        return {k: out[k] for k in metrics.COLLECTIVE_KINDS if k in out}
+        return {k: out[k] for k in hlo_cost.COLLECTIVE_KINDS if k in out}
 
     @property
     def tokens_per_s(self) -> float:
@@ -558,7 +548,7 @@ def _hosts(layout: Layout, hw: Hardware) -> tuple[dict[str, int], dict[str, int]
 
 def _term_time(term: CommTerm, local: dict[str, int], hw: Hardware) -> float:
     """Hierarchical ring: the part of the group inside a host on the fast link, the rest across
-    hosts on the slow one. Bandwidth terms are ring costs (`metrics.ring_wire_bytes`) at each level
+    hosts on the slow one. Bandwidth terms are ring costs (`hlo_cost.ring_wire_bytes`) at each level
     and add up to the flat ring's bytes; latency is a ring inside a host and a tree (log2 of the
     hosts) across them, as NCCL and TPU runtimes do at scale."""
     if term.group <= 1 or term.count == 0:
@@ -575,10 +565,10 @@ def _term_time(term: CommTerm, local: dict[str, int], hw: Hardware) -> float:
         return term.count * (lat + term.payload / bw)
     t = 0.0
     if k > 1:
-        t += metrics.ring_wire_bytes(term.kind, term.payload, k) / hw.intra_bandwidth
+        t += hlo_cost.ring_wire_bytes(term.kind, term.payload, k) / hw.intra_bandwidth
         t += steps * (k - 1) * hw.intra_latency
     if m > 1:
-        t += metrics.ring_wire_bytes(term.kind, term.payload / k, m) / hw.inter_bandwidth
+        t += hlo_cost.ring_wire_bytes(term.kind, term.payload / k, m) / hw.inter_bandwidth
         t += steps * math.ceil(math.log2(m)) * hw.inter_latency
     return term.count * t
 
@@ -796,7 +786,7 @@ def predict(
     act_edge = edge_rows * T * D * wire_dt(cdt)
     # 1F1B (jaxdist.pipeline._one_f_one_b): 2 (m + p - 1) ticks, each a switch over idle /
     # forward / backward (and the last stage's forward and backward with head and loss) whose
-    # collectives are charged as the costliest branch's (as jaxdist.metrics counts conditionals):
+    # collectives are charged as the costliest branch's (as jaxdist.hlo_cost counts conditionals):
     # the last stage's backward, which applies the stashed vjp (no forward recomputed) to the
     # head's and then the stage's residuals.
     one_f_one_b = p > 1 and config.pipeline.schedule == "1f1b"

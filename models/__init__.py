@@ -15,7 +15,7 @@ from typing import Any
 from jaxdist.errors import ConfigError
 from models.api import ModelFamily, Stages
 
-BUILTIN = ("gpt", "mlp", "resnet")  # modules of this package that define FAMILY
+BUILTIN = ("gpt", "llama", "mlp", "resnet")  # modules of this package that define FAMILY
 _REGISTRY: dict[str, ModelFamily] = {}
 
 
@@ -42,6 +42,27 @@ def get(name: str) -> ModelFamily:
     if name not in _REGISTRY:
         raise ConfigError(f"model.name={name!r} is not valid; choose one of {', '.join(names())}")
     return _REGISTRY[name]
+
+
+def for_hf(architectures: Any, where: str) -> ModelFamily:
+    """The family that imports a Hugging Face config.json's `architectures`; a one-line
+    ConfigError naming `where` and the supported ones otherwise."""
+    supported = {}
+    for name in names():
+        fmt = get(name).hf
+        for arch in fmt.architectures if fmt else ():
+            supported[arch] = name
+    found = (
+        [a for a in architectures or [] if a in supported]
+        if isinstance(architectures, list)
+        else []
+    )
+    if not found:
+        raise ConfigError(
+            f"{where}: architectures={architectures!r} is not supported; jaxdist imports "
+            + ", ".join(sorted(supported))
+        )
+    return get(supported[found[0]])
 
 
 def stages_for(model_cfg: Any, pipeline: int) -> Stages | None:

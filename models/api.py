@@ -154,6 +154,66 @@ def module_loss(model: nnx.Module, batch: Batch, *, remat: str = "none") -> tupl
 
 
 @dataclasses.dataclass(frozen=True)
+class Decoder:
+    """What generation needs from a decoder family: the network against a fixed-size key/value
+    cache, the same function for a prompt's prefill and for one-token decode steps.
+
+    Attributes:
+      init_cache: (batch, length, dtype) -> zeroed cache (a pytree).
+      cache_axes: logical axes of each cache leaf (a pytree like the cache).
+      forward: (params, tokens [B, T], start [B], cache) -> (logits [B, T, V] float32, cache):
+        the tokens placed at positions start[b] + t, each attending to cached positions <= its own.
+    """
+
+    init_cache: Callable[[int, int, Any], Any]
+    cache_axes: Any
+    forward: Callable[[Params, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One parameter and its Hugging Face tensor (one layer's, for stacked parameters).
+
+    Attributes:
+      path: the parameter's keys in the params dict; a stacked one (leading [L] axis) starts
+        with the family's layers key and its `hf_name` has "{i}" for the layer index.
+      hf_name: the tensor's name in the safetensors files.
+      hf_shape: the tensor's shape there.
+      to_jax: HF array -> the parameter's array (one layer's).
+      to_hf: the parameter's array (one layer's) -> HF array.
+      stacked: whether the parameter has a leading [L] axis.
+    """
+
+    path: tuple[str, ...]
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    to_jax: Callable[[Any], Any]
+    to_hf: Callable[[Any], Any]
+    stacked: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class HFFormat:
+    """How a family reads and writes Hugging Face checkpoints (`scripts/hf.py`, jaxdist/hf.py).
+
+    Attributes:
+      architectures: the `architectures` entries of config.json this family imports.
+      config_from_hf: (config.json dict, config.model to fill in, where) -> None; raises a
+        one-line ConfigError naming `where` and the field it cannot take.
+      config_to_hf: (config.model, dtype name) -> config.json dict.
+      tensors: config.model -> every parameter's `HFTensor`, in the params' tree order.
+      ignored: config.model -> suffixes of HF tensor names that are read past (buffers such as
+        `rotary_emb.inv_freq`, a tied head stored twice).
+    """
+
+    architectures: tuple[str, ...]
+    config_from_hf: Callable[[Mapping[str, Any], Any, str], None]
+    config_to_hf: Callable[[Any, str], dict[str, Any]]
+    tensors: Callable[[Any], list[HFTensor]]
+    ignored: Callable[[Any], tuple[str, ...]] = lambda cfg: ()
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelFamily:
     """One model family, as the engine, the config check, the layout record and the pipeline see it.
 
@@ -172,6 +232,8 @@ class ModelFamily:
         where the family has no token count (the layout record then reports no MFU).
       tokens_per_example: config.model -> tokens in one example, or None (throughput in examples).
       stages: config.model -> `Stages`, or None for a family that cannot be pipelined.
+      decoder: config.model -> `Decoder`, or None for a family that cannot generate.
+      hf: its Hugging Face form (`HFFormat`), or None.
     """
 
     name: str
@@ -183,6 +245,8 @@ class ModelFamily:
     flops_per_token: Callable[[Any, Params], float] | None = None
     tokens_per_example: Callable[[Any], int] | None = None
     stages: Callable[[Any], Stages] | None = None
+    decoder: Callable[[Any], Decoder] | None = None
+    hf: HFFormat | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags, logging  # noqa: E402
+import benchlib  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from benchlib import build as _build  # noqa: E402
 from benchlib import hand_written_step  # noqa: E402
 from benchlib import stats as _stats  # noqa: E402
@@ -401,8 +402,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        app.run(main)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    benchlib.run_main(main)

@@ -36,7 +36,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import benchlib  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from jaxdist.errors import ConfigError  # noqa: E402
@@ -557,8 +557,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        app.run(main)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    benchlib.run_main(main)

@@ -6,6 +6,7 @@ No flags are defined here, so `bench.py` and `bench_gpu.py` can both import it.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 
@@ -85,3 +86,16 @@ def hand_written_step(engine):
         out_shardings=(shardings, sharding.replicated(mesh)),
         donate_argnums=0,
     )
+
+
+def run_main(main) -> None:
+    """`absl.app.run(main)`, with a `ConfigError` printed as one `error:` line and exit code 2."""
+    from absl import app
+
+    from jaxdist.errors import ConfigError
+
+    try:
+        app.run(main)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

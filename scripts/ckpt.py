@@ -25,23 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxdist import checkpoint as ckpt  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
-
-
-def _quiet_closed_loop_noise() -> None:
-    """Drops the 'Event loop is closed' tracebacks of reads still in flight when one read failed.
-
-    Orbax's event loop ends with the first failure; the failure itself is reported by verify.
-    """
-    default = sys.unraisablehook
-
-    def hook(unraisable):
-        if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
-            unraisable.exc_value
-        ):
-            return
-        default(unraisable)
-
-    sys.unraisablehook = hook
+from jaxdist.orbax_reads import silence_orphaned_reads  # noqa: E402
 
 
 def _nbytes(n: float) -> str:
@@ -87,7 +71,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    _quiet_closed_loop_noise()
+    silence_orphaned_reads()  # the read failures themselves are reported by verify
     report = ckpt.verify_checkpoint(args.dir, args.step)
     if report.problems:
         shown = "; ".join(report.problems[:5])

@@ -11,11 +11,19 @@ Each process gets `JAXDIST_COORDINATOR=127.0.0.1:<free port>`, `JAXDIST_NUM_PROC
   its own K GPUs, taken in order from the GPUs visible to the launcher.
 
 Every output line is prefixed with the rank ("[1] ..."). A leading `python`/`python3` in the
-command means this launcher's own interpreter. SIGINT/SIGTERM are forwarded to every process.
-When a process exits non-zero or dies by a signal, the others get SIGTERM, then SIGKILL after
-`--grace_s`, and the launcher prints one line naming the process, how it ended and its last output
-line, then exits with that process's code (128 + signal number for a signal). Exit 0 only when
-every process exits 0.
+command means this launcher's own interpreter. SIGINT/SIGTERM are forwarded to every process,
+which get `--grace_s` to save a checkpoint before SIGKILL. When a process exits non-zero or dies
+by a signal, the others get SIGTERM, then SIGKILL (after at most FAILURE_GRACE_S), and the launcher
+prints one line naming the process, how it ended and its last output line, then exits with that
+process's code (128 + signal number for a signal). Exit 0 only when every process exits 0.
+
+Faults it handles:
+- `--hang_s=S`: each process reports its step to a file (`JAXDIST_PROGRESS_FILE`, written by the
+  training loop); when one has reported nothing for S seconds the job is stopped, naming the
+  process that stalled (one stopped by a signal, else the one furthest behind), exit HANG_EXIT_CODE.
+- `--max_restarts=K`: after a failure (or a hang) the whole job is started again, up to K times;
+  `train.py` resumes from the last checkpoint. `--elastic`: the restart runs on the processes that
+  remain (the failed ones are left out), so a config with `mesh.data=-1` continues on fewer devices.
 """
 
 from __future__ import annotations
@@ -29,10 +37,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 POLL_S = 0.05
+FAILURE_GRACE_S = 5.0  # after a failure the others cannot save (their peer is gone): no long wait
+HANG_EXIT_CODE = 124  # as `timeout` reports a command it stopped
+PREEMPTED_EXIT_CODE = 143  # jaxdist.loop.PREEMPTED_EXIT_CODE: stopped after a preemption save
+ENV_PROGRESS_FILE = "JAXDIST_PROGRESS_FILE"
 PIPE_DRAIN_S = 2.0  # bound on waiting for a dead process's pipes (grandchildren may hold them)
 NAME = "launch.py"
 
@@ -57,9 +70,29 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--timeout_s", type=float, default=None, help="seconds to wait for all to join"
     )
     parser.add_argument(
-        "--grace_s", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL"
+        "--grace_s",
+        type=float,
+        default=30.0,
+        help="seconds between a forwarded SIGTERM/SIGINT and SIGKILL: time for a preemption save",
     )
     parser.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
+    parser.add_argument(
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="restart the whole job after a failure up to this many times (it resumes)",
+    )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="restart on the processes that remain rather than on all --num_processes",
+    )
+    parser.add_argument(
+        "--hang_s",
+        type=float,
+        default=0.0,
+        help="stop the job when a process reports no step for this many seconds (0 = off)",
+    )
     args = parser.parse_args(own)
     if not command:
         parser.error("no command: put it after '--', e.g. -- python scripts/train.py")
@@ -67,6 +100,10 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--num_processes={args.num_processes}: must be at least 1")
     if args.devices_per_process < 1:
         parser.error(f"--devices_per_process={args.devices_per_process}: must be at least 1")
+    if args.max_restarts < 0:
+        parser.error(f"--max_restarts={args.max_restarts}: must be at least 0")
+    if args.hang_s < 0:
+        parser.error(f"--hang_s={args.hang_s:g}: must be at least 0 (0 = off)")
     if not 0 <= args.coordinator_port < 65536:
         parser.error(f"--coordinator_port={args.coordinator_port}: must be 0..65535")
     if command[0] in ("python", "python3"):
@@ -141,7 +178,28 @@ def _describe(returncode: int) -> str:
             return f"was killed by {signal.Signals(-returncode).name}"
         except ValueError:
             return f"was killed by signal {-returncode}"
+    if returncode == PREEMPTED_EXIT_CODE:
+        return f"exited with code {returncode} (preempted: checkpoint saved, run unfinished)"
     return f"exited with code {returncode}"
+
+
+def _proc_state(pid: int) -> str:
+    """Linux process state letter (`R`, `S`, `D`, `T` stopped, `Z`), or "" if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _read_progress(path: str) -> tuple[int, float] | None:
+    """(last step reported, when) from a progress file, None before the first report."""
+    try:
+        mtime = os.stat(path).st_mtime
+        with open(path, encoding="ascii") as f:
+            return int(f.read().split()[0]), mtime
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b")
@@ -154,10 +212,20 @@ def _is_noise(line: str) -> bool:
 
 
 class Launcher:
-    def __init__(self, command: list[str], envs: list[dict[str, str]], grace_s: float):
+    """One attempt of a job: start the processes, watch them, stop them all on a failure."""
+
+    def __init__(
+        self,
+        command: list[str],
+        envs: list[dict[str, str]],
+        grace_s: float,
+        hang_s: float = 0.0,
+        progress_dir: str | None = None,
+    ):
         self.command = command
         self.envs = envs
         self.grace_s = grace_s
+        self.hang_s = hang_s
         self.procs: list[subprocess.Popen] = []
         self.pumps: dict[int, list[threading.Thread]] = {}
         self.tail: dict[int, collections.deque[str]] = {}
@@ -165,6 +233,15 @@ class Launcher:
         self.signalled: int | None = None
         self.kill_deadline: float | None = None
         self.killed = False
+        self.failed_ranks: list[int] = []  # failed or stalled, not stopped by us
+        self.progress: list[str] = []
+        if progress_dir is not None:
+            for rank, env in enumerate(envs):
+                path = os.path.join(progress_dir, f"rank{rank}")
+                if os.path.exists(path):
+                    os.remove(path)  # an earlier attempt's
+                env[ENV_PROGRESS_FILE] = path
+                self.progress.append(path)
 
     # -- output ---------------------------------------------------------------------------------
     def _pump(self, rank: int, pipe, sink) -> None:
@@ -229,8 +306,35 @@ class Launcher:
     def _stop_all(self) -> None:
         """SIGTERM now, SIGKILL at the deadline (checked by the main loop)."""
         if self.kill_deadline is None:
-            self.kill_deadline = time.monotonic() + self.grace_s
+            self.kill_deadline = time.monotonic() + min(self.grace_s, FAILURE_GRACE_S)
             self._signal_all(signal.SIGTERM)
+
+    def _stalled(self) -> tuple[int, str] | None:
+        """(rank, why) of the process that stopped making progress, once one has for hang_s."""
+        if self.hang_s <= 0 or not self.progress:
+            return None
+        now = time.time()
+        reports = [_read_progress(p) for p in self.progress]
+        if not any(r is not None and now - r[1] > self.hang_s for r in reports):
+            return None
+        return self._culprit(reports)
+
+    def _culprit(self, reports: list[tuple[int, float] | None]) -> tuple[int, str]:
+        """The process to blame: one stopped by a signal, else the one furthest behind.
+
+        Its peers wait for it in a collective and stop reporting too, so staleness alone does not
+        say who; they do get one step further (they dispatched the step it never joined).
+        """
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is None and _proc_state(proc.pid) == "T":
+                last = reports[rank][0] if reports[rank] else None
+                return rank, f"is stopped (state T) at step {last}"
+        started = [(r[0], r[1], rank) for rank, r in enumerate(reports) if r is not None]
+        if len(started) < len(reports):  # one never reported a step: it is furthest behind
+            rank = next(rank for rank, r in enumerate(reports) if r is None)
+            return rank, "never reported a step"
+        step, when, rank = min(started)
+        return rank, f"reported step {step} last, {time.time() - when:.0f} s ago"
 
     def _on_signal(self, signum, frame) -> None:
         if self.signalled is not None:  # second Ctrl-C: no more patience
@@ -257,14 +361,26 @@ class Launcher:
             signal.signal(sig, self._on_signal)
         self._start()
         failed: tuple[int, int] | None = None  # (rank, returncode) of the first failure
+        blame = ""  # a process found stopped when another failed: the likely cause
+        hung: tuple[int, str] | None = None
         while True:
             codes = [p.poll() for p in self.procs]
-            if failed is None and self.signalled is None:
+            if failed is None and hung is None and self.signalled is None:
                 for rank, code in enumerate(codes):
                     if code not in (None, 0):
                         failed = (rank, code)
+                        culprit = self._culprit([_read_progress(p) for p in self.progress])
+                        if self.progress and culprit[0] != rank and "state T" in culprit[1]:
+                            blame = f"process {culprit[0]} {culprit[1]}: it stalled first; "
+                            self.failed_ranks.append(culprit[0])
+                        self.failed_ranks.append(rank)
                         self._stop_all()
                         break
+            if failed is None and hung is None and self.signalled is None:
+                hung = self._stalled()
+                if hung is not None:
+                    self.failed_ranks.append(hung[0])
+                    self._stop_all()
             if all(c is not None for c in codes):
                 break
             if not self.killed and self.kill_deadline and time.monotonic() > self.kill_deadline:
@@ -276,11 +392,21 @@ class Launcher:
             for t in self.pumps[rank]:
                 t.join(PIPE_DRAIN_S)
         sys.stdout.flush()
+        if hung is not None and failed is None:
+            rank, why = hung
+            last = self._last_line(rank)
+            msg = (
+                f"{NAME}: process {rank} made no progress for {self.hang_s:g} s (--hang_s): it "
+                f"{why}; stopped all {len(self.procs)} processes"
+            )
+            msg += f"; its last line: {last!r}" if last else ""
+            print(msg, file=sys.stderr, flush=True)
+            return HANG_EXIT_CODE
         if failed is not None:
             rank, code = failed
             last = self._last_line(rank)
             others = sum(1 for r, p in enumerate(self.procs) if r != rank and p.returncode != 0)
-            msg = f"{NAME}: process {rank} {_describe(code)}"
+            msg = f"{NAME}: {blame}process {rank} {_describe(code)}"
             msg += f"; last line: {last!r}" if last else "; it printed nothing"
             if others:
                 msg += f"; stopped {others} other process(es)"
@@ -295,14 +421,37 @@ class Launcher:
 
 def main(argv: list[str] | None = None) -> int:
     args, command = _parse(sys.argv[1:] if argv is None else argv)
-    port = args.coordinator_port or _free_port()
-    envs, what = _child_envs(args, port)
-    print(
-        f"{NAME}: {args.num_processes} process(es) x {what}, coordinator 127.0.0.1:{port}",
-        file=sys.stderr,
-        flush=True,
-    )
-    return Launcher(command, envs, args.grace_s).run()
+    # Progress files also let a failure be blamed on a process that had stalled before it.
+    progress_dir = tempfile.mkdtemp(prefix="jaxdist-progress-")
+    try:
+        for attempt in range(args.max_restarts + 1):
+            port = args.coordinator_port or _free_port()
+            envs, what = _child_envs(args, port)
+            print(
+                f"{NAME}: {args.num_processes} process(es) x {what}, coordinator 127.0.0.1:{port}",
+                file=sys.stderr,
+                flush=True,
+            )
+            launcher = Launcher(command, envs, args.grace_s, args.hang_s, progress_dir)
+            code = launcher.run()
+            if code == 0 or launcher.signalled is not None or attempt == args.max_restarts:
+                return code
+            if args.elastic:
+                remaining = args.num_processes - len(set(launcher.failed_ranks))
+                if remaining < 1:
+                    print(f"{NAME}: no process left to restart on", file=sys.stderr, flush=True)
+                    return code
+                args = argparse.Namespace(**{**vars(args), "num_processes": remaining})
+            where = " (those that remain)" if args.elastic else ""
+            print(
+                f"{NAME}: restarting the job from its last checkpoint on {args.num_processes} "
+                f"process(es){where} (restart {attempt + 1} of {args.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return code
+    finally:
+        shutil.rmtree(progress_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Prints the ranked layouts (mesh, microbatching, remat, memory per device, whethe
 step time, tokens/s, MFU) and the recommended one with the flags that run it; `--out` writes them as
 JSON, `--plot` a weak-scaling efficiency plot from 8 to 4096 devices (one line per built-in
 accelerator profile). Nothing is compiled: see docs/PLANNER.md for the cost model and its measured
-accuracy. Hardware profiles: h100_nvlink_ib, cloud_ethernet, tpu_v5p_pod, cpu_here.
+accuracy. Hardware profiles: h100_nvlink_ib, h200_nvlink_ib, cloud_ethernet, tpu_v5p_pod, cpu_here.
 """
 
 from __future__ import annotations

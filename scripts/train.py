@@ -7,8 +7,11 @@ Rerunning with the same --workdir resumes from its newest checkpoint.
 
 from __future__ import annotations
 
+import atexit
 import os
+import re
 import sys
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -17,6 +20,47 @@ from absl import app, flags, logging  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
 
 DEFAULT_CONFIG = "configs/default.py"
+# Gloo (JAX's CPU collectives across processes) prints "[Gloo] Rank 0 is connected to 1 peer ranks.
+# Expected number of connected peer ranks is : 1" per connection, from C++ to file descriptor 1,
+# where Python's logging settings cannot reach; its threads write it in pieces that interleave, so
+# the pieces are removed wherever they are and a line left blank is dropped.
+NATIVE_NOISE = re.compile(
+    rb"\[Gloo\] Rank |\d+ is connected to |\d+ peer ranks\. "
+    rb"|Expected number of connected peer ranks is : \d+"
+)
+
+
+def _filter_native_stdout(noise: re.Pattern[bytes]):
+    """Routes file descriptor 1 through a pipe that removes `noise` and the lines it leaves blank.
+
+    Returns a function that restores descriptor 1 and forwards what is still in the pipe; it must
+    run before anything ends the process with `os._exit`, so register it with atexit late.
+    """
+    sys.stdout.flush()
+    real = os.dup(1)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 1)
+    os.close(write_end)
+
+    def pump() -> None:
+        with os.fdopen(read_end, "rb") as src:
+            for line in src:
+                kept = noise.sub(b"", line)
+                if kept.strip() or not line.strip():
+                    os.write(real, kept)
+
+    thread = threading.Thread(target=pump, name="jaxdist-stdout-filter", daemon=True)
+    thread.start()
+
+    def restore() -> None:
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(real, 1)  # closes the pipe's last write end: the pump sees EOF
+        thread.join(timeout=2.0)
+
+    return restore
 
 
 def _define_flags(argv: list[str]) -> None:
@@ -41,16 +85,25 @@ def main(argv):
     from jaxdist import config as config_lib
     from jaxdist import distributed, mesh, xla_flags
 
-    if not flags.FLAGS["verbosity"].present:  # orbax logs every save step at INFO
+    quiet = not flags.FLAGS["verbosity"].present
+    if quiet:  # orbax logs every save step at INFO
         logging.set_verbosity(logging.WARNING)
     config = flags.FLAGS.config
     config_lib.apply_gin(config, flags.FLAGS.gin_file, flags.FLAGS.gin_param)
     xla_flags.apply(config.runtime.gpu_xla_flags, config.runtime.gpu_memory_fraction)
+    restore_stdout = None
+    if quiet and distributed.detect().is_multiprocess:
+        restore_stdout = _filter_native_stdout(NATIVE_NOISE)
     distributed.initialize()
+    if restore_stdout is not None:  # after initialize's exit hook, so it runs before that one
+        atexit.register(restore_stdout)
     mesh.configure_cpu_devices(config.runtime.cpu_devices)
     from jaxdist import loop
 
-    loop.run(config, flags.FLAGS.workdir)
+    try:
+        loop.run(config, flags.FLAGS.workdir)
+    except loop.Preempted as stopped:  # the checkpoint is committed; the loop said so
+        sys.exit(stopped.exit_code)
 
 
 def entry():

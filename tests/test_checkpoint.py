@@ -562,3 +562,56 @@ def _two_process_worker(directory: str) -> None:
 
 if __name__ == "__main__":
     _two_process_worker(sys.argv[1])
+
+
+def _flip_a_bit_that_still_decodes(ckpt_dir: Path, step: int) -> str:
+    """Flips one bit of the largest data file where the step still reads, with other values.
+
+    The chunks are zstd-compressed, so most flips break decoding (which restore always caught);
+    the search, over fixed positions of a deterministic file, finds one that decodes to different
+    numbers: the silent kind. Returns the path of the array it changed.
+    """
+    before = checkpoint.read_arrays(ckpt_dir, step)
+    data_file = _largest_data_file(ckpt_dir / str(step))
+    original = data_file.read_bytes()
+    for at in range(len(original) // 3, len(original), 7):
+        raw = bytearray(original)
+        raw[at] ^= 0x10
+        data_file.write_bytes(bytes(raw))
+        try:
+            after = checkpoint.read_arrays(ckpt_dir, step)
+        except Exception:
+            continue
+        changed = [p for p in before if not np.array_equal(before[p], after[p], equal_nan=True)]
+        if changed and all(np.isfinite(after[p]).all() for p in changed):
+            return changed[0]
+    data_file.write_bytes(original)
+    raise AssertionError(f"no flip in {data_file} decodes silently")
+
+
+def test_checksums_catch_a_silently_flipped_byte(ckpt_dir, states, caplog):
+    meta = checkpoint.read_metadata(ckpt_dir, 4)
+    w_sums = meta["checksums"]["params/dense/w"]
+    assert set(w_sums) == {f"{8 * i}:{8 * i + 8},0:64" for i in range(8)}  # one per shard
+    assert set(meta["checksums"]) == set(meta["shardings"])
+
+    # The step still reads, finite, with different numbers: only the checksums can tell.
+    path = _flip_a_bit_that_still_decodes(ckpt_dir, 4)
+    report = checkpoint.verify_checkpoint(ckpt_dir, 4)
+    assert report.problems and all(" checksum mismatch " in p for p in report.problems), report
+    assert report.problems[0].startswith(f"{path} shard ["), report.problems
+    out = _tool("verify", ckpt_dir)
+    assert out.returncode == 1 and f"{path} shard [" in out.stderr, out.stderr
+    assert "checksum mismatch" in out.stderr
+
+    ckpt = checkpoint.Checkpointer(ckpt_dir, every=2, keep=3, config_json=CONFIG)
+    with caplog.at_level(logging.WARNING, logger="jaxdist.checkpoint"):
+        restored, meta = ckpt.restore(_abstract(states[2]))
+    assert meta["step"] == 2
+    _assert_bit_exact(restored, states[2])
+    assert "checksum mismatch" in caplog.text and "fell back to step 2" in caplog.text
+    # Restored onto another layout (4 devices, 2-D arrays 16 rows each), it is still seen.
+    mesh4 = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    with pytest.raises(ConfigError, match="checksum mismatch"):
+        ckpt.restore(_abstract(states[4], mesh4, P("data")), step=4)
+    ckpt.close()

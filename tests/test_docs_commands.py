@@ -16,7 +16,8 @@ How commands are found (the rule a doc writer can rely on):
    has any, it also runs once with all of them in, with placeholders (`S`) filled from the fixture.
    A command with a literal `...` is a template, not something to run.
 
-How they run: each in a fresh copy of the repository's source that also holds `runs/default` from
+How they run: the commands of a walkthrough doc (WALKTHROUGHS: each command reads what the one
+before it wrote) run in order in one copy; every other command runs in a fresh copy of the repository's source that also holds `runs/default` from
 the fixture run (the state a user is in after the quickstart), with `python` on PATH being this
 interpreter, on CPU. A command passes when it exits 0 (or prints exactly the output its doc shows)
 and prints no traceback.
@@ -51,6 +52,7 @@ UNTAGGED_COMMAND = re.compile(r"^(\$ |python|bash scripts/)")
 INLINE_COMMAND = re.compile(
     r"^(?:[A-Z_][A-Z0-9_]*=(?:<[^>]*>|\S+)\s+)*(?:mpirun\s.*?)?(?:python3?|bash) scripts/\S"
 )
+WALKTHROUGHS = ("docs/MODELS.md",)  # run in document order, in one copy
 PLACEHOLDERS = {"S": "2"}  # `--step S`: a committed step of the fixture run (it saves 2 and 4)
 
 _TINY_BENCH_MODEL = (
@@ -104,6 +106,18 @@ SHORTENED = {
         "--config.train.steps=2",
         "the default job's 300 steps",
     ),
+    "python scripts/train.py --config=configs/llama_tiny.py --workdir=runs/llama_own "
+    "--config.data.source=runs/tokens --config.model.vocab_size=512 --config.train.steps=60 "
+    "--config.checkpoint.every=60": (
+        "--config.train.steps=6 --config.checkpoint.every=6",
+        "60 steps of the walkthrough's model; 6 make the run folder the next commands read",
+    ),
+    "python scripts/train.py --config=configs/llama_tiny.py --workdir=runs/llama_ft "
+    "--config.train.init_from=runs/llama_imported --config.data.source=runs/tokens "
+    "--config.train.steps=20 --config.train.learning_rate=1e-3 --config.checkpoint.every=20": (
+        "--config.train.steps=4 --config.checkpoint.every=4",
+        "20 fine-tuning steps; 4 make the run folder the export reads",
+    ),
     "python scripts/bench_pipeline.py --ms=4,8,32 --steps=0": (
         "--ms=4 --schedules=1f1b",
         "9 schedule × microbatch compiles; one row runs the same code",
@@ -119,8 +133,15 @@ NOT_RUN = {
     "python3 -m venv .venv": _SETUP,
     ". .venv/bin/activate": _SETUP,
     "pip install -e .": _SETUP,
-    "pip install -e '.[test]'": _SETUP,
+    "pip install -e '.[test,hf]'": _SETUP,
+    'pip install -e . "jax[cuda13]"': _SETUP + " and a GPU",
+    'pip install -e . "jax[cuda12]"': _SETUP + " and a GPU",
+    'pip install -e . "jax[tpu]"': _SETUP + " and a TPU",
     "python -m pytest -q -n 2 --dist loadfile": "the test suite this test is part of",
+    "bash scripts/gpu_check.sh runs/gpu_check": (
+        "run by tests/test_gpu_check.py (the same CPU dry run into a temporary folder, its JSON and "
+        "table checked there)"
+    ),
     "python scripts/bench_gpu.py --phase=point ...": (
         "a template; `bash scripts/gpu_check.sh` (run here) runs every point of it"
     ),
@@ -245,7 +266,21 @@ def all_commands() -> list[Command]:
 
 
 COMMANDS = all_commands()
-RUNNABLE = {f"{c.where} {run}": (c, run) for c in COMMANDS for run in c.runs}
+
+
+def _runnable() -> dict[str, tuple[Command, str]]:
+    """Each distinct run once, named by where it first appears (a command shown in two docs, or
+    twice in one, runs once; a prompt with expected output is kept as its own run)."""
+    out, seen = {}, set()
+    for c in COMMANDS:
+        for run in c.runs:
+            if (run, bool(c.expected)) not in seen:
+                seen.add((run, bool(c.expected)))
+                out[f"{c.where} {run}"] = (c, run)
+    return out
+
+
+RUNNABLE = _runnable()
 
 
 def test_extraction_finds_the_documented_commands():
@@ -329,12 +364,12 @@ def results(request, tmp_path_factory):
     _copy_source(source)
     fixture = source / "runs" / "default"
 
-    def run_in_copy(key: str, run: str, with_fixture: bool):
-        root = base / f"root-{list(RUNNABLE).index(key)}"
+    def run_in_copy(keys: list[str]) -> dict:
+        """The runs of `keys`, in order, in one fresh copy that holds the fixture."""
+        root = base / f"root-{list(RUNNABLE).index(keys[0])}"
         _copy_source(root)
-        if with_fixture:
-            shutil.copytree(fixture, root / "runs" / "default")
-        return _run(_with_flags(run), root, env)
+        shutil.copytree(fixture, root / "runs" / "default")
+        return {key: _run(_with_flags(RUNNABLE[key][1]), root, env) for key in keys}
 
     out = {}
     # The quickstart's train command makes runs/default (shortened); every other command runs
@@ -343,13 +378,15 @@ def results(request, tmp_path_factory):
     assert len(first) == 1, first
     out[first[0]] = _run(_with_flags("python scripts/train.py"), source, env)
     assert out[first[0]].returncode == 0, out[first[0]].stderr[-3000:]
+    groups: dict[str, list[str]] = {}
+    for key, (c, _) in RUNNABLE.items():
+        if key in out or key not in selected:
+            continue
+        doc = c.where.split(":")[0]
+        groups.setdefault(doc if doc in WALKTHROUGHS else key, []).append(key)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = {
-            key: pool.submit(run_in_copy, key, run, True)
-            for key, (c, run) in RUNNABLE.items()
-            if key not in out and key in selected
-        }
-        out.update({key: f.result() for key, f in futures.items()})
+        for done in pool.map(run_in_copy, groups.values()):
+            out.update(done)
     return out
 
 

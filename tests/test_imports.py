@@ -130,3 +130,62 @@ def test_checker_sees_function_level_and_relative_imports(tmp_path):
     graph = import_graph(tmp_path, ("lib", "fam"))
     assert graph["lib.b"] == {"lib.a", "fam.gpt", "fam"}
     assert find_cycle(graph) == ["lib.a", "lib.b", "lib.a"]
+
+
+# The library's layers, top to bottom: a module imports only its own layer or lower ones (scripts sit
+# above them all). Every jaxdist module is listed, so a new one has to pick its place.
+LAYERS = (
+    {"jaxdist.loop"},
+    # step / state; weights: what `train.init_from` and the HF tools read a model from
+    {"jaxdist.train", "jaxdist.strategies", "jaxdist.state", "jaxdist.plan", "jaxdist.weights"},
+    {  # pipeline, gradient sync, checkpoint and their helpers
+        "jaxdist.pipeline",
+        "jaxdist.microbatch",
+        "jaxdist.collectives",
+        "jaxdist.compression",
+        "jaxdist.optim",
+        "jaxdist.checkpoint",
+        "jaxdist.orbax_reads",
+        "jaxdist.data",
+        "jaxdist.metrics",
+        "jaxdist.hlo_cost",
+        "jaxdist.flops",
+        "jaxdist.distributed",
+        "jaxdist.hf",  # Hugging Face config / tensor mapping
+        "jaxdist.generate",
+        "jaxdist.tokenizer",
+        "jaxdist.token_shards",
+    },
+    {"jaxdist.sharding", "jaxdist.mesh", "jaxdist.config", "jaxdist.xla_flags"},
+    {"jaxdist", "jaxdist.errors"},
+)
+# config.validate reads each choice's names and rules from the module that owns them: imports
+# inside that function, never at module level (so importing config stays at the bottom).
+CONFIG_READS = {"jaxdist.optim", "jaxdist.pipeline", "jaxdist.strategies"}
+
+
+def _module_level_targets(path: pathlib.Path, known: set[str]) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            out.update({f"{node.module}.{a.name}" for a in node.names} | {node.module or ""})
+    return out & known
+
+
+def test_library_imports_go_down_the_layers():
+    graph = import_graph()
+    rank = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+    library = {n for n in graph if n.startswith("jaxdist")}
+    assert library == set(rank), f"place these in LAYERS: {sorted(library ^ set(rank))}"
+    up = {
+        (a, b)
+        for a in library
+        for b in graph[a] & library
+        if rank[b] < rank[a] and not (a == "jaxdist.config" and b in CONFIG_READS)
+    }
+    assert not up, sorted(up)
+    config_top = _module_level_targets(ROOT / "jaxdist" / "config.py", set(graph))
+    assert not config_top & CONFIG_READS, sorted(config_top & CONFIG_READS)

@@ -56,6 +56,23 @@ def test_default_job_lowers_loss_and_evaluates(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
     # checkpoints under a relative --workdir (orbax wants absolute paths: the loop resolves it)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["30", "60"]
+    # The console with no terminal (a pipe): a plain line per log_every steps, `done:` on its own
+    # line, then where the outputs are; nothing from absl or orbax on stderr.
+    out = proc.stdout.splitlines()
+    logged = [ln for ln in out if ln.startswith("step ")]
+    assert [ln.split(" │ ")[0] for ln in logged] == [f"step {s:6d}/60" for s in (20, 40, 60)]
+    for ln in logged:
+        assert " │ loss " in ln and " ms/step │ " in ln and " tok/s" in ln, ln
+    assert " │ ETA " in logged[0] and " │ eval loss " in logged[-1], logged
+    done = [i for i, ln in enumerate(out) if ln.startswith("done: step 60, train loss ")]
+    assert len(done) == 1 and ", eval loss " in out[done[0]], out
+    tail = "\n".join(out[done[0] + 1 :])
+    workdir = str(tmp_path.resolve())
+    assert f"outputs │ {workdir}" in tail
+    assert f"checkpoints  {workdir}/checkpoints (steps 30, 60)" in tail
+    assert f"{workdir}/metrics.jsonl" in tail
+    assert f"python scripts/plot.py {workdir}" in tail
+    assert proc.stderr.strip() == "", proc.stderr[-2000:]
 
 
 BAD_INPUTS = {

@@ -1,0 +1,345 @@
+"""Gradient strategies: how one train step turns a batch into proposed new state, one name each.
+
+`STRATEGIES` is the one registry; `choose` picks the name a config runs on a mesh:
+
+  plain        one `value_and_grad` of the loss; XLA reduces the gradients over `data`/`fsdp`.
+  accumulated  the same, averaged over `train.grad_accum` microbatches (`microbatch.accumulated`).
+  pipelined    the model's stages over `mesh.pipeline` (jaxdist/pipeline.py), accumulated the same way.
+  compressed   per-replica gradients (one of the three above) reduced over `data` by the compressor
+               `grad_sync.compression` names (jaxdist/compression.py, collectives.sync_grads).
+  local_sgd    `grad_sync.local_steps` inner steps per replica, then an outer step on the average
+               (jaxdist/collectives.py, local SGD / DiLoCo).
+
+The first four are gradient functions behind one signature, `GradFn`:
+`(params, batch, extra) -> (loss, aux, grads, extra)`, where `extra` holds the state entries the
+strategy owns; `from_gradients` adds the optimizer step. Local SGD runs its optimizer per replica
+inside its own step, so it provides `step` directly. Every strategy's step returns a `Proposal`,
+and `train.apply_update` (one non-finite guard, one set of metrics) turns it into the next state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from jaxdist import collectives, compression, microbatch, pipeline, sharding
+from jaxdist.errors import ConfigError
+from jaxdist.state import Entry, TrainState
+from models.api import Stages
+
+Batch = dict[str, jax.Array]
+GradFn = Callable[[Any, Batch, dict], tuple[jax.Array, dict, Any, dict]]
+DATA_AXES = ("data",)
+
+
+class Proposal(NamedTuple):
+    """What a strategy's step proposes; `train.apply_update` guards it and counts the step."""
+
+    loss: jax.Array  # [] mean over the batch
+    grad_norm: jax.Array  # [] global L2 norm of the gradient (local SGD: replicas' mean)
+    aux: dict  # the model's extra metrics (e.g. accuracy), {} where not reduced
+    new: dict  # new values of the state entries the step changes (params, opt_state, extras)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every strategy builder reads: the config, the mesh, the parameters and the loss."""
+
+    config: Any
+    mesh: Mesh
+    param_axes: Any  # pure dict: path -> logical axes tuple
+    abstract_params: Any  # ShapeDtypeStructs
+    param_shardings: Any  # storage NamedShardings, a tree like the params
+    batch_axes: dict[str, tuple]
+    tx: optax.GradientTransformation  # the optimizer (local SGD: each replica's inner one)
+    loss_fn: Callable[[Any, Batch], tuple[jax.Array, dict]]  # (params, batch) -> (loss, aux)
+    stages: Stages | None  # the model's pipeline pieces when mesh.pipeline > 1
+
+    @property
+    def param_specs(self) -> Any:
+        return jax.tree.map(lambda s: s.spec, self.param_shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A built strategy: its step, the state it adds, and what the Engine reports about it."""
+
+    name: str
+    step: Callable[[TrainState, Batch], Proposal]
+    entries: Mapping[str, Entry] = dataclasses.field(default_factory=dict)
+    state_tx: optax.GradientTransformation | None = None  # optimizer of state["opt_state"]
+    schedule: Any = None  # pipeline.Schedule of the pipelined gradients, else None
+
+
+def from_gradients(
+    name: str,
+    gradients: GradFn,
+    tx: optax.GradientTransformation,
+    entries: Mapping[str, Entry] | None = None,
+    schedule: Any = None,
+) -> Strategy:
+    """A strategy whose step is `gradients` followed by one step of the optimizer `tx`."""
+    entries = dict(entries or {})
+
+    def step(state: TrainState, batch: Batch) -> Proposal:
+        params = state["params"]
+        extra = {k: state[k] for k in entries}
+        loss, aux, grads, extra = gradients(params, batch, extra)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, **extra}
+        return Proposal(loss, optax.tree.norm(grads), aux, new)
+
+    return Strategy(name, step, entries, tx, schedule)
+
+
+def optimizer_config(config, mesh_shape: Mapping[str, int]):
+    """The `train` fields the optimizer is built from.
+
+    With `grad_sync.momentum_correction` (DGC / 1-bit Adam) the SGD momentum is applied per replica
+    inside the compressor and each replica clips its own gradient before it; the optimizer then
+    runs without momentum or clipping of its own.
+    """
+    if not (config.grad_sync.momentum_correction and mesh_shape["data"] > 1):
+        return config.train
+    train = config.train.copy_and_resolve_references()
+    train.momentum, train.grad_clip = 0.0, 0.0
+    return train
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradients of one replica's batch: plain, accumulated, pipelined.
+
+
+def _accumulated_gradients(setup: Setup) -> microbatch.GradFn:
+    """(params, batch) -> (loss, aux, grads), averaged over train.grad_accum microbatches."""
+    grad_fn = jax.value_and_grad(setup.loss_fn, has_aux=True)
+
+    def gradients(params, batch):
+        (loss, aux), grads = grad_fn(params, batch)
+        return loss, aux, grads
+
+    shardings = setup.param_shardings
+    return microbatch.accumulated(  # the identity for grad_accum = 1
+        gradients,
+        setup.config.train.grad_accum,
+        setup.batch_axes,
+        setup.mesh,
+        constrain=lambda tree: jax.tree.map(sharding.constrain_to, tree, shardings),
+    )
+
+
+def _replica_gradients(setup: Setup, *, data_manual: bool) -> tuple[microbatch.GradFn, Any]:
+    """(gradients, schedule): the pipelined gradients with stages, else the accumulated ones.
+
+    `data_manual`: called per replica inside a shard_map or vmap over `data` (compressed, local SGD).
+    """
+    if setup.stages is None:
+        return _accumulated_gradients(setup), None
+    c = setup.config
+    return pipeline.make_gradients(
+        c, setup.mesh, setup.stages, setup.param_axes, setup.batch_axes, data_manual=data_manual
+    )
+
+
+def _stateless(gradients: microbatch.GradFn) -> GradFn:
+    return lambda params, batch, extra: (*gradients(params, batch), extra)
+
+
+def plain(setup: Setup) -> Strategy:
+    return from_gradients("plain", _stateless(_accumulated_gradients(setup)), setup.tx)
+
+
+def accumulated(setup: Setup) -> Strategy:
+    return from_gradients("accumulated", _stateless(_accumulated_gradients(setup)), setup.tx)
+
+
+def pipelined(setup: Setup) -> Strategy:
+    gradients, schedule = _replica_gradients(setup, data_manual=False)
+    return from_gradients("pipelined", _stateless(gradients), setup.tx, schedule=schedule)
+
+
+# --------------------------------------------------------------------------------------------------
+# Explicit data-parallel steps: compressed gradient sync, local SGD.
+
+
+def _per_replica(mesh: Mesh) -> str:
+    """How replicas run: pipelined gradients need the shard_map (see collectives.sync_grads)."""
+    return "shard_map" if mesh.shape["pipeline"] > 1 else "vmap"
+
+
+def compressed(setup: Setup) -> Strategy:
+    """Per-replica gradients inside a shard_map over `data`, reduced by the configured compressor.
+
+    fsdp/tensor stay automatic; every device compresses its own shard of its replica's gradient
+    (manual over the axes that shard the parameters too, see collectives.sync_grads).
+    """
+    c, mesh = setup.config, setup.mesh
+    base, schedule = _replica_gradients(setup, data_manual=True)
+    # Leading stacked-layer axes per parameter: compressors treat each layer as its own tensor.
+    batch_dims = jax.tree.map(
+        lambda axes: next((i for i, a in enumerate(axes) if a != "layers"), len(axes)),
+        setup.param_axes,
+        is_leaf=sharding.is_axes,
+    )
+    tx_sync = compression.from_config(
+        c.grad_sync, DATA_AXES, momentum=c.train.momentum, batch_dims=batch_dims
+    )
+    clip = c.train.grad_clip if c.grad_sync.momentum_correction else 0.0  # optimizer_config
+
+    def local_grads(params, local_batch):
+        loss, _, grads = base(params, local_batch)  # aux metrics: not reduced here
+        if clip > 0:
+            grads, _ = optax.clip_by_global_norm(clip).update(grads, None)
+        return loss, grads
+
+    shard_axes = tuple(a for a in ("fsdp", "tensor", "pipeline") if mesh.shape[a] > 1)
+    specs = setup.param_specs
+    sync_init, sync_specs = compression.sharded_state(
+        tx_sync, setup.abstract_params, specs, mesh, DATA_AXES, shard_axes
+    )
+    entry = Entry.from_specs(
+        jax.eval_shape(sync_init, setup.abstract_params), sync_specs, mesh, sync_init
+    )
+    sync = collectives.sync_grads(
+        local_grads,
+        tx_sync,
+        mesh,
+        DATA_AXES,
+        shard_axes=shard_axes,
+        param_specs=specs,
+        state_specs=sync_specs,
+        per_replica=_per_replica(mesh),
+    )
+
+    def gradients(params, batch, extra):
+        loss, grads, sync_state = sync(params, batch, extra["grad_sync"])
+        return loss, {}, grads, {"grad_sync": sync_state}
+
+    return from_gradients("compressed", gradients, setup.tx, {"grad_sync": entry}, schedule)
+
+
+def local_sgd(setup: Setup) -> Strategy:
+    """Local SGD / DiLoCo: `setup.tx` is each replica's inner optimizer.
+
+    state["opt_state"] holds the outer optimizer's state and state["local"] the replicas' own
+    parameters and inner states ([R, ...] over `data`); state["params"] is the last average.
+    """
+    g, mesh = setup.config.grad_sync, setup.mesh
+    base, schedule = _replica_gradients(setup, data_manual=True)
+    outer_tx = collectives.OUTER_OPTIMIZERS[g.outer_optimizer](g)
+
+    def replica_grads(params, local_batch):
+        loss, _, grads = base(params, local_batch)  # aux metrics: not reduced here
+        return loss, grads
+
+    local = collectives.local_sgd(
+        replica_grads, setup.tx, mesh, DATA_AXES, g.local_steps, outer_tx, _per_replica(mesh)
+    )
+
+    def init(params):
+        ls = local.init(params)
+        return {"params": ls.local_params, "opt_state": ls.inner_state}
+
+    abstract = jax.eval_shape(init, setup.abstract_params)
+    specs = compression.state_partition_spec(
+        abstract, DATA_AXES, setup.abstract_params, setup.param_specs
+    )
+
+    def step(state: TrainState, batch: Batch) -> Proposal:
+        ls = collectives.LocalSGDState(
+            state["step"],
+            state["params"],
+            state["opt_state"],
+            state["local"]["params"],
+            state["local"]["opt_state"],
+        )
+        ls, m = local.step(ls, batch)
+        new = {
+            "params": ls.params,
+            "opt_state": ls.outer_state,
+            "local": {"params": ls.local_params, "opt_state": ls.inner_state},
+        }
+        return Proposal(m["loss"], m["grad_norm"], {}, new)
+
+    entries = {"local": Entry.from_specs(abstract, specs, mesh, init)}
+    return Strategy("local_sgd", step, entries, outer_tx, schedule)
+
+
+STRATEGIES: dict[str, Callable[[Setup], Strategy]] = {
+    "plain": plain,
+    "accumulated": accumulated,
+    "pipelined": pipelined,
+    "compressed": compressed,
+    "local_sgd": local_sgd,
+}
+
+
+def choose(config, mesh_shape: Mapping[str, int]) -> str:
+    """The `STRATEGIES` name a config runs on a mesh of these axis sizes."""
+    if mesh_shape["data"] > 1 and config.grad_sync.local_steps > 1:
+        return "local_sgd"
+    if mesh_shape["data"] > 1 and config.grad_sync.compression != "none":
+        return "compressed"
+    if mesh_shape["pipeline"] > 1:
+        return "pipelined"
+    return "accumulated" if config.train.grad_accum > 1 else "plain"
+
+
+def check(config, mesh_shape: Mapping[str, int]) -> None:
+    """The gradient strategies' rules: the compressor's fields (`compression.check`), and how the
+    explicit data-parallel strategies combine with the mesh and the optimizer. Each is checked
+    here only; config.validate calls this.
+
+    Raises:
+      ConfigError: one line naming the field and what would be valid.
+    """
+    g, t = config.grad_sync, config.train
+    compression.check(g)
+    if g.outer_optimizer not in collectives.OUTER_OPTIMIZERS:
+        raise ConfigError(
+            f"grad_sync.outer_optimizer={g.outer_optimizer!r} is not valid; choose one of "
+            + ", ".join(collectives.OUTER_OPTIMIZERS)
+        )
+    if g.momentum_correction and not (t.optimizer == "sgd" and t.momentum > 0):
+        raise ConfigError(
+            "grad_sync.momentum_correction moves the SGD momentum into the compressor: it needs "
+            f"train.optimizer='sgd' with train.momentum > 0, not {t.optimizer!r} with momentum "
+            f"{t.momentum}"
+        )
+    if g.local_steps > 1:
+        _check_explicit("grad_sync.local_steps", g.local_steps, "local_steps=1", mesh_shape)
+        if g.compression != "none":
+            raise ConfigError(
+                f"grad_sync.local_steps={g.local_steps} sends no gradients to compress; set "
+                f"grad_sync.compression='none' (not {g.compression!r})"
+            )
+        if g.outer_learning_rate <= 0:
+            raise ConfigError("grad_sync.outer_learning_rate must be > 0")
+        if not 0 <= g.outer_momentum < 1:
+            raise ConfigError("grad_sync.outer_momentum must be in [0, 1)")
+    elif g.compression != "none":
+        _check_explicit("grad_sync.compression", g.compression, "compression='none'", mesh_shape)
+
+
+def _check_explicit(field: str, value: Any, off: str, mesh_shape: Mapping[str, int]) -> None:
+    """compressed / local_sgd run per replica over `data`: they need mesh.data > 1, and with
+    pipeline stages each replica's gradients come from a shard_map manual over `data`, on which
+    XLA's SPMD partitioner (jax 0.10) aborts while two or more other axes stay automatic; refuse
+    that here instead of crashing in compilation."""
+    if mesh_shape["data"] <= 1:
+        raise ConfigError(
+            f"{field}={value!r} works on the data-parallel replicas, but "
+            f"mesh.data={mesh_shape['data']}; set mesh.data > 1 or {off}"
+        )
+    others = [a for a in ("fsdp", "tensor") if mesh_shape[a] > 1]
+    if mesh_shape["pipeline"] > 1 and others:
+        raise ConfigError(
+            f"{field}={value!r} with mesh axes {'×'.join(['data', *others, 'pipeline'])} > 1 "
+            "needs fsdp = tensor = 1 (XLA SPMD partitioner limit); with mesh.pipeline > 1 set "
+            "fsdp = tensor = 1"
+        )

@@ -1,0 +1,563 @@
+"""Llama-family decoder (Llama 2/3, TinyLlama, SmolLM, ...), Flax NNX, annotated only with logical axes.
+
+Pre-norm layers of RMSNorm → grouped-query attention with rotary embeddings → RMSNorm → SwiGLU MLP,
+bias-free projections, a final RMSNorm and a vocabulary head that may be the embedding table itself
+(`model.tie_embeddings`). The rotary embedding uses Hugging Face's rotate-half layout (the two halves
+of each head are the pairs being rotated), so HF `LlamaForCausalLM` weights map 1:1, with transposes
+only (`HF` below; `scripts/hf.py` reads and writes the files).
+
+Like the GPT, the layers are stacked along a leading `layers` axis and applied with
+`api.scan_layers`; `embed_tokens`, `block` and `head_loss` are pure functions of their parameters
+and `FAMILY.stages` hands them to the pipeline. `forward_cached` is the same network run against a
+fixed-size key/value cache, for generation (`scripts/sample.py`).
+
+Shapes: B batch, T length, S cache length, D d_model, N query heads, K key/value heads (N = K·G),
+H head dim, F mlp width, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdist.errors import ConfigError
+from jaxdist.sharding import constrain
+from models import api, gpt
+
+# Logical axes of one layer's parameters (without the leading `layers` axis). Key/value heads are
+# split over `tensor` like the query heads: query head n reads key/value head n // G, which lands
+# on the same tensor shard when K is divisible by mesh.tensor (checked in `check`).
+BLOCK_AXES = {
+    "attn_norm": ("embed",),
+    "wq": ("embed", "heads", "kv"),  # [D, N, H]
+    "wk": ("embed", "heads", "kv"),  # [D, K, H]
+    "wv": ("embed", "heads", "kv"),  # [D, K, H]
+    "wo": ("heads", "kv", "embed"),  # [N, H, D]
+    "mlp_norm": ("embed",),
+    "w_gate": ("embed", "mlp"),  # [D, F]
+    "w_up": ("embed", "mlp"),  # [D, F]
+    "w_down": ("mlp", "embed"),  # [F, D]
+}
+ACT = ("batch", "length", "embed")
+HEADS = ("batch", "length", "heads", "kv")
+
+
+def dims(cfg) -> dict[str, int]:
+    """The model's sizes with defaults resolved: L, D, N, K, H, F, V."""
+    N = cfg.num_heads
+    return {
+        "L": cfg.num_layers,
+        "D": cfg.d_model,
+        "N": N,
+        "K": cfg.num_kv_heads or N,
+        "H": cfg.head_dim or cfg.d_model // N,
+        "F": cfg.mlp_dim or 4 * cfg.d_model,
+        "V": cfg.vocab_size,
+    }
+
+
+def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    return nnx.Param(value, logical_axes=axes)
+
+
+class Layers(nnx.Module):
+    """All L layers' parameters, stacked: every array has a leading [L] axis."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        d = dims(cfg)
+        L, D, N, K, H, F = d["L"], d["D"], d["N"], d["K"], d["H"], d["F"]
+        normal = lambda shape, std: std * jax.random.normal(rngs.params(), (L, *shape))
+        out_std = 0.02 / math.sqrt(2 * L)  # residual projections scaled by depth (GPT-2)
+        axes = lambda name: ("layers", *BLOCK_AXES[name])
+        self.attn_norm = _param(jnp.ones((L, D)), axes("attn_norm"))
+        self.wq = _param(normal((D, N, H), 0.02), axes("wq"))
+        self.wk = _param(normal((D, K, H), 0.02), axes("wk"))
+        self.wv = _param(normal((D, K, H), 0.02), axes("wv"))
+        self.wo = _param(normal((N, H, D), out_std), axes("wo"))
+        self.mlp_norm = _param(jnp.ones((L, D)), axes("mlp_norm"))
+        self.w_gate = _param(normal((D, F), 0.02), axes("w_gate"))
+        self.w_up = _param(normal((D, F), 0.02), axes("w_up"))
+        self.w_down = _param(normal((F, D), out_std), axes("w_down"))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {n: getattr(self, n)[...] for n in BLOCK_AXES}
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as Hugging Face computes it: normalised in float32, cast back, then scaled."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * y.astype(x.dtype)
+
+
+def inverse_frequencies(cfg) -> np.ndarray:
+    """Rotary inverse frequencies [H/2], float32, with `model.rope_scaling` applied.
+
+    "llama3" is Llama 3.1's long-context rule: wavelengths longer than original_max_len /
+    low_freq_factor are stretched by `factor`, shorter than original_max_len / high_freq_factor
+    kept, and those between interpolated smoothly (as transformers' `_compute_llama3_parameters`).
+    """
+    h = dims(cfg)["H"]
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float32) / h))
+    inv = inv.astype(np.float32)
+    rs = cfg.rope_scaling
+    if rs.type == "llama3":
+        low_wavelen = rs.original_max_len / rs.low_freq_factor
+        high_wavelen = rs.original_max_len / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (rs.original_max_len / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding on x [B, T, N, H] at positions [B, T] (or [T]), rotate-half layout:
+    out = x·cos + rotate_half(x)·sin, cos/sin computed in float32 and cast to x's dtype."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [.., T, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [.., T, H]
+    if angles.ndim == 2:
+        angles = angles[None]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+def _qkv(lp, x, positions, cfg, c):
+    """Normed input → rotated q [B, T, N, H] and k, v [B, T, K, H]."""
+    h = rms_norm(x, c("attn_norm"), cfg.norm_eps)
+    inv = inverse_frequencies(cfg)
+    q = constrain(rope(jnp.einsum("btd,dnh->btnh", h, c("wq")), positions, inv), HEADS)
+    k = constrain(rope(jnp.einsum("btd,dkh->btkh", h, c("wk")), positions, inv), HEADS)
+    v = constrain(jnp.einsum("btd,dkh->btkh", h, c("wv")), HEADS)
+    return q, k, v
+
+
+def _mlp(lp, x, cfg, c):
+    """x + SwiGLU(RMSNorm(x)) on [B, T, D]."""
+    h = rms_norm(x, c("mlp_norm"), cfg.norm_eps)
+    g = constrain(jnp.einsum("btd,df->btf", h, c("w_gate")), ("batch", "length", "mlp"))
+    u = constrain(jnp.einsum("btd,df->btf", h, c("w_up")), ("batch", "length", "mlp"))
+    out = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, c("w_down"))
+    return x + constrain(out, ACT)
+
+
+def block(lp: dict[str, jax.Array], x: jax.Array, *, cfg) -> jax.Array:
+    """One pre-norm Llama layer on x [B, T, D]; `lp` holds one layer's parameters."""
+    c = lambda name: constrain(lp[name], BLOCK_AXES[name])  # gathered over fsdp for compute
+    with jax.named_scope("attention"):
+        q, k, v = _qkv(lp, x, jnp.arange(x.shape[1]), cfg, c)
+        impl = gpt.attention_implementation(cfg.attention, q.dtype, q.shape[-1])
+        # Grouped-query attention: K < N key/value heads, query head n reads head n // (N / K).
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        o = constrain(o, HEADS)
+        x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ACT)
+    with jax.named_scope("mlp"):
+        return _mlp(lp, x, cfg, c)
+
+
+def embed_tokens(p: dict[str, jax.Array], tokens: jax.Array, *, embed_grad: str = "scatter"):
+    """Token ids [B, T] -> [B, T, D] from the table `embed` [V, D] (as the GPT's)."""
+    return gpt.embed_tokens(p, tokens, embed_grad=embed_grad)
+
+
+def logits(p: dict[str, jax.Array], x: jax.Array, *, eps: float) -> jax.Array:
+    """Final RMSNorm and vocabulary projection [B, T, D] -> [B, T, V]; with tied embeddings the
+    projection is the embedding table `embed` [V, D], else `head` [D, V]."""
+    x = rms_norm(x, constrain(p["final_norm"], ("embed",)), eps)
+    if "head" in p:
+        out = jnp.einsum("btd,dv->btv", x, constrain(p["head"], ("embed", "vocab")))
+    else:
+        out = jnp.einsum("btd,vd->btv", x, constrain(p["embed"], ("vocab", "embed")))
+    return constrain(out, ("batch", "length", "vocab"))
+
+
+def head_loss(p: dict[str, jax.Array], x: jax.Array, targets: jax.Array, *, eps: float):
+    """Mean next-token cross-entropy of the head's logits, gather-free (the pipeline's head)."""
+    return api.token_cross_entropy(logits(p, x, eps=eps), targets)
+
+
+class Llama(nnx.Module):
+    """Token embedding → L scanned layers → final RMSNorm → head (or the tied embedding)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D, V = cfg.d_model, cfg.vocab_size
+        self.embed = _param(0.02 * jax.random.normal(rngs.params(), (V, D)), ("vocab", "embed"))
+        self.layers = Layers(cfg, rngs)
+        self.final_norm = _param(jnp.ones((D,)), ("embed",))
+        if not cfg.tie_embeddings:
+            self.head = _param(0.02 * jax.random.normal(rngs.params(), (D, V)), ("embed", "vocab"))
+
+    def head_params(self) -> dict[str, jax.Array]:
+        p = {"final_norm": self.final_norm[...]}
+        if self.cfg.tie_embeddings:
+            p["embed"] = self.embed[...]
+        else:
+            p["head"] = self.head[...]
+        return p
+
+    def __call__(self, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
+        """Logits [B, T, V] of tokens [B, T]."""
+        x = embed_tokens({"embed": self.embed[...]}, tokens, embed_grad=self.cfg.embed_grad)
+        layer = functools.partial(block, cfg=self.cfg)
+        x = api.scan_layers(
+            layer, self.layers.stacked(), x, remat=remat, unroll=self.cfg.scan_unroll
+        )
+        return logits(self.head_params(), x, eps=self.cfg.norm_eps)
+
+    def loss(self, batch: dict[str, jax.Array], *, remat: str = "none") -> tuple[jax.Array, dict]:
+        """Mean next-token cross-entropy (float32) over the batch."""
+        return api.token_cross_entropy(self(batch["inputs"], remat=remat), batch["targets"]), {}
+
+
+# ------------------------------------------------------------------------------------------------
+# Generation: the same layers against a fixed-size key/value cache.
+
+
+CACHE_AXES = ("layers", "batch", "length", "heads", "kv")  # [L, B, S, K, H]
+
+
+def init_cache(cfg, batch: int, length: int, dtype=jnp.float32) -> dict[str, jax.Array]:
+    """Zeroed key/value cache {"k", "v"}: [L, B, S, K, H] each, S = `length` positions."""
+    d = dims(cfg)
+    shape = (d["L"], batch, length, d["K"], d["H"])
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cache [B, S, K, H] with new [B, T, K, H] written at row b's position start[b]."""
+    put = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0))
+    return jax.vmap(put)(cache, new.astype(cache.dtype), start)
+
+
+def forward_cached(
+    params: dict[str, Any],
+    tokens: jax.Array,
+    start: jax.Array,
+    cache: dict[str, jax.Array],
+    *,
+    cfg,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Logits of tokens [B, T] placed at positions start[b] + t, and the cache with their keys and
+    values written there. Each query attends to every cached key at a position <= its own, so
+    a prompt's prefill (start = 0) and one-token decode steps (start = tokens so far) are the same
+    function; positions past a row's own tokens are never read before they are overwritten.
+
+    Returns: (logits [B, T, V] float32, the updated cache).
+    """
+    B, T = tokens.shape
+    S = cache["k"].shape[2]
+    d = dims(cfg)
+    G = d["N"] // d["K"]
+    positions = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
+    visible = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    x = embed_tokens({"embed": params["embed"]}, tokens)
+
+    def layer(x, lp_and_cache):
+        lp, ck, cv = lp_and_cache
+        c = lambda name: constrain(lp[name], BLOCK_AXES[name])
+        q, k, v = _qkv(lp, x, positions, cfg, c)
+        ck = constrain(_write_rows(ck, k, start), CACHE_AXES[1:])
+        cv = constrain(_write_rows(cv, v, start), CACHE_AXES[1:])
+        qg = q.reshape(B, T, d["K"], G, d["H"]).astype(jnp.float32)  # [B, T, K, G, H]
+        s = jnp.einsum("btkgh,bskh->bkgts", qg, ck.astype(jnp.float32)) / math.sqrt(d["H"])
+        s = jnp.where(visible[:, None, None], s, -jnp.inf)
+        w = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("bkgts,bskh->btkgh", w, cv.astype(jnp.float32))
+        o = o.reshape(B, T, d["N"], d["H"]).astype(x.dtype)
+        x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ACT)
+        return _mlp(lp, x, cfg, c), (ck, cv)
+
+    x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache["k"], cache["v"]))
+    head = {k_: params[k_] for k_ in ("final_norm", "head", "embed") if k_ in params}
+    if "head" in head:
+        head.pop("embed")
+    out = logits(head, x, eps=cfg.norm_eps).astype(jnp.float32)
+    return out, {"k": k, "v": v}
+
+
+# ------------------------------------------------------------------------------------------------
+# The protocol.
+
+
+def flops_per_token(cfg, params: dict[str, Any]) -> float:
+    """6·N (N without the embedding lookup; a tied table still counts once, for the head) +
+    12·L·(N·H)·T for attention."""
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    if not cfg.tie_embeddings:
+        n -= math.prod(params["embed"].shape)
+    d = dims(cfg)
+    return api.decoder_flops_per_token(n, d["L"], d["N"] * d["H"], cfg.seq_len)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def check(m, mesh: Mapping[str, int]) -> None:
+    """The GPT's shape rules, plus grouped-query heads and the rotary settings."""
+    for name in ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size"):
+        value = m[name]
+        _need(
+            isinstance(value, int) and value > 0,
+            f"model.{name}={value!r} must be a positive integer",
+        )
+    for name in ("num_kv_heads", "head_dim", "mlp_dim"):
+        _need(
+            isinstance(m[name], int) and m[name] >= 0,
+            f"model.{name}={m[name]!r} must be an integer >= 0 (0 = the default)",
+        )
+    d, t = dims(m), mesh["tensor"]
+    _need(
+        m.head_dim or m.d_model % m.num_heads == 0,
+        f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} "
+        "(or set model.head_dim)",
+    )
+    _need(d["H"] % 2 == 0, f"head dim {d['H']} must be even for rotary embeddings")
+    _need(
+        d["N"] % d["K"] == 0,
+        f"model.num_heads={d['N']} must be divisible by model.num_kv_heads={d['K']}",
+    )
+    for name, value in (("num_heads", d["N"]), ("num_kv_heads", d["K"])):
+        _need(value % t == 0, f"model.{name}={value} must be divisible by mesh.tensor={t}")
+    _need(d["F"] % t == 0, f"model.mlp_dim={d['F']} must be divisible by mesh.tensor={t}")
+    _need(
+        m.vocab_size % t == 0,
+        f"model.vocab_size={m.vocab_size} must be divisible by mesh.tensor={t}",
+    )
+    _need(
+        m.d_model % mesh["fsdp"] == 0,
+        f"model.d_model={m.d_model} must be divisible by mesh.fsdp={mesh['fsdp']} "
+        "(parameters are sharded over fsdp along embed)",
+    )
+    _need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
+    _need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0")
+    _need(
+        m.rope_scaling.type in ("none", "llama3"),
+        f"model.rope_scaling.type={m.rope_scaling.type!r} is not valid; choose one of none, llama3",
+    )
+    _need(
+        m.embed_grad in ("scatter", "matmul"),
+        f"model.embed_grad={m.embed_grad!r} must be 'scatter' or 'matmul'",
+    )
+    _need(
+        isinstance(m.scan_unroll, int) and m.scan_unroll >= 1,
+        f"model.scan_unroll={m.scan_unroll!r} must be an integer >= 1 (1 = a rolled layer loop; "
+        f"model.num_layers={m.num_layers}: no loop)",
+    )
+
+
+def stages(cfg) -> api.Stages:
+    """Embedding / stacked `layers` / final norm + head, for the pipeline. With tied embeddings
+    the head's part holds the embedding table too, and `join` sums its two gradients."""
+    eps = cfg.norm_eps
+
+    def split(tree):
+        head = {"final_norm": tree["final_norm"]}
+        head["embed" if cfg.tie_embeddings else "head"] = tree[
+            "embed" if cfg.tie_embeddings else "head"
+        ]
+        return {"embed": tree["embed"]}, tree["layers"], head
+
+    def join(e, stacked, head):
+        out = {"embed": e["embed"], "layers": stacked, "final_norm": head["final_norm"]}
+        if cfg.tie_embeddings:
+            out["embed"] = jax.tree.map(jnp.add, e["embed"], head["embed"])
+        else:
+            out["head"] = head["head"]
+        return out
+
+    return api.Stages(
+        split=split,
+        join=join,
+        embed=functools.partial(embed_tokens, embed_grad=cfg.embed_grad),
+        block=functools.partial(block, cfg=cfg),
+        head_loss=functools.partial(head_loss, eps=eps),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Hugging Face `LlamaForCausalLM` (jaxdist/hf.py reads and writes the files).
+#
+# | jaxdist (`params/...`) | shape     | Hugging Face                                   | shape    |
+# |------------------------|-----------|------------------------------------------------|----------|
+# | embed                  | [V, D]    | model.embed_tokens.weight                      | [V, D]   |
+# | layers/attn_norm[i]    | [D]       | model.layers.i.input_layernorm.weight          | [D]      |
+# | layers/wq[i]           | [D, N, H] | model.layers.i.self_attn.q_proj.weight         | [N·H, D] |
+# | layers/wk[i], wv[i]    | [D, K, H] | model.layers.i.self_attn.{k,v}_proj.weight     | [K·H, D] |
+# | layers/wo[i]           | [N, H, D] | model.layers.i.self_attn.o_proj.weight         | [D, N·H] |
+# | layers/mlp_norm[i]     | [D]       | model.layers.i.post_attention_layernorm.weight | [D]      |
+# | layers/w_gate[i], w_up | [D, F]    | model.layers.i.mlp.{gate,up}_proj.weight       | [F, D]   |
+# | layers/w_down[i]       | [F, D]    | model.layers.i.mlp.down_proj.weight            | [D, F]   |
+# | final_norm             | [D]       | model.norm.weight                              | [D]      |
+# | head (untied only)     | [D, V]    | lm_head.weight                                 | [V, D]   |
+#
+# HF stores `nn.Linear` weights as [out, in]. Both sides use the rotate-half rotary layout, so no
+# row permutation is needed (Meta's original checkpoints interleave the rotated pairs; transformers'
+# converter permutes q/k once, and HF checkpoints are already in this layout).
+
+
+def _hf_field(hf: Mapping[str, Any], key: str, where: str, kind: type, default: Any = None):
+    """hf[key] (or `default`), checked to be an integer, or a number when `kind` is float."""
+    value = hf.get(key, default)
+    _need(value is not None, f"{where}: missing field {key!r}")
+    ok = not isinstance(value, bool) and isinstance(value, int | float if kind is float else int)
+    _need(ok, f"{where}: {key}={value!r} must be {'a number' if kind is float else 'an integer'}")
+    return kind(value)
+
+
+def config_from_hf(hf: Mapping[str, Any], m, where: str) -> None:
+    """Fills config.model `m` from a `LlamaForCausalLM` config.json (transformers 4.x: top-level
+    `rope_theta`/`rope_scaling`; 5.x: `rope_parameters`). Llama variants jaxdist does not
+    implement (biases, an activation other than SiLU, other RoPE types) are refused."""
+    for key in ("attention_bias", "mlp_bias"):
+        _need(not hf.get(key, False), f"{where}: {key}=true is not supported (bias-free only)")
+    act = hf.get("hidden_act", "silu")
+    _need(act == "silu", f"{where}: hidden_act={act!r} is not supported; Llama uses 'silu'")
+    m.vocab_size = _hf_field(hf, "vocab_size", where, int)
+    m.d_model = _hf_field(hf, "hidden_size", where, int)
+    m.mlp_dim = _hf_field(hf, "intermediate_size", where, int)
+    m.num_layers = _hf_field(hf, "num_hidden_layers", where, int)
+    m.num_heads = _hf_field(hf, "num_attention_heads", where, int)
+    m.num_kv_heads = _hf_field(hf, "num_key_value_heads", where, int, m.num_heads)
+    m.head_dim = _hf_field(hf, "head_dim", where, int, m.d_model // max(m.num_heads, 1))
+    m.seq_len = _hf_field(hf, "max_position_embeddings", where, int)
+    m.norm_eps = _hf_field(hf, "rms_norm_eps", where, float, 1e-6)
+    m.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    _need(isinstance(rope, dict), f"{where}: rope_parameters/rope_scaling must be an object")
+    m.rope_theta = _hf_field(rope, "rope_theta", where, float, hf.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    _need(
+        kind in ("default", "llama3"),
+        f"{where}: rope type {kind!r} is not supported; jaxdist implements default, llama3",
+    )
+    if kind == "llama3":
+        rs, at = m.rope_scaling, f"{where} rope_scaling"
+        rs.type = "llama3"
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            rs[key] = _hf_field(rope, key, at, float)
+        rs.original_max_len = _hf_field(rope, "original_max_position_embeddings", at, int)
+    eos = hf.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    m.eos_token_id = eos if isinstance(eos, int) and not isinstance(eos, bool) else -1
+
+
+def config_to_hf(m, dtype: str) -> dict[str, Any]:
+    """A `LlamaForCausalLM` config.json for config.model `m`, read by transformers 4.x and 5."""
+    d = dims(m)
+    out = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": d["V"],
+        "hidden_size": d["D"],
+        "intermediate_size": d["F"],
+        "num_hidden_layers": d["L"],
+        "num_attention_heads": d["N"],
+        "num_key_value_heads": d["K"],
+        "head_dim": d["H"],
+        "max_position_embeddings": int(m.seq_len),
+        "rms_norm_eps": float(m.norm_eps),
+        "rope_theta": float(m.rope_theta),
+        "rope_scaling": None,
+        "tie_word_embeddings": bool(m.tie_embeddings),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+    }
+    if m.rope_scaling.type == "llama3":
+        rs = m.rope_scaling
+        out["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": float(rs.factor),
+            "low_freq_factor": float(rs.low_freq_factor),
+            "high_freq_factor": float(rs.high_freq_factor),
+            "original_max_position_embeddings": int(rs.original_max_len),
+        }
+    if m.eos_token_id >= 0:
+        out["eos_token_id"] = int(m.eos_token_id)
+    return out
+
+
+def hf_tensors(m) -> list[api.HFTensor]:
+    """Every parameter's Hugging Face tensor, in the params' tree order (the table above)."""
+    d = dims(m)
+    D, N, K, H, F, V = d["D"], d["N"], d["K"], d["H"], d["F"], d["V"]
+    same = (lambda a: a, lambda a: a)
+    # [out, in] <-> [in, *out split]: the transpose, then the heads axis split out (or merged).
+    linear = lambda shape: (lambda w: w.T.reshape(shape), lambda w: w.reshape(w.shape[0], -1).T)
+    out_proj = (lambda w: w.T.reshape(N, H, D), lambda w: w.reshape(N * H, D).T)
+    at = "model.layers.{i}."
+    rows = [
+        ("embed", "model.embed_tokens.weight", (V, D), same),
+        ("attn_norm", at + "input_layernorm.weight", (D,), same),
+        ("wq", at + "self_attn.q_proj.weight", (N * H, D), linear((D, N, H))),
+        ("wk", at + "self_attn.k_proj.weight", (K * H, D), linear((D, K, H))),
+        ("wv", at + "self_attn.v_proj.weight", (K * H, D), linear((D, K, H))),
+        ("wo", at + "self_attn.o_proj.weight", (D, N * H), out_proj),
+        ("mlp_norm", at + "post_attention_layernorm.weight", (D,), same),
+        ("w_gate", at + "mlp.gate_proj.weight", (F, D), linear((D, F))),
+        ("w_up", at + "mlp.up_proj.weight", (F, D), linear((D, F))),
+        ("w_down", at + "mlp.down_proj.weight", (D, F), linear((F, D))),
+        ("final_norm", "model.norm.weight", (D,), same),
+    ]
+    if not m.tie_embeddings:
+        rows.append(("head", "lm_head.weight", (V, D), linear((D, V))))
+    return [
+        api.HFTensor(
+            ("layers", name) if name in BLOCK_AXES else (name,),
+            hf_name,
+            shape,
+            *fns,
+            stacked=name in BLOCK_AXES,
+        )
+        for name, hf_name, shape, fns in rows
+    ]
+
+
+HF = api.HFFormat(
+    architectures=("LlamaForCausalLM",),
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    tensors=hf_tensors,
+    # Old checkpoints carry the rotary buffer; some tied ones store the table twice.
+    ignored=lambda m: ("rotary_emb.inv_freq",) + (("lm_head.weight",) if m.tie_embeddings else ()),
+)
+
+
+def decoder(cfg) -> api.Decoder:
+    """The KV-cache forward for generation (`scripts/sample.py`)."""
+    return api.Decoder(
+        init_cache=functools.partial(init_cache, cfg),
+        cache_axes={"k": CACHE_AXES, "v": CACHE_AXES},
+        forward=functools.partial(forward_cached, cfg=cfg),
+    )
+
+
+FAMILY = api.ModelFamily(
+    name="llama",
+    make=lambda cfg, ds: lambda rngs: Llama(cfg, rngs=rngs),
+    batch_axes=lambda cfg, ds: gpt.batch_axes(),
+    check=check,
+    check_data=gpt.check_data,
+    flops_per_token=flops_per_token,
+    tokens_per_example=lambda cfg: cfg.seq_len,
+    stages=stages,
+    decoder=decoder,
+    hf=HF,
+)

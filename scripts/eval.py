@@ -1,0 +1,139 @@
+"""Loss and perplexity of a model on held-out data.
+
+    python scripts/eval.py --checkpoint=PATH --data=SOURCE [--batches=N] [--batch_size=B]
+        [--seq_len=T] [--step=S] [--data_parallel=D] [--tensor=T] [--out=FILE.json]
+
+PATH is a jaxdist run folder, a checkpoints folder or a Hugging Face folder; SOURCE anything
+`data.source` accepts (token shards from scripts/tokenize.py, a uint16 `.bin`, text read as bytes,
+`stdlib`). The loss is the mean next-token cross-entropy over `--batches` batches of the source's
+validation split (the same windows for every checkpoint: they depend only on the seed), on a mesh
+of data_parallel × tensor devices (simulated on a CPU). Bad input: one `error: ...` line, exit 2.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxdist.errors import ConfigError  # noqa: E402
+
+
+def run(args: argparse.Namespace) -> dict:
+    from jaxdist import mesh as mesh_lib
+
+    if not mesh_lib.accelerator_present():
+        mesh_lib.configure_cpu_devices(args.data_parallel * args.tensor)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import models
+    from jaxdist import data, sharding, weights
+    from models import api
+
+    src = weights.resolve(args.checkpoint, args.step)
+    config = src.config
+    m = config.model
+    config.data.source = args.data
+    seq_len = args.seq_len or min(m.seq_len, 1024)
+    if seq_len > m.seq_len:
+        raise ConfigError(f"--seq_len={seq_len} is longer than model.seq_len={m.seq_len}")
+    m.seq_len = seq_len
+    n = args.data_parallel * args.tensor
+    if n > jax.device_count():
+        raise ConfigError(f"--data_parallel×--tensor = {n}, but {jax.device_count()} devices")
+    if args.batch_size % args.data_parallel:
+        raise ConfigError(f"--batch_size={args.batch_size} must divide by --data_parallel")
+    text = args.data != "digits" and not data.is_token_source(args.data)
+    if text and src.file("tokenizer.json"):
+        raise ConfigError(
+            f"--data={args.data} is text, which jaxdist reads as bytes, but {args.checkpoint} has "
+            "its own tokenizer; tokenize it first: python scripts/tokenize.py"
+        )
+    ds = data.load(config.data, seq_len=seq_len, vocab_size=m.vocab_size)
+    family = models.get(m.name)
+    family.check_data(config, ds)
+    mesh_cfg = {"data": args.data_parallel, "tensor": args.tensor, "fsdp": 1, "pipeline": 1}
+    mesh_cfg.update({f"dcn_{a}": 1 for a in list(mesh_cfg)})
+    models.check(m, mesh_cfg)
+    mesh = mesh_lib.make_mesh(mesh_cfg, jax.devices()[:n])
+    model = api.abstract_model(family.make(m, ds))
+    shardings = sharding.tree_shardings(model.axes, model.params, mesh)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.params, shardings
+    )
+    params = weights.load_params(src, abstract)
+    axes = family.batch_axes(m, ds)
+    batch_shardings = {
+        k: jax.sharding.NamedSharding(
+            mesh, sharding.logical_to_spec(v, sharding.COMPUTE_RULES, mesh)
+        )
+        for k, v in axes.items()
+    }
+    batches = data.Batches(
+        ds, batch_size=args.batch_size, seq_len=seq_len, seed=args.seed, shardings=batch_shardings
+    )
+    dtype = jnp.dtype(config.train.compute_dtype)
+
+    @jax.jit
+    def loss_fn(params, batch):
+        with sharding.activation_rules(mesh):
+            p = jax.tree.map(lambda x: x.astype(dtype), params)
+            return family.loss(model.merge(p), batch)[0]
+
+    t0 = time.perf_counter()
+    losses = [float(loss_fn(params, batches.get(i, "val"))) for i in range(args.batches)]
+    loss = float(np.mean(losses))
+    result = {
+        "checkpoint": args.checkpoint,
+        "step": src.step,
+        "data": args.data,
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "tokens": args.batches * args.batch_size * seq_len,
+        "seconds": time.perf_counter() - t0,
+    }
+    print(
+        f"{args.checkpoint} (step {src.step}) on {args.data}: loss {loss:.4f}, perplexity "
+        f"{result['perplexity']:.3f} over {result['tokens']} tokens"
+    )
+    if args.out:
+        tmp = f"{args.out}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(tmp, args.out)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--checkpoint", required=True, help="run folder, checkpoints folder or HF folder"
+    )
+    p.add_argument("--data", required=True, help="a data.source: token shards, .bin, text, stdlib")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=0, help="0 = model.seq_len (at most 1024)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data_parallel", type=int, default=1, help="devices the batch is split over")
+    p.add_argument("--tensor", type=int, default=1, help="devices the heads are split over")
+    p.add_argument("--out", default=None, help="write the result as JSON here")
+    args = p.parse_args(argv)
+    try:
+        if args.batches < 1 or args.batch_size < 1:
+            raise ConfigError("--batches and --batch_size must be >= 1")
+        run(args)
+        return 0
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
