@@ -49,6 +49,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
@@ -60,7 +61,7 @@ from models import api
 from models.api import Stages
 
 AXIS = "pipeline"
-IDLE, FWD, BWD = 0, 1, 2
+IDLE, FWD, BWD, WGT = 0, 1, 2, 3  # WGT: zb's deferred weight-gradient pass
 _WEIGHTS = "pipeline_stage_weights"  # checkpoint name of a tick's selected stage weights
 
 # --------------------------------------------------------------------------------------------------
@@ -77,8 +78,9 @@ class Schedule:
       stages: p, the size of the `pipeline` mesh axis.
       microbatches: m.
       virtual_stages: v, layer chunks per device (1 unless interleaved).
-      action: int8 [ticks, p]: IDLE, FWD or BWD for every tick and stage, forward and backward ticks
-        together (for gpipe/interleaved the backward ticks are the autodiff mirror of the forward).
+      action: int8 [ticks, p]: IDLE, FWD, BWD or (zb) WGT for every tick and stage, forward and
+        backward ticks together (for gpipe/interleaved the backward ticks are the autodiff mirror of
+        the forward; zb's BWD is the input-gradient pass and WGT the weight-gradient pass).
       micro: int32 [ticks, p]: the microbatch of that action (0 when idle).
       virtual: int32 [ticks, p]: the virtual stage (layer chunk on that device) of that action.
     """
@@ -125,8 +127,9 @@ class Schedule:
         }
 
     def render(self) -> str:
-        """The table as text, one row per stage: `F3` forward of microbatch 3, `B3` backward, `.` idle
-        (interleaved adds the virtual stage: `F3.1`)."""
+        """The table as text, one row per stage: `F3` forward of microbatch 3, `B3` backward (zb: its
+        input gradient), `W3` zb's weight gradient, `.` idle (interleaved adds the virtual stage:
+        `F3.1`)."""
         rows = []
         for s in range(self.stages):
             cells = []
@@ -135,7 +138,7 @@ class Schedule:
                 if a == IDLE:
                     cells.append(".")
                     continue
-                cell = f"{'FB'[a - 1]}{int(self.micro[t, s])}"
+                cell = f"{'FBW'[a - 1]}{int(self.micro[t, s])}"
                 if self.virtual_stages > 1:
                     cell += f".{int(self.virtual[t, s])}"
                 cells.append(cell)
@@ -208,6 +211,56 @@ def one_f_one_b_table(p: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(actions), np.stack(micros)
 
 
+# zb: how many more microbatches than 1F1B's p - s a stage may hold between its forward and its
+# weight-gradient pass. One more lets the W passes wait for the bubble ticks of the drain.
+ZB_EXTRA_IN_FLIGHT = 1
+
+
+def zero_bubble_table(
+    p: int, m: int, extra: int = ZB_EXTRA_IN_FLIGHT
+) -> tuple[np.ndarray, np.ndarray]:
+    """ZB-H1 ticks (Qi et al. 2023): (action, micro), [ticks, p], by simulating unit-time F, B, W.
+
+    The backward is split into B (the input gradient, which the previous stage waits for) and W
+    (the weight gradient, which nobody waits for). Each tick a stage runs, in this order of
+    preference: the B of its oldest forwarded microbatch if its gradient has arrived (on the last
+    stage: its forward is done); the F of its next microbatch if its input has arrived and fewer
+    than `p - s + extra` microbatches are between their F and their W on stage s; the W of its
+    oldest microbatch past B; else it idles. W passes thus fill the ticks where 1F1B's stages wait,
+    and activation memory stays bounded like 1F1B's (`p - s` in flight there).
+    """
+    f_done = np.full((p, m), -1)
+    b_done = np.full((p, m), -1)
+    nf, nb, nw = [0] * p, [0] * p, [0] * p
+    actions, micros = [], []
+    t = 0
+    while min(nw) < m:
+        act_row, mic_row = np.zeros(p, np.int8), np.zeros(p, np.int32)
+        for s in range(p):
+            i = nb[s]
+            upstream = -1 if i >= nf[s] else (f_done[s, i] if s == p - 1 else b_done[s + 1, i])
+            if 0 <= upstream < t:
+                act_row[s], mic_row[s] = BWD, i
+                b_done[s, i] = t
+                nb[s] += 1
+                continue
+            i = nf[s]
+            ready = i < m and (s == 0 or 0 <= f_done[s - 1, i] < t)
+            if ready and nf[s] - nw[s] < p - s + extra:
+                act_row[s], mic_row[s] = FWD, i
+                f_done[s, i] = t
+                nf[s] += 1
+            elif nw[s] < nb[s]:
+                act_row[s], mic_row[s] = WGT, nw[s]
+                nw[s] += 1
+        actions.append(act_row)
+        micros.append(mic_row)
+        t += 1
+        if t > 6 * (m + p) + 8:  # a finite state machine; this never fires
+            raise AssertionError(f"zb table did not finish for p={p}, m={m}")
+    return np.stack(actions), np.stack(micros)
+
+
 def _looped_tables(name: str) -> Callable[[int, int, int], Schedule]:
     """gpipe (v = 1) / interleaved: the looped forward ticks, then their autodiff mirror."""
 
@@ -234,6 +287,12 @@ def _one_f_one_b_tables(p: int, m: int, v: int) -> Schedule:
     return Schedule("1f1b", p, m, 1, action, micro, np.zeros_like(micro))
 
 
+def _zero_bubble_tables(p: int, m: int, v: int) -> Schedule:
+    del v  # one layer chunk per device
+    action, micro = zero_bubble_table(p, m)
+    return Schedule("zb", p, m, 1, action, micro, np.zeros_like(micro))
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleKind:
     """One `pipeline.schedule` choice.
@@ -243,11 +302,14 @@ class ScheduleKind:
       virtual: whether it runs `pipeline.virtual_stages` layer chunks per device (else v = 1).
       autodiff_backward: its backward is the autodiff of the looped forward ticks (`_looped_forward`);
         otherwise the table interleaves explicit per-microbatch backwards (`_one_f_one_b`).
+      split_backward: the explicit backward is split into input- and weight-gradient passes
+        (`_zero_bubble`).
     """
 
     tables: Callable[[int, int, int], Schedule]
     virtual: bool
     autodiff_backward: bool
+    split_backward: bool = False
 
 
 # The schedules by `pipeline.schedule`: the one list `config.validate` and the executors read.
@@ -256,6 +318,9 @@ SCHEDULES: dict[str, ScheduleKind] = {
     "1f1b": ScheduleKind(_one_f_one_b_tables, virtual=False, autodiff_backward=False),
     "interleaved": ScheduleKind(
         _looped_tables("interleaved"), virtual=True, autodiff_backward=True
+    ),
+    "zb": ScheduleKind(
+        _zero_bubble_tables, virtual=False, autodiff_backward=False, split_backward=True
     ),
 }
 
@@ -452,6 +517,87 @@ class _StashedVjp:
         return jax.tree.unflatten(self.tree, leaves)(cotangent)
 
 
+class _SplitVjp(_StashedVjp):
+    """A stashed vjp whose backward is cut in two (zb): `backward_input` computes the input
+    cotangent and what the weight gradient needs from the cotangent path (the cotangents at the
+    outputs of the weight-using ops); `backward_weight`, on any later tick, the weight gradient.
+
+    The cut is made on the backward's jaxpr, traced once: the residuals that the input cotangent
+    does not need (the inputs of the weight matmuls) are marked unknown, and JAX's partial
+    evaluation moves the equations that depend on them, and only those, into the second part
+    (scans, the stacked layers, are split per iteration). Nothing is computed twice. With a remat
+    policy that keeps only the layer inputs (`full`) no residual is weight-only: the weight
+    gradient then stays in the first part and the second is empty.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.cut: dict[str, Any] | None = None
+
+    def forward(self, fn, fixed: list, *args):
+        """(fn(*args), residuals for the input pass, residuals only the weight pass reads)."""
+        out, stashed = super().forward(fn, fixed, *args)
+        if self.cut is None:
+            self._make_cut(fixed, stashed, out)
+        only = self.cut["weight_only"][len(fixed) :]
+        return (
+            out,
+            [r for r, w in zip(stashed, only) if not w],
+            [r for r, w in zip(stashed, only) if w],
+        )
+
+    def _make_cut(self, fixed: list, stashed: list, out) -> None:
+        from jax._src.interpreters import partial_eval as pe
+
+        def bwd(fixed, stashed, dy):
+            return _StashedVjp.backward(self, fixed, stashed, dy)
+
+        closed, shape = jax.make_jaxpr(bwd, return_shape=True)(fixed, stashed, out)
+        n_in, n_dy = len(fixed) + len(stashed), len(jax.tree.leaves(out))
+        assert len(closed.jaxpr.invars) == n_in + n_dy, "split vjp: unexpected backward inputs"
+        n_out = len(closed.jaxpr.outvars)
+        n_dx = len(jax.tree.leaves(shape[1:]))
+        used_for_dx = [False] * (n_out - n_dx) + [True] * n_dx
+        _, used_in = pe.dce_jaxpr(closed.jaxpr, used_for_dx)
+        weight_only = [not u for u in used_in[:n_in]]
+        known, unknown, out_unknown, res = pe.partial_eval_jaxpr_nounits(
+            closed, weight_only + [False] * n_dy, False
+        )
+        assert not any(out_unknown[n_out - n_dx :]), "split vjp: the input cotangent was cut"
+        self.cut = dict(
+            known=known,
+            unknown=unknown,
+            weight_only=weight_only,
+            out_unknown=out_unknown[: n_out - n_dx],
+            dx_tree=jax.tree.structure(shape[1:]),
+            n_res=len(res),
+        )
+
+    def backward_input(self, fixed: list, for_input: list, cotangent):
+        """(the input cotangents (a tuple, one per `forward` arg after the first), the weight
+        gradient's leaves computed here (None where the weight pass computes them), residuals
+        for the weight pass)."""
+        cut = self.cut
+        known_fixed = [f for f, w in zip(fixed, cut["weight_only"]) if not w]
+        outs = jax.extend.core.jaxpr_as_fun(cut["known"])(
+            *known_fixed, *for_input, *jax.tree.leaves(cotangent)
+        )
+        outs, res = outs[: len(outs) - cut["n_res"]], outs[len(outs) - cut["n_res"] :]
+        n_dw = len(cut["out_unknown"])
+        n_known_dw = n_dw - sum(cut["out_unknown"])
+        it = iter(outs[:n_known_dw])
+        dw = [None if u else next(it) for u in cut["out_unknown"]]
+        dx = jax.tree.unflatten(cut["dx_tree"], outs[n_known_dw:])
+        return dx, dw, list(res)
+
+    def backward_weight(self, fixed: list, weight_only: list, res: list) -> list:
+        """The weight gradient's leaves that `backward_input` left out (None for the others)."""
+        cut = self.cut
+        only_fixed = [f for f, w in zip(fixed, cut["weight_only"]) if w]
+        outs = iter(jax.extend.core.jaxpr_as_fun(cut["unknown"])(*res, *only_fixed, *weight_only))
+        return [next(outs) if u else None for u in cut["out_unknown"]]
+
+
 # Branches of the 1F1B tick switch; the last stage runs its own forward (with head and loss) and
 # backward (from the loss) branches.
 F_LAST, B_LAST = 3, 4
@@ -574,6 +720,128 @@ def _one_f_one_b(
     return loss, g_c, g_h, dx0
 
 
+# Branches of the zb tick switch (W_LAST: the last stage's weight pass is the same as the others').
+ZB_F_LAST, ZB_B_LAST = 4, 5
+
+
+def _zero_bubble(
+    stage_fn,
+    head_loss,
+    chunk,
+    head,
+    x0,
+    targets,
+    *,
+    p: int,
+    scale: float,
+    dtype,
+    action,
+    micro,
+    recv_f,
+    recv_b,
+    slots,
+):
+    """The zb ticks on one stage: 1F1B's executor with the backward cut in two (`_SplitVjp`).
+
+    A forward tick stashes the residuals of the stage's vjp in two stashes: those the input pass
+    reads (freed at B) and those only the weight pass reads (kept until W). The B tick computes the
+    input gradient (sent to the previous stage at once) and stashes what the weight gradient needs
+    from the cotangent path; the W tick, which no other stage waits for, computes the weight
+    gradient. The head and loss run on the last stage as in 1F1B (their backward whole, in B).
+
+    Args: as `_one_f_one_b`, plus `slots`: per buffer (`x`, `g`, `b`, `w`, `r`: arriving
+      activations, arriving gradients, input-pass residuals, weight-only residuals, B → W
+      residuals), its number of slots; microbatch i uses slot i mod that number
+      (`zero_bubble_exec_tables` checks that no live slot is overwritten).
+    Returns: as `_one_f_one_b`.
+    """
+    d = jax.lax.axis_index(AXIS)
+    first = d == 0
+    chunk, head = jax.tree.map(_varying, microbatch.cast_floating((chunk, head), dtype))
+    fwd_pairs = [(s, s + 1) for s in range(p - 1)]
+    bwd_pairs = [(s + 1, s) for s in range(p - 1)]
+    shape, act_dtype = x0.shape[1:], x0.dtype
+    zeros = lambda *lead: _varying(jnp.zeros((*lead, *shape), act_dtype))
+    f32_zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, jnp.float32)), tree)
+    m = x0.shape[0]
+    leaves = jax.tree.leaves
+    stage_vjp, head_vjp = _SplitVjp(), _StashedVjp()
+    head_fn = lambda hp, y, tgt: head_loss(hp, y, tgt)
+
+    def add(acc, dw):  # dw: leaves of the chunk's gradient, None where not computed here
+        flat, tree = jax.tree.flatten(acc)
+        out = [a if g is None else a + g.astype(jnp.float32) for a, g in zip(flat, dw)]
+        return jax.tree.unflatten(tree, out)
+
+    def add_tree(acc, g):
+        return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+
+    buf = lambda n, avals: [_varying(jnp.zeros((n, *a.shape), a.dtype)) for a in avals]
+    y0, rb0, rw0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zeros())
+    _, _, rr0 = stage_vjp.backward_input(leaves(chunk), rb0, y0)
+    res_b, res_w, res_r = buf(slots["b"], rb0), buf(slots["w"], rw0), buf(slots["r"], rr0)
+    hres = buf(1, head_vjp.forward(head_fn, leaves(head), head, zeros(), targets[0])[1])
+
+    # Per branch: one microbatch's residuals in, its new ones out; the stashes are read and written
+    # outside the switch, in place.
+    def idle(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
+        return zeros(), zeros(), rb, rw, rr, hr, g_c, g_h, loss
+
+    def forward(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
+        y, rb, rw = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
+        return y, zeros(), rb, rw, rr, hr, g_c, g_h, loss
+
+    def backward(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
+        (dx,), dw, rr = stage_vjp.backward_input(leaves(ck), rb, dy)
+        return zeros(), dx.astype(act_dtype), rb, rw, rr, hr, add(g_c, dw), g_h, loss
+
+    def weight(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
+        dw = stage_vjp.backward_weight(leaves(ck), rw, rr)
+        return zeros(), zeros(), rb, rw, rr, hr, add(g_c, dw), g_h, loss
+
+    def forward_last(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
+        y, rb, rw = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
+        mb_loss, hr = head_vjp.forward(head_fn, leaves(hp), hp, y, tgt)
+        return zeros(), zeros(), rb, rw, rr, hr, g_c, g_h, loss + mb_loss * scale
+
+    def backward_last(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
+        dh, dy, _ = head_vjp.backward(leaves(hp), hr, _varying(jnp.float32(scale)))
+        (dx,), dw, rr = stage_vjp.backward_input(leaves(ck), rb, dy.astype(act_dtype))
+        return zeros(), dx.astype(act_dtype), rb, rw, rr, hr, add(g_c, dw), add_tree(g_h, dh), loss
+
+    branches = (idle, forward, backward, weight, forward_last, backward_last)
+    take = lambda bufs, k: [_take(b, k) for b in bufs]
+    put = lambda bufs, k, new, when: [_put(b, k, v, when) for b, v in zip(bufs, new)]
+
+    def tick(carry, row):
+        xin, gbuf, res_b, res_w, res_r, hres, dx0, g_c, g_h, loss = carry
+        act, i, rf, rb_ = row[0][d], row[1][d], row[2][d], row[3][d]
+        x = jnp.where(first, _take(x0, i), _take(xin, i % slots["x"]))
+        dy, tgt = _take(gbuf, i % slots["g"]), _take(targets, i)
+        kb, kw, kr = i % slots["b"], i % slots["w"], i % slots["r"]
+        y, dx, rb, rw, rr, hr, g_c, g_h, loss = jax.lax.switch(
+            act, branches, chunk, head, x, dy, tgt,
+            take(res_b, kb), take(res_w, kw), take(res_r, kr), take(hres, 0), g_c, g_h, loss,
+        )  # fmt: skip
+        fwd = (act == FWD) | (act == ZB_F_LAST)
+        bwd = (act == BWD) | (act == ZB_B_LAST)
+        res_b, res_w = put(res_b, kb, rb, fwd), put(res_w, kw, rw, fwd)
+        res_r = put(res_r, kr, rr, bwd)
+        hres = put(hres, 0, hr, act == ZB_F_LAST)
+        dx0 = _put(dx0, i, dx, first & (act == BWD))
+        y_in = jax.lax.ppermute(y, AXIS, fwd_pairs)
+        dy_in = jax.lax.ppermute(dx, AXIS, bwd_pairs)
+        xin = _put(xin, jnp.maximum(rf, 0), y_in, rf >= 0)
+        gbuf = _put(gbuf, jnp.maximum(rb_, 0), dy_in, rb_ >= 0)
+        return (xin, gbuf, res_b, res_w, res_r, hres, dx0, g_c, g_h, loss), None
+
+    carry = (zeros(slots["x"]), zeros(slots["g"]), res_b, res_w, res_r, hres, zeros(m))
+    carry += (f32_zeros(chunk), f32_zeros(head), _varying(jnp.zeros((), jnp.float32)))
+    rows = tuple(jnp.asarray(a) for a in (action, micro, recv_f, recv_b))
+    (*_, dx0, g_c, g_h, loss), _ = jax.lax.scan(tick, carry, rows)
+    return loss, g_c, g_h, dx0
+
+
 def _looped_gradients(
     stage_fn,
     head_loss,
@@ -653,6 +921,66 @@ def one_f_one_b_exec_tables(sched: Schedule) -> dict[str, np.ndarray]:
                 if len({j % p for j in live}) != len(live):
                     raise AssertionError(f"1f1b slot collision at stage {s}, tick {t}: {live}")
     return {"action": action, "micro": sched.micro, "recv_f": recv_f, "recv_b": recv_b}
+
+
+def zero_bubble_exec_tables(sched: Schedule) -> dict[str, Any]:
+    """What the zb executor reads: the switch branch per tick and stage (the last stage's forward
+    and input pass have branches of their own, with head and loss), the slots arrivals go to, and
+    the number of slots of each buffer, the span of microbatches live in it at once; checked that
+    no live slot is ever overwritten."""
+    p, m, ticks = sched.stages, sched.microbatches, sched.ticks
+    when = {}  # (action, stage, microbatch) -> tick
+    for t in range(ticks):
+        for s in range(p):
+            if sched.action[t, s] != IDLE:
+                when[int(sched.action[t, s]), s, int(sched.micro[t, s])] = t
+    # Per buffer and stage: microbatch i is written at the end of tick start(i) and read at tick
+    # end(i); it is live on the ticks start(i) ... end(i) - 1 after their writes.
+    spans = {
+        "x": lambda s, i: None if s == 0 else (when[FWD, s - 1, i], when[FWD, s, i]),
+        "g": lambda s, i: None if s == p - 1 else (when[BWD, s + 1, i], when[BWD, s, i]),
+        "b": lambda s, i: (when[FWD, s, i], when[BWD, s, i]),
+        "w": lambda s, i: (when[FWD, s, i], when[WGT, s, i]),
+        "r": lambda s, i: (when[BWD, s, i], when[WGT, s, i]),
+    }
+    slots = {}
+    for name, span in spans.items():
+        need = 1
+        for s in range(p):
+            live = [span(s, i) for i in range(m)]
+            for t in range(ticks):
+                now = [i for i, iv in enumerate(live) if iv is not None and iv[0] <= t < iv[1]]
+                if now:
+                    need = max(need, max(now) - min(now) + 1)
+        slots[name] = need
+        for s in range(p):  # microbatches sharing a slot never overlap
+            live = [span(s, i) for i in range(m)]
+            for i in range(m):
+                j = i + need
+                if j < m and live[i] is not None and live[j] is not None:
+                    assert live[j][0] >= live[i][1], f"zb slot collision: {name}, stage {s}"
+    action = sched.action.copy()
+    last = action[:, p - 1].copy()
+    action[last == FWD, p - 1] = ZB_F_LAST
+    action[last == BWD, p - 1] = ZB_B_LAST
+    recv_f = np.full_like(sched.micro, -1)
+    recv_b = np.full_like(sched.micro, -1)
+    for t in range(ticks):
+        for s in range(p):
+            i = int(sched.micro[t, s])
+            if sched.action[t, s] == FWD and s < p - 1:
+                recv_f[t, s + 1] = i % slots["x"]
+            if sched.action[t, s] == BWD and s > 0:
+                recv_b[t, s - 1] = i % slots["g"]
+    for i in range(m):  # the head's residuals: one slot, from the last forward to its B
+        assert when[BWD, p - 1, i] == when[FWD, p - 1, i] + 1, "zb: the last stage's B waited"
+    return {
+        "action": action,
+        "micro": sched.micro,
+        "recv_f": recv_f,
+        "recv_b": recv_b,
+        "slots": slots,
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -867,13 +1195,16 @@ def _stage_executor(pipe: _Pipe) -> Callable:
     grads, d loss / d x0) on one stage, per device: 1F1B's explicit per-microbatch backward, or
     the autodiff of gpipe / interleaved's forward ticks kept inside the stage."""
     p, v, m = pipe.sched.stages, pipe.sched.virtual_stages, pipe.sched.microbatches
-    if not SCHEDULES[pipe.sched.name].autodiff_backward:
-        tables = one_f_one_b_exec_tables(pipe.sched)
+    kind = SCHEDULES[pipe.sched.name]
+    if not kind.autodiff_backward:
+        split = kind.split_backward
+        tables = (zero_bubble_exec_tables if split else one_f_one_b_exec_tables)(pipe.sched)
         stage_fn = pipe.stage_fn()
+        executor = _zero_bubble if split else _one_f_one_b
 
         def one_f_one_b(head_loss, chunks, head, x0, targets):
             chunk = jax.tree.map(lambda a: a[0], chunks)  # [Lc, ...]
-            loss, g_c, g_h, dx0 = _one_f_one_b(
+            loss, g_c, g_h, dx0 = executor(
                 stage_fn, head_loss, chunk, head, x0, targets,
                 p=p, scale=1.0 / (m * pipe.n_summed), dtype=pipe.dtype, **tables,
             )  # fmt: skip
@@ -984,9 +1315,12 @@ def executed_actions(sched: Schedule) -> np.ndarray | None:
     """int [ticks, p]: the `lax.switch` branch each stage takes at each tick of a schedule whose
     executor switches per tick (1f1b, zb), or None when every stage runs the same tick body
     (gpipe and interleaved: the forward ticks and their autodiff)."""
-    if SCHEDULES[sched.name].autodiff_backward:
+    kind = SCHEDULES[sched.name]
+    if kind.autodiff_backward:
         return None
-    return one_f_one_b_exec_tables(sched)["action"]
+    return (zero_bubble_exec_tables if kind.split_backward else one_f_one_b_exec_tables)(sched)[
+        "action"
+    ]
 
 
 class _LockStep:

@@ -789,8 +789,14 @@ def predict(
     # collectives are charged as the costliest branch's (as jaxdist.hlo_cost counts conditionals):
     # the last stage's backward, which applies the stashed vjp (no forward recomputed) to the
     # head's and then the stage's residuals.
-    one_f_one_b = p > 1 and config.pipeline.schedule == "1f1b"
+    # zb (jaxdist.pipeline._zero_bubble) is costed as 1F1B on its own table's ticks: the same
+    # switch, its backward split in two branches whose collectives are the backward's.
+    one_f_one_b = p > 1 and config.pipeline.schedule in ("1f1b", "zb")
     ticks_1f1b = 2 * (m + p - 1)
+    if p > 1 and config.pipeline.schedule == "zb":
+        from jaxdist import pipeline
+
+        ticks_1f1b = pipeline.build_schedule("zb", p, m).ticks
     if tp > 1:
         tpa = tensor_axes
         add("tp: embedding lookup output (vocab-parallel)", "all-reduce", tpa, act_edge, A, False)
@@ -992,6 +998,8 @@ def predict(
     n = layout.devices
     compute_s = _compute_time(config, model, hw, remat, tokens) / n
     bubble = (p - 1) / (m * v + p - 1) if p > 1 else 0.0
+    if p > 1 and config.pipeline.schedule == "zb":  # idle entries of its table
+        bubble = 1 - 3 * m / ticks_1f1b
     compute_s /= 1 - bubble
     local, hosts = _hosts(layout, hw)
     times = [(t, _term_time(t, local, hw)) for t in terms]
