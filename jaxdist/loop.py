@@ -392,6 +392,7 @@ def run(config, workdir: str) -> dict[str, float]:
             saved, cfg_json, fields=tuple(RESUME_MUST_MATCH), why=RESUME_MUST_MATCH
         )
         state, meta = ckpt.restore(engine.abstract_state)
+        state = engine.to_storage(state)  # checkpoints hold the stacked layers in [L] order
         start = int(meta["data_position"])
         if start >= t.steps:
             # Read back (a damaged newest step falls back and trains on), but nothing left to
@@ -545,7 +546,7 @@ def run(config, workdir: str) -> dict[str, float]:
             # good checkpoint" named by check_finite never holds a non-finite state.
             if pre.requested(step):  # asked once per step, on every process
                 check_finite(m, step)
-                ckpt.save(step, state, data_position=step, force=True)
+                ckpt.save(step, engine.to_user(state), data_position=step, force=True)
                 ckpt.wait()
                 if bar is not None:
                     bar.close()
@@ -560,7 +561,7 @@ def run(config, workdir: str) -> dict[str, float]:
                 raise stopped
             if ckpt.should_save(step) and step < t.steps:
                 check_finite(m, step)
-                ckpt.save(step, state, data_position=step)
+                ckpt.save(step, engine.to_user(state), data_position=step)
         if prev_metrics is not None:
             check_finite(prev_metrics, step)
         final_eval = evaluate(state)
@@ -568,7 +569,7 @@ def run(config, workdir: str) -> dict[str, float]:
         last.update(final_eval)
         writer.write_step(step, {**final_eval, "kind": "eval"})
         if config.checkpoint.every > 0:
-            ckpt.save(step, state, data_position=step, force=True)
+            ckpt.save(step, engine.to_user(state), data_position=step, force=True)
         ckpt.wait()
         report_progress(step)
         if bar is not None:  # closed first: `done:` gets its own line, not the bar's

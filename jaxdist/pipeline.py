@@ -400,6 +400,48 @@ def bubble_fraction(config, mesh: Mesh) -> float | None:
     return None if sched is None else sched.bubble_fraction
 
 
+def layer_order(config, mesh_shape: Mapping[str, int]) -> np.ndarray | None:
+    """Which layer each stored row of the stacked layers holds, or None for the identity.
+
+    The stacked layers are stored split over `pipeline` in contiguous blocks. For the looped
+    (interleaved) schedule device d runs chunks d, p + d, 2p + d, ...; storing the rows in that
+    order (like MaxText's `circular_repeats`: [p, v, Lc] = device, lap, layer within the chunk)
+    gives each device its own chunks with no per-step exchange. Row r of the store holds layer
+    `order[r]`; checkpoints, exports and `train.init_from` keep the user's [L] order (the engine
+    reorders at init, save and restore: `reorder_layers`).
+    """
+    p = int(mesh_shape.get(AXIS, 1))
+    kind = schedule_kind(config.pipeline.schedule)
+    v = int(config.pipeline.virtual_stages) if kind.virtual else 1
+    if p <= 1 or v <= 1:
+        return None
+    lc = int(config.model.num_layers) // (p * v)
+    chunks = np.arange(p * v).reshape(v, p).T  # [p, v]: chunk s·p + d on device d, lap s
+    return (chunks[..., None] * lc + np.arange(lc)).reshape(-1)
+
+
+def reorder_layers(tree: Any, shardings: Any, order: np.ndarray | None, *, to_user: bool) -> Any:
+    """Stacked-layer leaves of `tree` (any state tree: params, optimizer moments, per-replica
+    copies) between the stored order and the user's [L] order (`layer_order`).
+
+    A leaf is a stacked-layer leaf when its storage sharding puts `pipeline` on an axis of length
+    `len(order)` (the logical `layers` axis, see sharding.STORAGE_RULES); that axis is permuted.
+    """
+    if order is None:
+        return tree
+    index = np.argsort(order) if to_user else order  # user[l] = stored[r] where order[r] = l
+
+    def one(x, sh):
+        spec = tuple(sh.spec) + (None,) * (x.ndim - len(sh.spec))
+        for axis, entry in enumerate(spec):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            if AXIS in names and x.shape[axis] == len(order):
+                return sharding.constrain_to(jnp.take(x, jnp.asarray(index), axis=axis), sh)
+        return x
+
+    return jax.tree.map(one, tree, shardings)
+
+
 # --------------------------------------------------------------------------------------------------
 # Helpers for the SPMD program
 # --------------------------------------------------------------------------------------------------
@@ -1036,19 +1078,19 @@ class _Pipe:
         return PartitionSpec(None, "data") if self.data_in_stages else PartitionSpec()
 
     def to_stages(self, layers: Any) -> Any:
-        """[L, ...] -> [p, v, Lc, ...]: chunk j = s·p + d (layers j·Lc ...) goes to device d.
+        """stored [L, ...] -> [p, v, Lc, ...]: chunk j = s·p + d (layers j·Lc ...) on device d.
 
-        With v = 1 this is a reshape that moves nothing; with v > 1 the looped placement differs
-        from the contiguous storage split, so the layers are exchanged (all-to-all) every step.
+        A reshape that moves nothing: with v > 1 the rows are stored in looped order already
+        (`layer_order`), so each device's contiguous block is its v chunks.
         """
         p, v = self.sched.stages, self.sched.virtual_stages
         one = lambda x, sh: sharding.constrain_to(
-            x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:]).swapaxes(0, 1), sh
+            x.reshape(p, v, x.shape[0] // (p * v), *x.shape[1:]), sh
         )
         return jax.tree.map(one, layers, self.stage_shardings)
 
     def from_stages(self, chunks: Any) -> Any:
-        one = lambda x, sh: sharding.constrain_to(x.swapaxes(0, 1).reshape(-1, *x.shape[3:]), sh)
+        one = lambda x, sh: sharding.constrain_to(x.reshape(-1, *x.shape[3:]), sh)
         return jax.tree.map(one, chunks, self.layer_shardings)
 
     def micro_split(self, x: jax.Array, axes: tuple) -> jax.Array:

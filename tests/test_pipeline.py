@@ -47,10 +47,12 @@ def _pipelined_gradients(c):
     eng, batches = engine_for(c)
     assert eng.schedule is not None  # train.build took the pipelined path
     _, _, host_params, _ = _reference(c.model.num_layers)
-    params = jax.device_put(host_params, eng.state_shardings["params"])
+    shardings = eng.state_shardings["params"]
+    # The steps run on the stored layer order (interleaved: looped), the reference is in [L] order.
+    params = eng.to_storage(jax.device_put(host_params, shardings), shardings)
     fn, sched = pipeline.make_gradients(c, eng.mesh, eng.stages, eng.param_axes, eng.batch_axes)
     loss, _, grads = jax.jit(fn)(params, batches.get(0))
-    return float(loss), jax.device_get(grads), sched
+    return float(loss), jax.device_get(eng.to_user(grads, shardings)), sched
 
 
 def _assert_matches_reference(c):
@@ -125,7 +127,7 @@ def _run_steps(c, steps: int):
         state, m = eng.train_step(state, batches.get(i))
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
-    return np.array(losses), np.array(norms), jax.device_get(state["params"])
+    return np.array(losses), np.array(norms), jax.device_get(eng.to_user(state)["params"])
 
 
 @pytest.mark.parametrize(
