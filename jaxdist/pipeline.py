@@ -27,7 +27,11 @@ stage at every tick, and `Schedule.bubble_fraction` counts the idle entries of t
   the last stage as it leaves, so its backward starts on the next tick. Bubble (p-1)/(m+p-1).
 * `interleaved`: the looped (circular) schedule over `v` chunks per device: microbatches enter in
   groups of `p`, each loops `v` times around the ring. Backward by autodiff as for gpipe. Bubble
-  (p-1)/(v·m+p-1); needs `m` to be a multiple of `p`.
+  (p-1)/(v·m+p-1); needs `m` to be a multiple of `p`. Its stacked layers are stored in looped order
+  (`layer_order`), so no layer crosses devices per step; checkpoints keep the [L] order.
+* `zb`: ZB-H1 (Qi et al. 2023): 1F1B's executor with the backward cut into the input-gradient
+  pass B and the weight-gradient pass W (`_SplitVjp`), the W passes deferred into what would be
+  bubble ticks, at most p - s + 1 microbatches between a stage's F and W.
 
 The embedding (all schedules) and, for gpipe/interleaved, the head and loss stay
 outside the stage loop: they are computed SPMD over the whole batch, with the batch additionally
@@ -74,7 +78,7 @@ class Schedule:
     """Which stage does what at each tick, as the executors run it.
 
     Attributes:
-      name: `gpipe`, `1f1b` or `interleaved`.
+      name: `gpipe`, `1f1b`, `interleaved` or `zb`.
       stages: p, the size of the `pipeline` mesh axis.
       microbatches: m.
       virtual_stages: v, layer chunks per device (1 unless interleaved).

@@ -120,11 +120,12 @@ SHORTENED = {
     ),
     "python scripts/bench_pipeline.py --ms=4,8,32 --steps=0": (
         "--ms=4 --schedules=1f1b",
-        "9 schedule × microbatch compiles; one row runs the same code",
+        "12 schedule × microbatch compiles; one row runs the same code",
     ),
-    "python scripts/bench_pipeline.py --ms=4,8,32 --steps=0 --schedules=gpipe,1f1b --remat=full": (
-        "--ms=4 --schedules=1f1b",
-        "6 schedule × microbatch compiles; one row runs the same code",
+    "python scripts/bench_pipeline.py --ms=4,8,32 --steps=0 --schedules=gpipe,1f1b,zb "
+    "--remat=full": (
+        "--ms=4 --schedules=zb",
+        "9 schedule × microbatch compiles; one row runs the same code",
     ),
 }
 _SETUP = "sets up an environment (a venv, packages from the network); this test runs in one"

@@ -185,3 +185,13 @@ def test_interleaved_checkpoint_restores_into_gpipe_and_one_device(tmp_path):
             jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
         ):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_zb_keeps_megatron_all_reduces():
+    """With tensor parallelism zb's F and B branches do Megatron's 2 all-reduces per layer each
+    and the W branch none (weight gradients need no reduction over `tensor`)."""
+    _, sched, compiled = _compiled("zb", 4, tensor=2)
+    reduces = pipeline.branch_counts(compiled.as_text(), sched, "all-reduce")
+    lc = 2
+    assert reduces[pipeline.FWD] == reduces[pipeline.BWD] == 2 * lc, reduces
+    assert reduces[pipeline.WGT] == 0, reduces
