@@ -658,3 +658,35 @@ def _count_iterations(direction: str, start: int, bound: int, step: int) -> int 
     if direction == "NE" and (bound - start) % step == 0 and (bound - start) // step >= 0:
         return (bound - start) // step
     return None
+
+
+# --------------------------------------------------------------------------------------------------
+# The same reader for other per-instruction counts (jaxdist/pipeline.py's lock-step FLOPs)
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_module(hlo_text: str) -> _Module:
+    """The HLO text's computations (`.computations`: name → computation with `.instructions`,
+    name → instruction with `.opcode`, `.shape`, `.operands`, `.attrs`) and `.entry`'s name."""
+    return _parse_module(hlo_text)
+
+
+def callees(inst: _Instruction) -> list[str]:
+    """Names of the computations an instruction runs (loop body and condition, branches, ...)."""
+    return list(_callees(inst))
+
+
+def trip_count(module: _Module, inst: _Instruction, parent: _Computation) -> int:
+    """How many times a `while` instruction of `parent` runs its body (ValueError if unknown)."""
+    return _Analysis(module)._trip_count(inst, parent)
+
+
+def dot_flops(inst: _Instruction, comp: _Computation) -> float:
+    """2 · |output| · |contracted| of one `dot` of `comp` (its operand shape looked up by name)."""
+    _, out_dims = _parse_shape(inst.shape)
+    lhs = comp.instructions.get(inst.operands[0])
+    if lhs is None:
+        raise ValueError(f"dot {inst.name!r}: operand {inst.operands[0]!r} not in {comp.name!r}")
+    _, lhs_dims = _parse_shape(lhs.shape)
+    contracted = _int_list(inst.attrs.get("lhs_contracting_dims", "{}"))
+    return 2.0 * float(math.prod(out_dims)) * float(math.prod(lhs_dims[i] for i in contracted))

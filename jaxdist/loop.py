@@ -69,7 +69,10 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
     if local_steps > 1:
         record["local_steps"] = local_steps
     if engine.schedule is not None:
-        record["pipeline"] = engine.schedule.describe()
+        from jaxdist import pipeline
+
+        # The table bubble assumes unit-time ticks; the lock-step cost is what the program runs.
+        record["pipeline"] = {**engine.schedule.describe(), **pipeline.step_cost(engine, compiled)}
         record["bubble_fraction"] = engine.schedule.bubble_fraction
     family = engine.family
     if family.tokens_per_example is not None:
@@ -116,7 +119,10 @@ def summary(record: dict[str, Any]) -> str:
             f"temp {_fmt_bytes(p['temp'])} (jaxdist/plan.py)"
         )
     if "bubble_fraction" in record:
-        lines.append(f"pipeline│ bubble fraction {record['bubble_fraction']:.3f}")
+        line = f"pipeline│ bubble fraction {record['bubble_fraction']:.3f}"
+        if "lockstep_vs_ideal" in record.get("pipeline", {}):
+            line += f", lock-step cost {record['pipeline']['lockstep_vs_ideal']:.2f}× the ideal"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -456,6 +462,7 @@ def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool):
         saved, cfg_json, fields=tuple(RESUME_MUST_MATCH), why=RESUME_MUST_MATCH
     )
     state, meta = ckpt.restore(engine.abstract_state)
+    state = engine.to_storage(state)  # checkpoints hold the stacked layers in [L] order
     start = int(meta["data_position"])
     if start >= t.steps:
         # Read back (a damaged newest step falls back and trains on), but nothing left to
@@ -592,7 +599,7 @@ def _train(config, workdir, setup: _Setup, state, start: int, layout_extras) -> 
         Hook(t.log_every, logger.log, at_end=True),
         Hook(1, lambda step, state, m: console.advance()),
         # Saved only once known finite, so the "last good checkpoint" is never a non-finite one.
-        Hook(1, lambda step, state, m: _checkpoint(ckpt, guard, console, step, state, m)),
+        Hook(1, lambda step, state, m: _checkpoint(engine, ckpt, guard, console, step, state, m)),
     ]
     profiler = _Profiler(config.profile.steps, workdir)
     setup.preemption.install()
@@ -628,12 +635,12 @@ def _layout_changed(workdir: str, record: dict[str, Any]) -> bool:
     return last is None or any(last.get(k) != record.get(k) for k in keys)
 
 
-def _checkpoint(ckpt, guard, console, step: int, state, m) -> None:
+def _checkpoint(engine, ckpt, guard, console, step: int, state, m) -> None:
     """Saves when orbax's policies say so (interval, preemption); a preemption then stops."""
     if not ckpt.should_save(step):  # asked once per step, on every process
         return
     guard.check(m, step)
-    ckpt.save(step, state, data_position=step, force=True)
+    ckpt.save(step, engine.to_user(state), data_position=step, force=True)
     if not ckpt.preempted:
         return
     ckpt.wait()
@@ -654,7 +661,7 @@ def _finish(config, workdir, setup, logger, console, step, state, evaluate) -> d
     logger.last.update(final_eval)
     logger.writer.write_step(step, {**final_eval, "kind": "eval"})
     if config.checkpoint.every > 0:
-        ckpt.save(step, state, data_position=step, force=True)
+        ckpt.save(step, setup.engine.to_user(state), data_position=step, force=True)
     ckpt.wait()
     _report_progress(step)
     console.close()  # first: `done:` gets its own line, not the bar's

@@ -785,21 +785,28 @@ def predict(
     act_chunk = chunk_rows * T * D * wire_dt(cdt)
     act_edge = edge_rows * T * D * wire_dt(cdt)
     # 1F1B (jaxdist.pipeline._one_f_one_b): 2 (m + p - 1) ticks, each a switch over idle /
-    # forward / backward whose collectives are charged as the backward branch's (the costliest
-    # branch, as jaxdist.hlo_cost counts conditionals): it recomputes the stage's forward, and the
-    # head and loss run inside the stage, per microbatch, on the last stage.
-    one_f_one_b = p > 1 and config.pipeline.schedule == "1f1b"
+    # forward / backward (and the last stage's forward and backward with head and loss) whose
+    # collectives are charged as the costliest branch's (as jaxdist.hlo_cost counts conditionals):
+    # the last stage's backward, which applies the stashed vjp (no forward recomputed) to the
+    # head's and then the stage's residuals.
+    # zb (jaxdist.pipeline._zero_bubble) is costed as 1F1B on its own table's ticks: the same
+    # switch, its backward split in two branches whose collectives are the backward's.
+    one_f_one_b = p > 1 and config.pipeline.schedule in ("1f1b", "zb")
     ticks_1f1b = 2 * (m + p - 1)
+    if p > 1 and config.pipeline.schedule == "zb":
+        from jaxdist import pipeline
+
+        ticks_1f1b = pipeline.build_schedule("zb", p, m).ticks
     if tp > 1:
         tpa = tensor_axes
         add("tp: embedding lookup output (vocab-parallel)", "all-reduce", tpa, act_edge, A, False)
-        # Layer executions whose all-reduces run: 1F1B charges every tick's backward branch.
+        # Layer executions whose all-reduces run: 1F1B charges every tick's backward branch, whose
+        # stashed vjp runs the backward's all-reduces only.
         layer_runs = Lp * ticks_1f1b * A if one_f_one_b else reps
-        fwd = "fwd recomputed in 1F1B's bwd" if one_f_one_b else "fwd"
-        for name in (
-            f"attention, MLP outputs (row-parallel), {fwd}",
-            "QKV, up-projection input grads, bwd",
-        ):
+        names = ["QKV, up-projection input grads, bwd"]
+        if not one_f_one_b:
+            names.insert(0, "attention, MLP outputs (row-parallel), fwd")
+        for name in names:
             add(f"tp: {name}", "all-reduce", tpa, act_chunk, 2 * layer_runs, False)
         if remat == "full" and not one_f_one_b:
             add("tp: attention output recomputed, bwd", "all-reduce", tpa, act_chunk, reps, False)
@@ -810,18 +817,19 @@ def predict(
         head_act = head_rows * T * D * wire_dt(cdt)
         add("tp: head input grad, bwd", "all-reduce", tpa, head_act, head_count, False)
         ce = ce_terms * head_rows * T * 4  # [b, T] float32 each
-        add("tp: cross-entropy over vocab shards", "all-reduce", tpa, ce, head_count, False)
+        if not one_f_one_b:  # (in 1F1B the forward branch's, not the costliest)
+            add("tp: cross-entropy over vocab shards", "all-reduce", tpa, ce, head_count, False)
 
     regather = 2 if remat != "none" else 1
     grad_dt = wire_dt(cdt)
-    # Under 1F1B with FSDP, a tick's backward branch gathers the stage's layers and the head (final
-    # norm and projection run in the last stage) itself: once per tick.
+    # Under 1F1B with FSDP, a tick's backward branch uses the gathered weights its forward stashed;
+    # with remat it recomputes each layer, gathering its weights again: once per tick.
     in_stage = lambda x: x.stacked or (one_f_one_b and x.path != "embed")
     for x, gathered, n_cp in zip(model.params, sh.gathered, computed):
         if gathered:
             payload = (n_cp // Lp if x.stacked else n_cp) * wire_dt(cdt)
             if one_f_one_b and in_stage(x):
-                count = ticks_1f1b * A * (Lp * regather if x.stacked else 1)
+                count = ticks_1f1b * A * Lp * (regather - 1) if x.stacked else 0
             elif x.stacked:
                 count = reps * regather
             else:
@@ -930,12 +938,12 @@ def predict(
         saved = rows_mb * Lp * row_bytes(rep, split, scores)
         work_rows, logit_rows = rows_mb, rows_mb
     elif one_f_one_b:
-        # Stash and gradient buffers of p slots, the embedded microbatches and their gradient; a
-        # tick's backward branch re-runs the stage forward on one microbatch (jax.vjp) and keeps
-        # that microbatch's residuals only, next to the gradients it adds to the running sum; the
-        # head runs there per microbatch.
+        # Input and gradient buffers of p slots, the embedded microbatches and their gradient, and
+        # the stash: p slots of one microbatch's residuals (what the policy keeps), plus about four
+        # more live around the tick's switch (the slot read, the branch's new residuals, the
+        # conditional's result, the masked store), from the compiled layouts of tests/test_plan*.
         buffers = (2 * p + 2 * m) * chunk_rows * T * D * adt
-        saved = buffers + chunk_rows * Lp * row_bytes(rep, split, scores)
+        saved = buffers + (p + 4) * chunk_rows * Lp * row_bytes(rep, split, scores)
         work_rows, logit_rows = chunk_rows, chunk_rows
         stage_grads = 1 if Lc > 1 else 0
     else:
@@ -990,6 +998,8 @@ def predict(
     n = layout.devices
     compute_s = _compute_time(config, model, hw, remat, tokens) / n
     bubble = (p - 1) / (m * v + p - 1) if p > 1 else 0.0
+    if p > 1 and config.pipeline.schedule == "zb":  # idle entries of its table
+        bubble = 1 - 3 * m / ticks_1f1b
     compute_s /= 1 - bubble
     local, hosts = _hosts(layout, hw)
     times = [(t, _term_time(t, local, hw)) for t in terms]

@@ -70,7 +70,7 @@ def train_steps(c, steps: int):
     for i in range(steps):
         state, m = eng.train_step(state, batches.get(i))
         losses.append(float(m["loss"]))
-    return np.array(losses), jax.device_get(state["params"])
+    return np.array(losses), jax.device_get(eng.to_user(state)["params"])  # in [L] order
 
 
 def compile_step(c):

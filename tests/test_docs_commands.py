@@ -118,9 +118,14 @@ SHORTENED = {
         "--config.train.steps=4 --config.checkpoint.every=4",
         "20 fine-tuning steps; 4 make the run folder the export reads",
     ),
-    "python scripts/bench_pipeline.py": (
-        "--ms=4 --schedules=1f1b --steps=1",
+    "python scripts/bench_pipeline.py --ms=4,8,32 --steps=0": (
+        "--ms=4 --schedules=1f1b",
         "12 schedule × microbatch compiles; one row runs the same code",
+    ),
+    "python scripts/bench_pipeline.py --ms=4,8,32 --steps=0 --schedules=gpipe,1f1b,zb "
+    "--remat=full": (
+        "--ms=4 --schedules=zb",
+        "9 schedule × microbatch compiles; one row runs the same code",
     ),
 }
 _SETUP = "sets up an environment (a venv, packages from the network); this test runs in one"
