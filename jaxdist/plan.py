@@ -822,13 +822,18 @@ def predict(
 
     regather = 2 if remat != "none" else 1
     grad_dt = wire_dt(cdt)
+    # pipeline.fsdp_gather_once: the stage's layers are gathered over fsdp once per step (per
+    # accumulation chunk) before the stages, and their gradients summed over fsdp once after.
+    once = p > 1 and bool(config.pipeline.get("fsdp_gather_once", False)) and sizes["fsdp"] > 1
     # Under 1F1B with FSDP, a tick's backward branch uses the gathered weights its forward stashed;
     # with remat it recomputes each layer, gathering its weights again: once per tick.
     in_stage = lambda x: x.stacked or (one_f_one_b and x.path != "embed")
     for x, gathered, n_cp in zip(model.params, sh.gathered, computed):
         if gathered:
             payload = (n_cp // Lp if x.stacked else n_cp) * wire_dt(cdt)
-            if one_f_one_b and in_stage(x):
+            if once and in_stage(x):  # (1F1B's head enters its stages gathered, too)
+                payload, count = n_cp * wire_dt(cdt), A
+            elif one_f_one_b and in_stage(x):
                 count = ticks_1f1b * A * Lp * (regather - 1) if x.stacked else 0
             elif x.stacked:
                 count = reps * regather
@@ -852,7 +857,7 @@ def predict(
         ("grads: layers", layer_grads, layer_count, batch_axes),
         ("grads: embedding, final norm, head", other_grads, A, other_axes),
     ]
-    if one_f_one_b and fs_axes and sizes["fsdp"] > 1:
+    if one_f_one_b and fs_axes and sizes["fsdp"] > 1 and not once:
         # FSDP inside 1F1B stages: fsdp is an automatic axis there, so XLA reduces the stage's layer
         # and head gradients over it in every tick's backward branch; the fsdp shard is then summed
         # once over data (the head's over data × pipeline), the embedding's outside the stages.
@@ -870,8 +875,10 @@ def predict(
             ("grads: final norm, head, fsdp shard", head_grads / f + 4, A, rest + ("pipeline",)),
             ("grads: embedding", embed_grads, A, batch_axes + ("pipeline",)),
         ]
+    if once:  # psum inside the stages' shard_map (manual over data and fsdp): an all-reduce
+        syncs[0] = ("grads: layers, once per step (fsdp_gather_once)", *syncs[0][1:])
     for name, payload, count, axes in syncs:
-        if hw.native_reduce_scatter and set(fs_axes) & set(axes):
+        if hw.native_reduce_scatter and set(fs_axes) & set(axes) and "fsdp_gather_once" not in name:
             f = math.prod(sizes[a] for a in fs_axes)
             rest = tuple(a for a in axes if a not in fs_axes)
             add(
@@ -966,7 +973,9 @@ def predict(
     # accumulation hoists their gather out of its loop.
     weights_b = 0
     for x, n_cp, g in zip(model.params, computed, fsdp_gathered):
-        if x.stacked and remat == "none":
+        if x.stacked and once and g:  # the whole stage, gathered for the step
+            weights_b += n_cp * cdt * (1 + (remat == "none" and weight_copies > 1))
+        elif x.stacked and remat == "none":
             weights_b += n_cp * cdt * weight_copies
         elif x.stacked and g:
             weights_b += n_cp // Lp * cdt
