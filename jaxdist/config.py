@@ -108,6 +108,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.pipeline.microbatches = 1
     c.pipeline.schedule = "gpipe"
     c.pipeline.virtual_stages = 1
+    # Gather the FSDP-sharded stage weights once per step instead of at every tick (and reduce
+    # their gradients once): more memory (a stage's whole weights), fewer collectives.
+    c.pipeline.fsdp_gather_once = False
 
     c.grad_sync = ml_collections.ConfigDict()
     c.grad_sync.compression = "none"

@@ -1068,18 +1068,23 @@ class _Pipe:
     layer_shardings: Any
 
     @property
+    def batch_manual(self) -> tuple[str, ...]:
+        """The manual axes that split the batch: `data`, and `fsdp` with `fsdp_gather_once`."""
+        return tuple(a for a in self.manual if a != AXIS)
+
+    @property
     def data_in_stages(self) -> bool:
-        return "data" in self.manual
+        return bool(self.batch_manual)
 
     @property
     def n_summed(self) -> int:
         """Replicas whose losses the stages' psum adds."""
-        return int(self.mesh.shape["data"]) if self.data_in_stages else 1
+        return int(np.prod([self.mesh.shape[a] for a in self.batch_manual]))
 
     @property
     def batch_spec(self) -> PartitionSpec:
         """Microbatched inputs [m, b, ...] of the stages' shard_map."""
-        return PartitionSpec(None, "data") if self.data_in_stages else PartitionSpec()
+        return PartitionSpec(None, self.batch_manual) if self.batch_manual else PartitionSpec()
 
     def to_stages(self, layers: Any) -> Any:
         """stored [L, ...] -> [p, v, Lc, ...]: chunk j = s·p + d (layers j·Lc ...) on device d.
@@ -1169,9 +1174,15 @@ def _pipe(
     # they are summed once per step, not once per tick (as XLA does for an automatic batch axis).
     # With data_manual the caller's shard_map owns `data` and sums (or compresses) the gradients.
     manual = (AXIS, "data") if n_data > 1 and not data_manual else (AXIS,)
-    storage = lambda names: NamedSharding(
-        mesh, sharding.logical_to_spec(names, sharding.STORAGE_RULES, mesh)
+    # fsdp_gather_once: `fsdp` is manual too, like `data` (each shard accumulates its own gradients
+    # on its rows), and the stage weights enter the stages gathered over it, once per step.
+    once = bool(config.pipeline.get("fsdp_gather_once", False)) and shape.get("fsdp", 1) > 1
+    if once and not data_manual:
+        manual = (*manual, "fsdp")
+    storage = lambda names, rules=sharding.STORAGE_RULES: NamedSharding(
+        mesh, sharding.logical_to_spec(names, rules, mesh)
     )
+    stage_rules = sharding.rules_without(sharding.STORAGE_RULES, ("fsdp",) if once else ())
     _, layer_axes, _ = stages.split(param_axes)
     stage_axes = lambda axes: ("stage", None, None, *axes[1:])  # [p, v, Lc, ...]
     return _Pipe(
@@ -1188,7 +1199,9 @@ def _pipe(
         ),
         outer_rules=_outer_rules(rows_per_replica, sched.stages),
         stage_shardings=jax.tree.map(
-            lambda axes: storage(stage_axes(axes)), layer_axes, is_leaf=sharding.is_axes
+            lambda axes: storage(stage_axes(axes), stage_rules),
+            layer_axes,
+            is_leaf=sharding.is_axes,
         ),
         layer_shardings=jax.tree.map(storage, layer_axes, is_leaf=sharding.is_axes),
     )
@@ -1221,7 +1234,7 @@ def _looped_loss(pipe: _Pipe) -> Callable:
         )
         return outs[None]
 
-    out_spec = PartitionSpec(AXIS, None, "data") if pipe.data_in_stages else PartitionSpec(AXIS)
+    out_spec = PartitionSpec(AXIS, None, *pipe.batch_spec[1:])
     run = pipe.shard_map(body, (PartitionSpec(AXIS), pipe.batch_spec), out_spec)
 
     def loss_fn(params, batch):

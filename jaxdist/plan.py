@@ -737,6 +737,9 @@ class _Step:
     edge_rows: int  # rows the embedding / head run on
     one_f_one_b: bool  # 1f1b or zb: a switch per tick
     ticks_1f1b: int
+    # pipeline.fsdp_gather_once: the stage's layers are gathered over fsdp once per step (per
+    # accumulation chunk) before the stages, and their gradients summed over fsdp once after.
+    once: bool
 
     def wire_dt(self, nbytes: int) -> int:
         return nbytes if self.hw.bf16_collectives else max(nbytes, 4)
@@ -796,6 +799,7 @@ def _step(config, layout: Layout, model: ModelInfo, hw: Hardware) -> _Step:
         edge_rows=rows_mb // p if p > 1 and rows_mb % p == 0 else rows_mb,
         one_f_one_b=p > 1 and config.pipeline.schedule in ("1f1b", "zb"),
         ticks_1f1b=ticks_1f1b,
+        once=p > 1 and bool(config.pipeline.get("fsdp_gather_once", False)) and sizes["fsdp"] > 1,
     )
 
 
@@ -855,7 +859,9 @@ def _fsdp_terms(s: _Step, out: _Terms) -> None:
     for x, gathered, n_cp in zip(s.model.params, s.sh.gathered, s.sh.computed):
         if gathered:
             payload = (n_cp // s.Lp if x.stacked else n_cp) * s.wire_dt(s.cdt)
-            if s.one_f_one_b and s.in_stage(x):
+            if s.once and s.in_stage(x):  # (1F1B's head enters its stages gathered, too)
+                payload, count = n_cp * s.wire_dt(s.cdt), s.A
+            elif s.one_f_one_b and s.in_stage(x):
                 count = s.ticks_1f1b * s.A * s.Lp * (regather - 1) if x.stacked else 0
             elif x.stacked:
                 count = s.reps * regather
@@ -884,7 +890,7 @@ def _grad_sync_terms(s: _Step, out: _Terms, ratio: float) -> None:
         ("grads: layers", layer_grads, layer_count, batch_axes),
         ("grads: embedding, final norm, head", other_grads, A, other_axes),
     ]
-    if s.one_f_one_b and fs_axes and s.sizes["fsdp"] > 1:
+    if s.one_f_one_b and fs_axes and s.sizes["fsdp"] > 1 and not s.once:
         # FSDP inside 1F1B stages: fsdp is an automatic axis there, so XLA reduces the stage's layer
         # and head gradients over it in every tick's backward branch; the fsdp shard is then summed
         # once over data (the head's over data × pipeline), the embedding's outside the stages.
@@ -909,8 +915,14 @@ def _grad_sync_terms(s: _Step, out: _Terms, ratio: float) -> None:
             ("grads: final norm, head, fsdp shard", head_grads / f + 4, A, rest + ("pipeline",)),
             ("grads: embedding", embed_grads, A, batch_axes + ("pipeline",)),
         ]
+    if s.once:  # psum inside the stages' shard_map (manual over data and fsdp): an all-reduce
+        syncs[0] = ("grads: layers, once per step (fsdp_gather_once)", *syncs[0][1:])
     for name, payload, count, axes in syncs:
-        if s.hw.native_reduce_scatter and set(fs_axes) & set(axes):
+        if (
+            s.hw.native_reduce_scatter
+            and set(fs_axes) & set(axes)
+            and not (s.once and name == syncs[0][0])
+        ):
             f = math.prod(s.sizes[a] for a in fs_axes)
             rest = tuple(a for a in axes if a not in fs_axes)
             out.add(
@@ -1023,7 +1035,9 @@ def _memory(s: _Step) -> dict[str, float]:
     # accumulation hoists their gather out of its loop.
     weights_b = 0
     for x, n_cp, g in zip(params, computed, fsdp_gathered):
-        if x.stacked and s.remat == "none":
+        if x.stacked and s.once and g:  # the whole stage, gathered for the step
+            weights_b += n_cp * cdt * (1 + (s.remat == "none" and weight_copies > 1))
+        elif x.stacked and s.remat == "none":
             weights_b += n_cp * cdt * weight_copies
         elif x.stacked and g:
             weights_b += n_cp // Lp * cdt

@@ -28,6 +28,10 @@ from absl import app, flags  # noqa: E402
 
 _P = flags.DEFINE_integer("p", 4, "Pipeline stages (mesh.pipeline).")
 _DATA = flags.DEFINE_integer("data", 1, "Data-parallel replicas (mesh.data).")
+_FSDP = flags.DEFINE_integer("fsdp", 1, "FSDP shards (mesh.fsdp).")
+_ONCE = flags.DEFINE_bool(
+    "fsdp_gather_once", False, "pipeline.fsdp_gather_once: FSDP weights gathered once per step."
+)
 _MS = flags.DEFINE_list("ms", ["4", "8", "16", "32"], "Microbatch counts.")
 _SCHEDULES = flags.DEFINE_list("schedules", None, "Schedules (default: every pipeline.SCHEDULES).")
 _V = flags.DEFINE_integer("virtual_stages", 2, "Virtual stages for interleaved.")
@@ -53,11 +57,13 @@ def pipeline_table(
     steps: int = 3,
     data: int = 1,
     remat: str = "none",
+    fsdp: int = 1,
+    fsdp_gather_once: bool = False,
 ) -> list[dict[str, Any]]:
     """Compiles and times the train step of a small GPT for every (schedule, m) on p stages.
 
     The microbatch size is fixed, so the global batch grows with m: 1f1b's temp memory should stay
-    flat while gpipe's grows. Needs p · data devices (simulated CPU devices are fine). `schedules`:
+    flat while gpipe's grows. Needs p · data · fsdp devices (simulated CPU devices are fine). `schedules`:
     names from `jaxdist.pipeline.SCHEDULES`, all of them when None.
 
     Returns:
@@ -75,19 +81,20 @@ def pipeline_table(
     from jaxdist import mesh as mesh_lib
     from jaxdist import metrics, pipeline, train
 
-    devices = jax.devices()[: p * data]
+    devices = jax.devices()[: p * data * fsdp]
     rows = []
     for name in schedules or pipeline.SCHEDULES:
         for m in ms:
             c = config_lib.base_config()
             for axis in config_lib.MESH_AXES:
                 c.mesh[axis] = 1
-            c.mesh.pipeline, c.mesh.data = p, data
+            c.mesh.pipeline, c.mesh.data, c.mesh.fsdp = p, data, fsdp
             c.model.update(num_layers=num_layers, d_model=d_model, num_heads=4, seq_len=seq_len)
-            c.train.batch_size = m * microbatch_size * data
+            c.train.batch_size = m * microbatch_size * data * fsdp
             c.train.remat = remat
             c.data.max_bytes = 400_000
             c.pipeline.update(schedule=name, microbatches=m, virtual_stages=virtual_stages)
+            c.pipeline.fsdp_gather_once = fsdp_gather_once
             config_lib.validate(c, len(devices))
             mesh = mesh_lib.make_mesh(c.mesh, devices=devices)
             ds = data_lib.load(c.data, seq_len=seq_len, vocab_size=c.model.vocab_size)
@@ -119,6 +126,8 @@ def pipeline_table(
                     "ticks": eng.schedule.ticks,
                     "bubble_fraction": eng.schedule.bubble_fraction,
                     "remat": remat,
+                    "fsdp": fsdp,
+                    "fsdp_gather_once": fsdp_gather_once,
                     "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
                     **pipeline.step_cost(eng, compiled),
                     "collective_bytes": metrics.collective_bytes(text),
@@ -163,7 +172,7 @@ def main(argv):
     from jaxdist import mesh as mesh_lib
 
     if not mesh_lib.accelerator_present():
-        mesh_lib.configure_cpu_devices(max(8, _P.value * _DATA.value))
+        mesh_lib.configure_cpu_devices(max(8, _P.value * _DATA.value * _FSDP.value))
     rows = pipeline_table(
         _P.value,
         [int(m) for m in _MS.value],
@@ -176,6 +185,8 @@ def main(argv):
         steps=_STEPS.value,
         data=_DATA.value,
         remat=_REMAT.value,
+        fsdp=_FSDP.value,
+        fsdp_gather_once=_ONCE.value,
     )
     print(format_table(rows))
     os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)

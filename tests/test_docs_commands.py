@@ -118,6 +118,15 @@ SHORTENED = {
         "--config.train.steps=4 --config.checkpoint.every=4",
         "20 fine-tuning steps; 4 make the run folder the export reads",
     ),
+    "python scripts/bench_pipeline.py --ms=8 --steps=0 --fsdp=2 --schedules=gpipe,1f1b,zb": (
+        "--schedules=1f1b",
+        "3 compiles on 8 devices; one row runs the same code",
+    ),
+    "python scripts/bench_pipeline.py --ms=8 --steps=0 --fsdp=2 --schedules=gpipe,1f1b,zb "
+    "--fsdp_gather_once": (
+        "--schedules=1f1b",
+        "3 compiles on 8 devices; one row runs the same code",
+    ),
     "python scripts/bench_pipeline.py --ms=4,8,32 --steps=0": (
         "--ms=4 --schedules=1f1b",
         "12 schedule × microbatch compiles; one row runs the same code",

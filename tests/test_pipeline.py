@@ -94,6 +94,37 @@ def test_pipeline_composed_matches_single_device(schedule, mesh, m, fields):
     _assert_matches_reference(_config(4, mesh, schedule, m, **fields))
 
 
+@pytest.mark.parametrize(
+    "schedule, mesh",
+    [
+        ("1f1b", dict(pipeline=2, fsdp=4)),
+        ("gpipe", dict(pipeline=2, data=2, fsdp=2)),
+        ("zb", dict(pipeline=2, fsdp=2, tensor=2)),
+    ],
+)
+def test_fsdp_gather_once_matches_single_device(schedule, mesh):
+    c = _config(4, mesh, schedule, 4)
+    c.pipeline.fsdp_gather_once = True
+    _assert_matches_reference(c)
+
+
+def test_fsdp_gather_once_collectives_run_once():
+    """pipeline.fsdp_gather_once (1f1b, pipeline=2 × fsdp=4): every all-gather and all-reduce runs
+    once per step, none per tick, and the step sends under a third of the bytes it sends with
+    per-tick gathers and gradient reductions."""
+    ops, total = {}, {}
+    for once in (False, True):
+        c = _config(4, dict(pipeline=2, fsdp=4), "1f1b", 4)
+        c.pipeline.fsdp_gather_once = once
+        _, compiled = compile_step(c)
+        ops[once] = metrics.collective_ops(compiled.as_text())
+        total[once] = sum(o.wire_bytes for o in ops[once])
+    per_tick = [o for o in ops[True] if o.kind in ("all-gather", "all-reduce") and o.count > 1]
+    assert not per_tick, per_tick
+    assert any(o.kind == "all-reduce" and o.count > 1 for o in ops[False])  # the test can fail
+    assert total[True] <= 0.3 * total[False], total
+
+
 def test_pipeline_data_fsdp_tensor_mixed_precision():
     """bfloat16 compute: the same loss and gradients as float32, to bfloat16's precision."""
     ref_loss, ref_grads, _, _ = _reference(4)

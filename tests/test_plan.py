@@ -64,6 +64,19 @@ LAYOUTS = {
         dict(data=2, fsdp=2, pipeline=2),
         {"pipeline.microbatches": 2, "pipeline.schedule": "1f1b", "train.remat": "full"},
     ),
+    "d2f2p2_1f1b_fsdp_gather_once": (
+        dict(data=2, fsdp=2, pipeline=2),
+        {
+            "pipeline.microbatches": 2,
+            "pipeline.schedule": "1f1b",
+            "pipeline.fsdp_gather_once": True,
+        },
+    ),
+    "f4p2_gpipe_fsdp_gather_once": (
+        dict(fsdp=4, pipeline=2),
+        {"pipeline.microbatches": 2, "pipeline.fsdp_gather_once": True},
+    ),
+    "d4p2_zb": (dict(data=4, pipeline=2), {"pipeline.microbatches": 2, "pipeline.schedule": "zb"}),
 }
 
 
