@@ -185,29 +185,8 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         proposal = strategy.step(state, batch)
         return apply_update(state, proposal, skip_nonfinite=skip, lr_schedule=lr_schedule)
 
-    eval_loss = loss_fn
-    if setup.stages is not None:
-        from jaxdist import pipeline
-
-        # Evaluation runs through the pipeline too: the plain model would gather every layer.
-        eval_loss = pipeline.make_loss(config, mesh, setup.stages, model.axes, batch_axes)
-
-    def eval_step(state: TrainState, batch: Batch) -> dict:
-        loss, aux = eval_loss(state["params"], batch)
-        return {"loss": loss, **aux}
-
-    order = None
-    if setup.stages is not None:
-        from jaxdist import pipeline
-
-        order = pipeline.layer_order(config, mesh_shape)
-
-    def init(key: jax.Array, params: Any = None) -> TrainState:
-        state = spec.init(key, params)  # the stacked layers in [L] order, then as stored
-        if order is None:
-            return state
-        return pipeline.reorder_layers(state, spec.shardings, order, to_user=False)
-
+    eval_step = _eval_step(setup, model, loss_fn)
+    init, order = _init(setup, spec, mesh_shape)
     repl = sharding.replicated(mesh)
     in_shardings = (spec.shardings, batch_shardings)
     return Engine(
@@ -234,6 +213,41 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         strategy=strategy.name,
         layer_order=order,
     )
+
+
+def _eval_step(setup: strategies.Setup, model, loss_fn) -> Callable:
+    """(state, batch) -> {"loss", ...}; through the pipeline when there is one (the plain model
+    would gather every layer onto every device)."""
+    eval_loss = loss_fn
+    if setup.stages is not None:
+        from jaxdist import pipeline
+
+        eval_loss = pipeline.make_loss(
+            setup.config, setup.mesh, setup.stages, model.axes, setup.batch_axes
+        )
+
+    def eval_step(state: TrainState, batch: Batch) -> dict:
+        loss, aux = eval_loss(state["params"], batch)
+        return {"loss": loss, **aux}
+
+    return eval_step
+
+
+def _init(setup: strategies.Setup, spec, mesh_shape: dict[str, int]):
+    """(init(key, params=None) -> state, the pipeline's stored layer order or None)."""
+    if setup.stages is None:
+        return spec.init, None
+    from jaxdist import pipeline
+
+    order = pipeline.layer_order(setup.config, mesh_shape)
+
+    def init(key: jax.Array, params: Any = None) -> TrainState:
+        state = spec.init(key, params)  # the stacked layers in [L] order, then as stored
+        if order is None:
+            return state
+        return pipeline.reorder_layers(state, spec.shardings, order, to_user=False)
+
+    return init, order
 
 
 def param_spec_table(engine: Engine) -> list[tuple[str, tuple, PartitionSpec]]:
