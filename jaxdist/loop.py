@@ -37,6 +37,12 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
         for x in jax.tree.leaves(tree)
     )
+    phases, busiest = metrics.collective_phases(
+        compiled.as_text(),
+        mesh_lib.mesh_shape(engine.mesh),
+        [d.process_index for d in engine.mesh.devices.flat],
+        conditional_period=local_steps,
+    )
     record: dict[str, Any] = {
         "mesh": mesh_lib.mesh_shape(engine.mesh),
         "devices": jax.device_count(),
@@ -56,6 +62,10 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         "collective_bytes_per_step": metrics.collective_bytes(
             compiled.as_text(), conditional_period=local_steps
         ),
+        # Per phase (kind × mesh axes × tier): op executions per step and the busiest device's
+        # sent + received bytes (a parameter server's hot spot); their per-step total below.
+        "collective_phases": phases,
+        "busiest_device_bytes_per_step": busiest,
         "global_batch": config.train.batch_size,
         "grad_accum": config.train.grad_accum,
         "compute_dtype": config.train.compute_dtype,

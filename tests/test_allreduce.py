@@ -1,0 +1,150 @@
+"""grad_sync.algorithm: every exact all-reduce equals XLA's, and its compiled HLO matches its formula."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import allreduce, config, hlo_cost
+from jaxdist.errors import ConfigError
+from tests.helpers import compile_step, engine_for, tiny_gpt_config, train_steps
+
+EXACT = ("ring", "halving_doubling", "tree", "ps", "sharded_ps")
+
+
+def _reduce_on(n: int, name: str, hosts: int, x: np.ndarray) -> np.ndarray:
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    f = jax.shard_map(
+        lambda b: allreduce.all_reduce(b[0], "data", n, name, hosts)[None],
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P("data"),
+        check_vma=False,
+    )
+    return np.asarray(jax.jit(f)(jax.device_put(x, NamedSharding(mesh, P("data")))))
+
+
+@pytest.mark.parametrize(
+    "name,n,hosts",
+    [(a, 8, 1) for a in (*EXACT, "xla")]
+    + [("hierarchical", 8, 2), ("hierarchical", 8, 4), ("tree", 6, 1), ("ring", 6, 1)]
+    + [("ps", 5, 1), ("sharded_ps", 6, 1), ("hierarchical", 6, 3)],
+)
+def test_every_device_ends_with_the_sum(name, n, hosts):
+    x = np.random.RandomState(n).randn(n, 1003).astype(np.float32)  # 1003: padded to N
+    y = _reduce_on(n, name, hosts, x)
+    want = x.astype(np.float64).sum(0)
+    np.testing.assert_allclose(y, np.broadcast_to(want, y.shape), rtol=0, atol=2e-6)
+    assert (y == y[0]).all()  # bit-identical on every device: replicas stay in step
+
+
+def _cfg(name: str, **mesh):
+    c = tiny_gpt_config(**mesh)
+    c.grad_sync.algorithm = name
+    return c
+
+
+def _first_gradient(c):
+    """The reduced gradient of step 0: with staleness 1 it is what step 1 leaves in flight."""
+    c.grad_sync.staleness = 1
+    eng, batches = engine_for(c)
+    state, _ = eng.train_step(eng.init(), batches.get(0))
+    return jax.device_get(state["in_flight"])
+
+
+@pytest.fixture(scope="module")
+def xla_reference():
+    return {
+        "data8": (_first_gradient(_cfg("xla", data=8)), train_steps(_cfg("xla", data=8), 4)[0]),
+        "dft": train_steps(_cfg("xla", data=2, fsdp=2, tensor=2), 4)[0],
+    }
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_gradients_and_losses_equal_xla_on_8_devices(name, xla_reference):
+    ref_grads, ref_losses = xla_reference["data8"]
+    grads = _first_gradient(_cfg(name, data=8))
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        # Summation order differs from XLA's: relative to each tensor's largest element, since an
+        # element summed from cancelling replicas has no relative precision in any order.
+        assert np.max(np.abs(g - r)) <= 1e-6 * np.max(np.abs(r)), name
+    losses, _ = train_steps(_cfg(name, data=8), 4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_losses_equal_xla_with_fsdp_and_tensor(name, xla_reference):
+    losses, _ = train_steps(_cfg(name, data=2, fsdp=2, tensor=2), 4)
+    np.testing.assert_allclose(losses, xla_reference["dft"], rtol=1e-6)
+
+
+def _phases(c):
+    eng, compiled = compile_step(c)
+    phases, busiest = hlo_cost.collective_phases(compiled.as_text(), dict(eng.mesh.shape))
+    grad = [p for p in phases if p["axes"] == "data" and p["busiest_bytes"] > 64]
+    return eng.num_params * 4, grad, busiest
+
+
+# (kind, sequential steps, busiest device's sent + received) of the gradient reduction, S bytes.
+FORMULAS = {
+    "ring": lambda n, s: [("collective-permute", 2 * (n - 1), 2 * 2 * (n - 1) * s / n)],
+    "halving_doubling": lambda n, s: [
+        ("collective-permute", 2 * int(math.log2(n)), 2 * 2 * (n - 1) * s / n)
+    ],
+    "tree": lambda n, s: [("collective-permute", 2 * int(math.log2(n)), 2 * int(math.log2(n)) * s)],
+    "ps": lambda n, s: [("collective-permute", 2 * (n - 1), 2 * (n - 1) * s)],
+    "sharded_ps": lambda n, s: [
+        ("all-to-all", 1, 2 * (n - 1) * s / n),
+        ("all-gather", 1, 2 * (n - 1) * s / n),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(FORMULAS))
+def test_hlo_steps_and_bytes_equal_the_formula(name):
+    s, phases, busiest = _phases(_cfg(name, data=8))
+    got = [(p["kind"], p["steps"], p["busiest_bytes"]) for p in phases]
+    assert got == FORMULAS[name](8, s), (name, got)
+    # The whole step's hot spot is the gradient's, plus the loss's 4-byte mean.
+    assert busiest == pytest.approx(sum(b for _, _, b in got), abs=64)
+
+
+def test_parameter_server_is_the_hot_spot():
+    # The server moves 2(N-1)S, a ring device 2 * 2(N-1)/N * S: N/2 = 4 times more on 8 devices.
+    _, _, ps_busiest = _phases(_cfg("ps", data=8))
+    _, _, ring_busiest = _phases(_cfg("ring", data=8))
+    assert ps_busiest / ring_busiest == pytest.approx(4, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "fields,n,match",
+    [
+        ({"algorithm": "halving_doubling"}, 6, "power-of-two mesh.data, got 6"),
+        ({"algorithm": "hierarchical"}, 8, "1 < mesh.dcn_data < mesh.data=8"),
+        ({"algorithm": "bogus"}, 8, "choose one of xla, ring"),
+        ({"algorithm": "ring", "compression": "int8"}, 8, "does not combine"),
+        ({"algorithm": "ring", "local_steps": 2}, 8, "does not combine"),
+        ({"staleness": -1}, 8, "must be an integer >= 0"),
+        ({"staleness": 2, "local_steps": 2}, 8, "sends parameters"),
+    ],
+)
+def test_bad_input_is_one_line_before_compiling(fields, n, match):
+    c = tiny_gpt_config(data=n)
+    c.train.batch_size = 12 * n
+    for k, v in fields.items():
+        c.grad_sync[k] = v
+    with pytest.raises(ConfigError, match=match) as e:
+        config.validate(c, n)
+    assert "\n" not in str(e.value)
+
+
+def test_algorithm_needs_data_replicas():
+    c = tiny_gpt_config(fsdp=8)
+    c.grad_sync.algorithm = "ring"
+    with pytest.raises(ConfigError, match="mesh.data=1"):
+        config.validate(c, 8)
