@@ -148,3 +148,24 @@ def test_algorithm_needs_data_replicas():
     c.grad_sync.algorithm = "ring"
     with pytest.raises(ConfigError, match="mesh.data=1"):
         config.validate(c, 8)
+
+
+def test_layout_record_carries_phases_and_the_hot_spot():
+    from jaxdist import loop
+
+    c = _cfg("ps", data=8)
+    eng, compiled = compile_step(c)
+    record = loop.layout_record(eng, compiled, c)
+    s = eng.num_params * 4
+    permutes = [p for p in record["collective_phases"] if p["kind"] == "collective-permute"]
+    assert permutes == [
+        {
+            "kind": "collective-permute",
+            "axes": "data",
+            "tier": "ici",
+            "steps": 14,
+            "bytes": 14 * s,
+            "busiest_bytes": 14 * s,
+        }
+    ]
+    assert record["busiest_device_bytes_per_step"] == pytest.approx(14 * s, abs=64)
