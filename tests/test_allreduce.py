@@ -169,3 +169,41 @@ def test_layout_record_carries_phases_and_the_hot_spot():
         }
     ]
     assert record["busiest_device_bytes_per_step"] == pytest.approx(14 * s, abs=64)
+
+
+@pytest.mark.parametrize("name", [*EXACT, "xla", "hierarchical"])
+def test_planner_predicts_the_hlo_steps_and_hot_spot_at_8(name):
+    """The planner's α-β model counts what the compiled program runs: its steps and the busiest
+    device's bytes equal the HLO's, on 8 devices as 2 hosts of 4 (hierarchical needs hosts)."""
+    import dataclasses
+
+    from jaxdist import plan
+
+    n, size = 8, 4 * 4096  # 4096 float32 elements
+    mesh = jax.make_mesh((n,), ("data",))
+    f = jax.shard_map(
+        lambda b: allreduce.all_reduce(b[0], "data", n, name, hosts=2)[None],
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P("data"),
+        check_vma=False,
+    )
+    x = jax.ShapeDtypeStruct((n, size // 4), np.float32, sharding=NamedSharding(mesh, P("data")))
+    text = jax.jit(f).lower(x).compile().as_text()
+    phases, busiest = hlo_cost.collective_phases(text, {"data": n})
+    hw = dataclasses.replace(plan.PROFILES["cloud_ethernet"], devices_per_host=4)
+    cost = plan.algorithm_cost(name, size, n, hw)
+    assert sum(p["steps"] for p in phases) == cost.steps
+    assert busiest == pytest.approx(cost.busiest_bytes, rel=1e-9)
+
+
+def test_planner_ranks_latency_and_bandwidth_regimes():
+    from jaxdist import plan
+
+    ib = plan.PROFILES["h100_nvlink_ib"]
+    small = plan.recommend_algorithm(4e3, 1024, ib)  # 4 KB: latency-bound
+    big = plan.recommend_algorithm(4e9, 1024, ib)  # 4 GB: bandwidth-bound
+    assert small[0].algorithm in ("tree", "halving_doubling", "xla")
+    by_name = {c.algorithm: c for c in big}
+    assert by_name["ps"].time_s > 100 * by_name["ring"].time_s  # the server's link: N-1 copies
+    assert big[0].algorithm != "ps"
