@@ -67,3 +67,33 @@ def test_compression_study_end_to_end(tmp_path):
     for r in runs.values():
         assert np.isfinite(r["final_loss"]) and r["step_time_s"] > 0
     assert runs["sign(1-bit)"]["baseline"] == "none+sgd"
+
+
+def test_aggregation_study_end_to_end(tmp_path):
+    out = tmp_path / "aggregation.json"
+    proc = run_bench(
+        f"--out={out}",
+        "--study=aggregation",
+        "--config.mesh.data=8",
+        "--config.mesh.fsdp=1",
+        "--config.mesh.tensor=1",
+        "--steps=1",
+        "--warmup=0",
+        "--taus=0,1",
+        "--max_steps=4",
+        "--eval_every=2",
+    )
+    result = json.loads(out.read_text())
+    rows = {r["algorithm"]: r for r in result["measured"]}
+    assert "skipped" in rows["hierarchical"]  # one process: no hosts to be hierarchical over
+    s = rows["ring"]["grad_bytes"]
+    assert rows["ring"]["data_steps"] == 14 and rows["ps"]["data_steps"] == 14
+    assert rows["ps"]["data_busiest_bytes"] == 4 * rows["ring"]["data_busiest_bytes"]
+    assert rows["tree"]["data_busiest_bytes"] == 6 * s
+    assert {r["hardware"] for r in result["predicted"]["rows"]} == {
+        "h100_nvlink_ib",
+        "cloud_ethernet",
+    }
+    runs = result["staleness"]["runs"]
+    assert [r["staleness"] for r in runs] == [0, 1] and all(len(r["curve"]) == 2 for r in runs)
+    assert "planner: one all-reduce" in proc.stdout
