@@ -206,6 +206,88 @@ def mean_tree(tree: Any, axis: str, algorithm: str, hosts: int = 1) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """f32 -> bf16 bits (uint16): XLA:CPU would widen a bf16 collective back to f32."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+
+
+def _unbits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16).astype(jnp.float32)
+
+
+def ring_bf16(x: jax.Array, err: jax.Array, axis: str, n: int) -> tuple[jax.Array, jax.Array]:
+    """`ring` with bf16 on the wire at every hop and error feedback: ([S] sum, [S + S/N] residual).
+
+    Reduce-scatter: the partial sum a device forwards is rounded to bf16 and what the rounding
+    lost stays in its residual for that chunk (added the next time it forwards the chunk, the
+    next step). All-gather: the owner rounds its reduced chunk once (with its own residual) and the
+    bf16 bits travel unchanged, so every device, the owner too, ends with the same sum.
+    """
+    size = x.shape[0]
+    p = jax.lax.axis_index(axis)
+    pairs = [(j, (j + 1) % n) for j in range(n)]
+    chunks, res = x.reshape(n, -1), err[:size].reshape(n, -1)  # [N, S/N] each
+    for k in range(n - 1):
+        i = (p - k) % n
+        c = jax.lax.dynamic_index_in_dim(chunks, i, keepdims=False)
+        c = c + jax.lax.dynamic_index_in_dim(res, i, keepdims=False)
+        q = _bits(c)
+        res = jax.lax.dynamic_update_index_in_dim(res, c - _unbits(q), i, 0)
+        recv = _unbits(jax.lax.ppermute(q, axis, pairs))
+        into = (p - k - 1) % n
+        mine = jax.lax.dynamic_index_in_dim(chunks, into, keepdims=False)
+        chunks = jax.lax.dynamic_update_index_in_dim(chunks, mine + recv, into, 0)
+    own = jax.lax.dynamic_index_in_dim(chunks, (p + 1) % n, keepdims=False) + err[size:]
+    q = q_own = _bits(own)
+    gathered = jnp.zeros((n, size // n), jnp.float32)
+    gathered = jax.lax.dynamic_update_index_in_dim(gathered, _unbits(q), (p + 1) % n, 0)
+    for k in range(n - 1):
+        q = jax.lax.ppermute(q, axis, pairs)
+        gathered = jax.lax.dynamic_update_index_in_dim(gathered, _unbits(q), (p - k) % n, 0)
+    new_err = jnp.concatenate([res.reshape(-1), own - _unbits(q_own)])
+    return gathered.reshape(-1), new_err
+
+
+def per_hop_size(num_elements: int, n: int) -> int:
+    """Elements of one device's per-hop residual: the padded buffer S plus its own chunk S/N."""
+    padded = num_elements + (-num_elements % n)
+    return padded + padded // n
+
+
+def mean_tree_bf16(tree: Any, err: jax.Array, axis: str) -> tuple[Any, jax.Array]:
+    """`mean_tree` by `ring_bf16`; `err` [per_hop_size] this device's residual."""
+    leaves, treedef = jax.tree.flatten(tree)
+    n = jax.lax.axis_size(axis)
+    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+    size = flat.shape[0]
+    flat = jnp.concatenate([flat, jnp.zeros((-size % n,), jnp.float32)])
+    summed, err = ring_bf16(flat, err, axis, n)
+    summed = summed[:size] / n
+    out, start = [], 0
+    for x in leaves:
+        out.append(summed[start : start + x.size].reshape(x.shape).astype(x.dtype))
+        start += x.size
+    return jax.tree.unflatten(treedef, out), err
+
+
+def per_hop_reducer(mesh: Mesh, axis: str) -> Callable[[Any, jax.Array], tuple[Any, jax.Array]]:
+    """`(grads [R, ...], residual [R, E]) -> (mean grads, residual)`: `ring` + bf16 per hop."""
+
+    def reduce(grads, err):
+        local = jax.tree.map(lambda g: g[0], grads)
+        mean, err = mean_tree_bf16(local, err[0], axis)
+        return mean, err[None]
+
+    return jax.shard_map(
+        reduce,
+        mesh=mesh,
+        in_specs=(P(axis), P(axis)),
+        out_specs=(P(), P(axis)),
+        axis_names={axis},
+        check_vma=False,
+    )
+
+
 def reducer(
     mesh: Mesh, axis: str, shard_axes: tuple[str, ...], param_specs: Any, algorithm: str, hosts: int
 ) -> Callable[[Any], Any]:
@@ -249,10 +331,18 @@ def check(config, mesh_shape: dict[str, int]) -> None:
             f"grad_sync.algorithm={name!r} reduces over the data-parallel replicas, but "
             f"mesh.data={n}; set mesh.data > 1 or grad_sync.algorithm='xla'"
         )
-    if g.compression != "none" or g.local_steps > 1:
+    if (name, g.compression) == ("ring", "bf16"):  # bf16 at every hop, with error feedback
+        shards = [a for a in ("fsdp", "tensor", "pipeline") if mesh_shape[a] > 1]
+        if shards:
+            raise ConfigError(
+                "grad_sync.algorithm='ring' with compression='bf16' (per hop) needs fsdp = "
+                f"tensor = pipeline = 1, got {', '.join(f'mesh.{a}>1' for a in shards)}"
+            )
+    elif g.compression != "none" or g.local_steps > 1:
         raise ConfigError(
             f"grad_sync.algorithm={name!r} runs the exact reduction; it does not combine with "
-            f"grad_sync.compression={g.compression!r} / local_steps={g.local_steps} (use 'xla')"
+            f"grad_sync.compression={g.compression!r} / local_steps={g.local_steps} (use 'xla'; "
+            "'ring' takes compression='bf16' per hop)"
         )
     if name == "halving_doubling" and n & (n - 1):
         raise ConfigError(

@@ -23,12 +23,15 @@ and `train.apply_update` (one non-finite guard, one set of metrics) turns it int
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxdist import allreduce, collectives, compression, microbatch, pipeline, sharding, staleness
 from jaxdist.errors import ConfigError
@@ -255,6 +258,8 @@ def reduced(setup: Setup) -> Strategy:
         return loss, grads
 
     grads_of = collectives._replica_grads(local_grads, mesh, DATA_AXES, _per_replica(mesh))
+    if c.grad_sync.compression == "bf16":  # ring with bf16 per hop (allreduce.check)
+        return _per_hop(setup, grads_of, schedule)
     shard_axes = tuple(a for a in ("fsdp", "tensor", "pipeline") if mesh.shape[a] > 1)
     mean_of = allreduce.reducer(
         mesh, "data", shard_axes, setup.param_specs, c.grad_sync.algorithm, int(c.mesh.dcn_data)
@@ -265,6 +270,27 @@ def reduced(setup: Setup) -> Strategy:
         return loss, {}, mean_of(grads), extra
 
     return from_gradients("allreduce", gradients, setup.tx, schedule=schedule, delay=_delay(setup))
+
+
+def _per_hop(setup: Setup, grads_of, schedule) -> Strategy:
+    """`ring` with bf16 at every hop; state["grad_sync"]: each replica's residual [R, E]."""
+    mesh, r = setup.mesh, setup.mesh.shape["data"]
+    size = sum(math.prod(p.shape) for p in jax.tree.leaves(setup.abstract_params))
+    e = allreduce.per_hop_size(size, r)
+    abstract = jax.ShapeDtypeStruct((r, e), jnp.float32)
+    entry = Entry.from_specs(
+        abstract, P("data"), mesh, lambda params: jnp.zeros((r, e), jnp.float32)
+    )
+    reduce = allreduce.per_hop_reducer(mesh, "data")
+
+    def gradients(params, batch, extra):
+        loss, grads = grads_of(params, batch)
+        mean, err = reduce(grads, extra["grad_sync"])
+        return loss, {}, mean, {"grad_sync": err}
+
+    return from_gradients(
+        "allreduce", gradients, setup.tx, {"grad_sync": entry}, schedule, delay=_delay(setup)
+    )
 
 
 def local_sgd(setup: Setup) -> Strategy:
@@ -328,10 +354,10 @@ def choose(config, mesh_shape: Mapping[str, int]) -> str:
     """The `STRATEGIES` name a config runs on a mesh of these axis sizes."""
     if mesh_shape["data"] > 1 and config.grad_sync.local_steps > 1:
         return "local_sgd"
-    if mesh_shape["data"] > 1 and config.grad_sync.compression != "none":
-        return "compressed"
     if mesh_shape["data"] > 1 and config.grad_sync.algorithm != "xla":
         return "allreduce"
+    if mesh_shape["data"] > 1 and config.grad_sync.compression != "none":
+        return "compressed"
     if mesh_shape["pipeline"] > 1:
         return "pipelined"
     return "accumulated" if config.train.grad_accum > 1 else "plain"

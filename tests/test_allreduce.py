@@ -207,3 +207,51 @@ def test_planner_ranks_latency_and_bandwidth_regimes():
     by_name = {c.algorithm: c for c in big}
     assert by_name["ps"].time_s > 100 * by_name["ring"].time_s  # the server's link: N-1 copies
     assert big[0].algorithm != "ps"
+
+
+def test_ring_with_bf16_per_hop_feeds_the_rounding_back():
+    """One round is off by bf16 rounding at every hop; with the residual carried, the mean of
+    many rounds of the same input converges to the exact sum (error feedback), bit-identically on
+    every device."""
+    n = 8
+    mesh = jax.make_mesh((n,), ("data",))
+    x = np.random.RandomState(1).randn(n, 1000).astype(np.float32)
+    e = allreduce.per_hop_size(1000, n)
+    f = jax.jit(
+        jax.shard_map(
+            lambda b, err: (lambda out: (out[0][None], out[1][None]))(
+                allreduce.ring_bf16(b[0], err[0], "data", n)
+            ),
+            mesh=mesh,
+            in_specs=(P("data"), P("data")),
+            out_specs=(P("data"), P("data")),
+            check_vma=False,
+        )
+    )
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+    want = x.astype(np.float64).sum(0)
+    err, outs = put(np.zeros((n, e), np.float32)), []
+    for _ in range(64):
+        y, err = f(put(x), err)
+        outs.append(np.asarray(y))
+    assert all((o == o[0]).all() for o in outs)
+    one = np.abs(outs[0][0] - want).max()
+    avg = np.abs(np.mean([o[0] for o in outs], axis=0) - want).max()
+    assert 1e-4 < one < 2**-7 * np.abs(x).sum(0).max()  # really rounded, within bf16 per hop
+    assert avg < one / 20  # the residuals carry what each round lost
+
+
+def test_ring_with_bf16_per_hop_halves_the_bytes():
+    s, exact, _ = _phases(_cfg("ring", data=8))
+    c = _cfg("ring", data=8)
+    c.grad_sync.compression = "bf16"
+    _, per_hop, _ = _phases(c)
+    assert [(p["kind"], p["steps"]) for p in per_hop] == [("collective-permute", 14)]
+    assert per_hop[0]["busiest_bytes"] == exact[0]["busiest_bytes"] / 2
+
+
+def test_ring_with_bf16_per_hop_refuses_sharded_parameters():
+    c = tiny_gpt_config(data=4, fsdp=2)
+    c.grad_sync.algorithm, c.grad_sync.compression = "ring", "bf16"
+    with pytest.raises(ConfigError, match="needs fsdp = tensor = pipeline = 1, got mesh.fsdp>1"):
+        config.validate(c, 8)
