@@ -10,6 +10,8 @@ Three tables (docs/AGGREGATION.md quotes them):
              on NVLink+InfiniBand (h100_nvlink_ib) and cloud Ethernet (cloud_ethernet).
   staleness  steps to `--target_loss` validation loss for each `grad_sync.staleness` in `--taus`,
              and the validation curve (plot next to the JSON).
+  per_hop    bf16 compression of the whole reduction against bf16 at every ring hop (with error
+             feedback): busiest-device bytes and validation loss after `--max_steps` steps.
 
 No flags here: bench.py passes their values in.
 """
@@ -127,6 +129,36 @@ def staleness(config, m, ds, taus, target: float, max_steps: int, eval_every: in
     return runs
 
 
+# (label, grad_sync fields): the whole reduction compressed vs compressed at every ring hop.
+PER_HOP = [
+    ("none", {}),
+    ("bf16 (whole reduction)", {"compression": "bf16"}),
+    ("ring + bf16 per hop", {"algorithm": "ring", "compression": "bf16"}),
+]
+
+
+def per_hop(config, m, ds, max_steps: int, eval_batches: int = 4) -> list[dict]:
+    """Busiest-device bytes (HLO) and validation loss after `max_steps` for each PER_HOP row."""
+    import numpy as np
+
+    from jaxdist import hlo_cost, mesh
+
+    rows = []
+    for label, fields in PER_HOP:
+        engine, batches = benchlib.build(_variant(config, **fields), m, ds)
+        batch = batches.get(0)
+        compiled = engine.train_step.lower(engine.abstract_state, batch).compile()
+        _, busiest = hlo_cost.collective_phases(compiled.as_text(), mesh.mesh_shape(m))
+        state = engine.init()
+        for step in range(max_steps):
+            state, _ = compiled(state, batches.get(step))
+        val = [batches.get(i, "val") for i in range(eval_batches)]
+        loss = float(np.mean([float(engine.eval_step(state, v)["loss"]) for v in val]))
+        rows.append({"method": label, "busiest_device_bytes_per_step": busiest, "val_loss": loss})
+        print(f"{label:<24}{busiest / 2**20:>10.3f} MiB busiest{loss:>9.4f} val loss", flush=True)
+    return rows
+
+
 def plot_staleness(runs: list[dict], target: float, png: str) -> str | None:
     try:
         import matplotlib
@@ -178,7 +210,8 @@ def print_tables(out: dict) -> None:
 def run(
     config, *, parts, steps, warmup, taus, target, max_steps, eval_every, planner_config, out_path
 ):
-    """The study's `parts` ("algorithms": measured + predicted, "staleness"); the JSON payload."""
+    """The study's `parts` ("algorithms": measured + predicted, "staleness", "per_hop"); the JSON
+    payload."""
     import jax
 
     from jaxdist import data, mesh
@@ -194,6 +227,8 @@ def run(
         out["measured"] = measured(config, m, ds, steps, warmup)
         out["predicted"] = predicted(planner_config)
         print_tables(out)
+    if "per_hop" in parts:
+        out["per_hop"] = {"steps": max_steps, "runs": per_hop(config, m, ds, max_steps)}
     if "staleness" in parts:
         runs = staleness(config, m, ds, taus, target, max_steps, eval_every)
         out["staleness"] = {"target_loss": target, "runs": runs}

@@ -79,7 +79,9 @@ _EVAL_EVERY = flags.DEFINE_integer(
     "eval_every", 10, "--study=batch: steps between validation checks."
 )
 _PARTS = flags.DEFINE_list(
-    "parts", ["algorithms", "staleness"], "--study=aggregation: which parts to run."
+    "parts",
+    ["algorithms", "staleness"],
+    "--study=aggregation: which parts to run (algorithms, staleness, per_hop).",
 )
 _TAUS = flags.DEFINE_list(
     "taus", ["0", "1", "2", "4"], "--study=aggregation: grad_sync.staleness values to train."

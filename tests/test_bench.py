@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -82,6 +83,7 @@ def test_aggregation_study_end_to_end(tmp_path):
         "--taus=0,1",
         "--max_steps=4",
         "--eval_every=2",
+        "--parts=algorithms,staleness,per_hop",
     )
     result = json.loads(out.read_text())
     rows = {r["algorithm"]: r for r in result["measured"]}
@@ -97,3 +99,5 @@ def test_aggregation_study_end_to_end(tmp_path):
     runs = result["staleness"]["runs"]
     assert [r["staleness"] for r in runs] == [0, 1] and all(len(r["curve"]) == 2 for r in runs)
     assert "planner: one all-reduce" in proc.stdout
+    hops = {r["method"]: r["busiest_device_bytes_per_step"] for r in result["per_hop"]["runs"]}
+    assert hops["ring + bf16 per hop"] == pytest.approx(hops["none"] / 2, rel=1e-3)
