@@ -139,6 +139,7 @@ PER_HOP = [
 
 def per_hop(config, m, ds, max_steps: int, eval_batches: int = 4) -> list[dict]:
     """Busiest-device bytes (HLO) and validation loss after `max_steps` for each PER_HOP row."""
+    import jax
     import numpy as np
 
     from jaxdist import hlo_cost, mesh
@@ -151,7 +152,8 @@ def per_hop(config, m, ds, max_steps: int, eval_batches: int = 4) -> list[dict]:
         _, busiest = hlo_cost.collective_phases(compiled.as_text(), mesh.mesh_shape(m))
         state = engine.init()
         for step in range(max_steps):
-            state, _ = compiled(state, batches.get(step))
+            # Synchronised: hundreds of queued XLA:CPU steps can starve a collective's rendezvous.
+            state, _ = jax.block_until_ready(compiled(state, batches.get(step)))
         val = [batches.get(i, "val") for i in range(eval_batches)]
         loss = float(np.mean([float(engine.eval_step(state, v)["loss"]) for v in val]))
         rows.append({"method": label, "busiest_device_bytes_per_step": busiest, "val_loss": loss})
