@@ -215,53 +215,70 @@ def _unbits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16).astype(jnp.float32)
 
 
-def ring_bf16(x: jax.Array, err: jax.Array, axis: str, n: int) -> tuple[jax.Array, jax.Array]:
-    """`ring` with bf16 on the wire at every hop and error feedback: ([S] sum, [S + S/N] residual).
+def ring_bf16(
+    x: jax.Array, err: jax.Array, axis: str, groups: list[list[int]]
+) -> tuple[jax.Array, jax.Array]:
+    """`ring` along each group with bf16 on the wire at every hop and error feedback:
+    ([S] sum over the group, [S + S/m] residual), m the group size.
 
     Reduce-scatter: the partial sum a device forwards is rounded to bf16 and what the rounding
     lost stays in its residual for that chunk (added the next time it forwards the chunk, the
     next step). All-gather: the owner rounds its reduced chunk once (with its own residual) and the
     bf16 bits travel unchanged, so every device, the owner too, ends with the same sum.
     """
-    size = x.shape[0]
-    p = jax.lax.axis_index(axis)
-    pairs = [(j, (j + 1) % n) for j in range(n)]
-    chunks, res = x.reshape(n, -1), err[:size].reshape(n, -1)  # [N, S/N] each
-    for k in range(n - 1):
-        i = (p - k) % n
+    size, m, n = x.shape[0], len(groups[0]), sum(len(g) for g in groups)
+    p = _pos(_rank_in_group(groups, n), axis)
+    pairs = _ring_pairs(groups)
+    chunks, res = x.reshape(m, -1), err[:size].reshape(m, -1)  # [m, S/m] each
+    for k in range(m - 1):
+        i = (p - k) % m
         c = jax.lax.dynamic_index_in_dim(chunks, i, keepdims=False)
         c = c + jax.lax.dynamic_index_in_dim(res, i, keepdims=False)
         q = _bits(c)
         res = jax.lax.dynamic_update_index_in_dim(res, c - _unbits(q), i, 0)
         recv = _unbits(jax.lax.ppermute(q, axis, pairs))
-        into = (p - k - 1) % n
+        into = (p - k - 1) % m
         mine = jax.lax.dynamic_index_in_dim(chunks, into, keepdims=False)
         chunks = jax.lax.dynamic_update_index_in_dim(chunks, mine + recv, into, 0)
-    own = jax.lax.dynamic_index_in_dim(chunks, (p + 1) % n, keepdims=False) + err[size:]
+    own = jax.lax.dynamic_index_in_dim(chunks, (p + 1) % m, keepdims=False) + err[size:]
     q = q_own = _bits(own)
-    gathered = jnp.zeros((n, size // n), jnp.float32)
-    gathered = jax.lax.dynamic_update_index_in_dim(gathered, _unbits(q), (p + 1) % n, 0)
-    for k in range(n - 1):
+    gathered = jnp.zeros((m, size // m), jnp.float32)
+    gathered = jax.lax.dynamic_update_index_in_dim(gathered, _unbits(q), (p + 1) % m, 0)
+    for k in range(m - 1):
         q = jax.lax.ppermute(q, axis, pairs)
-        gathered = jax.lax.dynamic_update_index_in_dim(gathered, _unbits(q), (p - k) % n, 0)
+        gathered = jax.lax.dynamic_update_index_in_dim(gathered, _unbits(q), (p - k) % m, 0)
     new_err = jnp.concatenate([res.reshape(-1), own - _unbits(q_own)])
     return gathered.reshape(-1), new_err
 
 
-def per_hop_size(num_elements: int, n: int) -> int:
-    """Elements of one device's per-hop residual: the padded buffer S plus its own chunk S/N."""
+def _per_hop_sum(
+    x: jax.Array, err: jax.Array, axis: str, n: int, hosts: int
+) -> tuple[jax.Array, jax.Array]:
+    """hosts = 1: `ring_bf16` over the axis (bf16 at every hop). hosts > 1: `hierarchical`,
+    exact within each host and bf16 (error feedback) only across hosts (compress_over=dcn)."""
+    if hosts == 1:
+        return ring_bf16(x, err, axis, [list(range(n))])
+    within, across = _groups(n, hosts, True), _groups(n, hosts, False)
+    shard, err = ring_bf16(ring_reduce_scatter(x, axis, within), err, axis, across)
+    return ring_all_gather(shard, axis, within), err
+
+
+def per_hop_size(num_elements: int, n: int, hosts: int = 1) -> int:
+    """Elements of one device's per-hop residual: what it forwards (the padded buffer S, or its
+    S/L shard across hosts) plus the chunk it owns."""
     padded = num_elements + (-num_elements % n)
-    return padded + padded // n
+    forwarded = padded if hosts == 1 else padded // (n // hosts)
+    return forwarded + padded // n
 
 
-def mean_tree_bf16(tree: Any, err: jax.Array, axis: str) -> tuple[Any, jax.Array]:
-    """`mean_tree` by `ring_bf16`; `err` [per_hop_size] this device's residual."""
+def mean_tree_bf16(tree: Any, err: jax.Array, axis: str, hosts: int = 1) -> tuple[Any, jax.Array]:
+    """`mean_tree` with bf16 per hop (`_per_hop_sum`); `err` [per_hop_size] this device's."""
     leaves, treedef = jax.tree.flatten(tree)
     n = jax.lax.axis_size(axis)
     flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
     size = flat.shape[0]
     flat = jnp.concatenate([flat, jnp.zeros((-size % n,), jnp.float32)])
-    summed, err = ring_bf16(flat, err, axis, n)
+    summed, err = _per_hop_sum(flat, err, axis, n, hosts)
     summed = summed[:size] / n
     out, start = [], 0
     for x in leaves:
@@ -270,12 +287,15 @@ def mean_tree_bf16(tree: Any, err: jax.Array, axis: str) -> tuple[Any, jax.Array
     return jax.tree.unflatten(treedef, out), err
 
 
-def per_hop_reducer(mesh: Mesh, axis: str) -> Callable[[Any, jax.Array], tuple[Any, jax.Array]]:
-    """`(grads [R, ...], residual [R, E]) -> (mean grads, residual)`: `ring` + bf16 per hop."""
+def per_hop_reducer(
+    mesh: Mesh, axis: str, hosts: int = 1
+) -> Callable[[Any, jax.Array], tuple[Any, jax.Array]]:
+    """`(grads [R, ...], residual [R, E]) -> (mean grads, residual)`: bf16 per hop (`ring`), or
+    across hosts only (`hierarchical` with hosts > 1)."""
 
     def reduce(grads, err):
         local = jax.tree.map(lambda g: g[0], grads)
-        mean, err = mean_tree_bf16(local, err[0], axis)
+        mean, err = mean_tree_bf16(local, err[0], axis, hosts)
         return mean, err[None]
 
     return jax.shard_map(
@@ -324,6 +344,15 @@ def check(config, mesh_shape: dict[str, int]) -> None:
         raise ConfigError(
             f"grad_sync.algorithm={name!r} is not valid; choose one of {', '.join(ALGORITHMS)}"
         )
+    over = g.compress_over
+    if over not in ("all", "dcn"):
+        raise ConfigError(f"grad_sync.compress_over={over!r} is not valid; choose one of all, dcn")
+    if over == "dcn" and (name, g.compression) != ("hierarchical", "bf16"):
+        raise ConfigError(
+            "grad_sync.compress_over='dcn' compresses the cross-host stage of "
+            "algorithm='hierarchical' with compression='bf16', got algorithm="
+            f"{name!r}, compression={g.compression!r}"
+        )
     if name == "xla":
         return
     if n <= 1:
@@ -331,11 +360,16 @@ def check(config, mesh_shape: dict[str, int]) -> None:
             f"grad_sync.algorithm={name!r} reduces over the data-parallel replicas, but "
             f"mesh.data={n}; set mesh.data > 1 or grad_sync.algorithm='xla'"
         )
-    if (name, g.compression) == ("ring", "bf16"):  # bf16 at every hop, with error feedback
+    if (name, g.compression) in (("ring", "bf16"), ("hierarchical", "bf16")):  # per hop
+        if name == "hierarchical" and over != "dcn":
+            raise ConfigError(
+                "grad_sync.algorithm='hierarchical' with compression='bf16' compresses only "
+                "across hosts: set grad_sync.compress_over='dcn'"
+            )
         shards = [a for a in ("fsdp", "tensor", "pipeline") if mesh_shape[a] > 1]
         if shards:
             raise ConfigError(
-                "grad_sync.algorithm='ring' with compression='bf16' (per hop) needs fsdp = "
+                f"grad_sync.algorithm={name!r} with compression='bf16' (per hop) needs fsdp = "
                 f"tensor = pipeline = 1, got {', '.join(f'mesh.{a}>1' for a in shards)}"
             )
     elif g.compression != "none" or g.local_steps > 1:

@@ -120,6 +120,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_sync.momentum_correction = False  # topk (DGC) / sign (1-bit Adam): SGD momentum inside
     c.grad_sync.algorithm = "xla"  # the data-parallel all-reduce (jaxdist/allreduce.py ALGORITHMS)
     c.grad_sync.staleness = 0  # tau: step t applies the reduced gradient of step t - tau
+    c.grad_sync.compress_over = "all"  # "dcn": hierarchical compresses only across hosts
 
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = ()  # steps to trace with jax.profiler, e.g. (10, 11)

@@ -273,15 +273,17 @@ def reduced(setup: Setup) -> Strategy:
 
 
 def _per_hop(setup: Setup, grads_of, schedule) -> Strategy:
-    """`ring` with bf16 at every hop; state["grad_sync"]: each replica's residual [R, E]."""
+    """bf16 at every ring hop (`ring`) or across hosts only (`hierarchical`, compress_over=dcn);
+    state["grad_sync"]: each replica's residual [R, E]."""
     mesh, r = setup.mesh, setup.mesh.shape["data"]
     size = sum(math.prod(p.shape) for p in jax.tree.leaves(setup.abstract_params))
-    e = allreduce.per_hop_size(size, r)
+    hosts = int(setup.config.mesh.dcn_data) if setup.config.grad_sync.compress_over == "dcn" else 1
+    e = allreduce.per_hop_size(size, r, hosts)
     abstract = jax.ShapeDtypeStruct((r, e), jnp.float32)
     entry = Entry.from_specs(
         abstract, P("data"), mesh, lambda params: jnp.zeros((r, e), jnp.float32)
     )
-    reduce = allreduce.per_hop_reducer(mesh, "data")
+    reduce = allreduce.per_hop_reducer(mesh, "data", hosts)
 
     def gradients(params, batch, extra):
         loss, grads = grads_of(params, batch)

@@ -220,7 +220,7 @@ def test_ring_with_bf16_per_hop_feeds_the_rounding_back():
     f = jax.jit(
         jax.shard_map(
             lambda b, err: (lambda out: (out[0][None], out[1][None]))(
-                allreduce.ring_bf16(b[0], err[0], "data", n)
+                allreduce.ring_bf16(b[0], err[0], "data", [list(range(n))])
             ),
             mesh=mesh,
             in_specs=(P("data"), P("data")),
@@ -254,4 +254,74 @@ def test_ring_with_bf16_per_hop_refuses_sharded_parameters():
     c = tiny_gpt_config(data=4, fsdp=2)
     c.grad_sync.algorithm, c.grad_sync.compression = "ring", "bf16"
     with pytest.raises(ConfigError, match="needs fsdp = tensor = pipeline = 1, got mesh.fsdp>1"):
+        config.validate(c, 8)
+
+
+def _hierarchical_phases(n: int, hosts: int, per_hop: bool, size: int = 4096):
+    """Phases of `hierarchical` over 8 devices as `hosts` hosts (processes faked for the tiers)."""
+    mesh = jax.make_mesh((n,), ("data",))
+    e = allreduce.per_hop_size(size, n, hosts)
+
+    def body(b, err):
+        if per_hop:
+            out, err = allreduce._per_hop_sum(b[0], err[0], "data", n, hosts)
+            return out[None], err[None]
+        return allreduce.all_reduce(b[0], "data", n, "hierarchical", hosts)[None], err
+
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P("data"), P("data")),
+        out_specs=(P("data"), P("data")),
+        check_vma=False,
+    )
+    sh = NamedSharding(mesh, P("data"))
+    x = jax.ShapeDtypeStruct((n, size), np.float32, sharding=sh)
+    err = jax.ShapeDtypeStruct((n, e), np.float32, sharding=sh)
+    text = jax.jit(f).lower(x, err).compile().as_text()
+    processes = [i // (n // hosts) for i in range(n)]
+    phases, _ = hlo_cost.collective_phases(text, {"data": n}, processes)
+    return {p["tier"]: (p["steps"], p["busiest_bytes"]) for p in phases}, f, sh, e
+
+
+def test_hierarchical_compresses_only_across_hosts():
+    exact, _, _, _ = _hierarchical_phases(8, 2, per_hop=False)
+    dcn_only, f, sh, e = _hierarchical_phases(8, 2, per_hop=True)
+    s = 4 * 4096
+    assert exact == {"ici": (6, 3 * s), "dcn": (2, s / 2)}  # 2(L-1) of S/L in, 2(H-1) of S/8 out
+    assert dcn_only == {"ici": (6, 3 * s), "dcn": (2, s / 4)}  # the same inside, bf16 across
+    x = np.random.RandomState(2).randn(8, 4096).astype(np.float32)
+    want = x.astype(np.float64).sum(0)
+    err = jax.device_put(np.zeros((8, e), np.float32), sh)
+    outs = []
+    for _ in range(32):
+        y, err = jax.jit(f)(jax.device_put(x, sh), err)
+        outs.append(np.asarray(y))
+    one = np.abs(outs[0][0] - want).max()
+    assert all((o == o[0]).all() for o in outs)
+    assert 1e-4 < one and np.abs(np.mean([o[0] for o in outs], 0) - want).max() < one / 10
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"algorithm": "hierarchical", "compression": "bf16"}, "set grad_sync.compress_over='dcn'"),
+        ({"algorithm": "ring", "compress_over": "dcn"}, "compress_over='dcn' compresses the"),
+        ({"compress_over": "ici"}, "choose one of all, dcn"),
+    ],
+)
+def test_compress_over_rules(fields, match):
+    c = tiny_gpt_config(data=8)
+    c.mesh.dcn_data = 2
+    c.grad_sync.algorithm = "ring"
+    for k, v in fields.items():
+        c.grad_sync[k] = v
+    with pytest.raises(ConfigError, match=match):
+        config.validate(c, 8)
+
+
+def test_compress_over_dcn_is_refused_with_xla():
+    c = tiny_gpt_config(data=8)
+    c.grad_sync.compress_over = "dcn"
+    with pytest.raises(ConfigError, match="compress_over='dcn' compresses the"):
         config.validate(c, 8)
