@@ -118,7 +118,12 @@ def summary(record: dict[str, Any]) -> str:
         f"mesh    │ {mesh}",
         f"memory  │ per device: params {_fmt_bytes(b['params'])}, optimizer {_fmt_bytes(b['opt_state'])}, "
         f"temp {_fmt_bytes(b['temp'])}",
-        f"wire    │ per device per step: {wire} (total {_fmt_bytes(sum(coll.values()))})",
+        f"wire    │ per device per step: {wire} (total {_fmt_bytes(sum(coll.values()))})"
+        + (
+            f"; busiest device sends + receives {_fmt_bytes(record['busiest_device_bytes_per_step'])}"
+            if "busiest_device_bytes_per_step" in record
+            else ""
+        ),
     ]
     extra = {"grad_sync_state": "compressor state", "local_state": "local SGD replica state"}
     for key, what in extra.items():

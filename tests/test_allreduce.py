@@ -169,6 +169,7 @@ def test_layout_record_carries_phases_and_the_hot_spot():
         }
     ]
     assert record["busiest_device_bytes_per_step"] == pytest.approx(14 * s, abs=64)
+    assert "busiest device sends + receives" in loop.summary(record)
 
 
 @pytest.mark.parametrize("name", [*EXACT, "xla", "hierarchical"])
