@@ -71,7 +71,7 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         "compute_dtype": config.train.compute_dtype,
         "remat": config.train.remat,
     }
-    for key in ("grad_sync", "local"):  # per-replica compressor / local SGD state
+    for key in ("grad_sync", "local", "in_flight"):  # compressor / local SGD / staleness state
         if key in st:
             record["bytes_per_device"][f"{key}_state"] = shard_bytes(st[key])
     if local_steps > 1:

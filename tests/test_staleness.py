@@ -60,3 +60,13 @@ def test_in_flight_gradients_are_checkpointed_and_resume_bit_exact(tmp_path):
     _, resumed = _run(c, 2, state=restored, start=3)
     for x, y in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_layout_record_counts_the_in_flight_gradients():
+    from jaxdist import loop
+    from tests.helpers import compile_step
+
+    c = _cfg(2)
+    eng, compiled = compile_step(c)
+    b = loop.layout_record(eng, compiled, c)["bytes_per_device"]
+    assert b["in_flight_state"] == 2 * b["params"]  # tau gradients, sharded like the params
