@@ -123,6 +123,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_sync.outer_momentum = 0.9
     c.grad_sync.warmup_steps = 0  # topk: density warm-up; powersgd/sign: uncompressed first steps
     c.grad_sync.momentum_correction = False  # topk (DGC) / sign (1-bit Adam): SGD momentum inside
+    c.grad_sync.algorithm = "xla"  # the data-parallel all-reduce (jaxdist/allreduce.py ALGORITHMS)
+    c.grad_sync.staleness = 0  # tau: step t applies the reduced gradient of step t - tau
+    c.grad_sync.compress_over = "all"  # "dcn": hierarchical compresses only across hosts
 
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = ()  # steps to trace with jax.profiler, e.g. (10, 11)
@@ -200,7 +203,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
       ConfigError: one line naming the field and what would be valid.
     """
     import models
-    from jaxdist import optim, pipeline, strategies
+    from jaxdist import allreduce, optim, pipeline, staleness, strategies
     from models import api
 
     models.get(config.model.name)
@@ -247,6 +250,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     )
     pipeline.check(config, mesh)
     strategies.check(config, mesh)
+    allreduce.check(config, mesh)
+    staleness.check(config, mesh)
     _check_sources(config.data)
     return mesh
 

@@ -39,6 +39,12 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
         for x in jax.tree.leaves(tree)
     )
+    phases, busiest = metrics.collective_phases(
+        compiled.as_text(),
+        mesh_lib.mesh_shape(engine.mesh),
+        [d.process_index for d in engine.mesh.devices.flat],
+        conditional_period=local_steps,
+    )
     record: dict[str, Any] = {
         "mesh": mesh_lib.mesh_shape(engine.mesh),
         "devices": jax.device_count(),
@@ -58,12 +64,16 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         "collective_bytes_per_step": metrics.collective_bytes(
             compiled.as_text(), conditional_period=local_steps
         ),
+        # Per phase (kind × mesh axes × tier): op executions per step and the busiest device's
+        # sent + received bytes (a parameter server's hot spot); their per-step total below.
+        "collective_phases": phases,
+        "busiest_device_bytes_per_step": busiest,
         "global_batch": config.train.batch_size,
         "grad_accum": config.train.grad_accum,
         "compute_dtype": config.train.compute_dtype,
         "remat": config.train.remat,
     }
-    for key in ("grad_sync", "local"):  # per-replica compressor / local SGD state
+    for key in ("grad_sync", "local", "in_flight"):  # compressor / local SGD / staleness state
         if key in st:
             record["bytes_per_device"][f"{key}_state"] = shard_bytes(st[key])
     if local_steps > 1:
@@ -104,7 +114,12 @@ def summary(record: dict[str, Any]) -> str:
         f"mesh    │ {mesh}",
         f"memory  │ per device: params {_fmt_bytes(b['params'])}, optimizer {_fmt_bytes(b['opt_state'])}, "
         f"temp {_fmt_bytes(b['temp'])}",
-        f"wire    │ per device per step: {wire} (total {_fmt_bytes(sum(coll.values()))})",
+        f"wire    │ per device per step: {wire} (total {_fmt_bytes(sum(coll.values()))})"
+        + (
+            f"; busiest device sends + receives {_fmt_bytes(record['busiest_device_bytes_per_step'])}"
+            if "busiest_device_bytes_per_step" in record
+            else ""
+        ),
     ]
     extra = {"grad_sync_state": "compressor state", "local_state": "local SGD replica state"}
     for key, what in extra.items():

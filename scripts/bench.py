@@ -18,6 +18,9 @@ Studies:
             --max_steps=0 compiles only: bytes and ratios for models too big to train here.
   compile   lower+compile time of the train step for 4 and 48 layers (layers are scanned, so it
             should stay flat: target ≤ 1.5×).
+  aggregation  per grad_sync.algorithm: HLO bytes of the busiest device, sequential steps and step
+            time; the planner's all-reduce time 8 → 4096 devices; steps to --target_loss for each
+            grad_sync.staleness in --taus (scripts/aggregation_study.py, docs/AGGREGATION.md).
 
 Timing: every step is synchronised with `block_until_ready`; medians with the 10th–90th percentile
 spread. The device's peak FLOP/s is looked up by device kind; no MFU is reported on CPU.
@@ -47,7 +50,10 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py", "Model/mesh config.", lock_config=True
 )
 _STUDY = flags.DEFINE_enum(
-    "study", "overhead", ["overhead", "compile", "batch", "compression"], "Which benchmark."
+    "study",
+    "overhead",
+    ["overhead", "compile", "batch", "compression", "aggregation"],
+    "Which benchmark.",
 )
 _BATCHES = flags.DEFINE_list(
     "batch_sizes", ["16", "32", "64", "128", "256", "512"], "--study=batch: global batches."
@@ -71,6 +77,17 @@ _LAMB_LR = flags.DEFINE_float(
 )
 _EVAL_EVERY = flags.DEFINE_integer(
     "eval_every", 10, "--study=batch: steps between validation checks."
+)
+_PARTS = flags.DEFINE_list(
+    "parts",
+    ["algorithms", "staleness"],
+    "--study=aggregation: which parts to run (algorithms, staleness, per_hop).",
+)
+_TAUS = flags.DEFINE_list(
+    "taus", ["0", "1", "2", "4"], "--study=aggregation: grad_sync.staleness values to train."
+)
+_PLANNER_CONFIG = flags.DEFINE_string(
+    "planner_config", "configs/gpt_1b.py", "--study=aggregation: model the planner rows cost."
 )
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps first.")
@@ -378,6 +395,23 @@ def study_compression(config) -> dict:
     return out
 
 
+def study_aggregation(config) -> dict:
+    import aggregation_study
+
+    return aggregation_study.run(
+        config,
+        parts=_PARTS.value,
+        steps=_STEPS.value,
+        warmup=_WARMUP.value,
+        taus=[int(t) for t in _TAUS.value],
+        target=_TARGET.value,
+        max_steps=_MAX_STEPS.value,
+        eval_every=_EVAL_EVERY.value,
+        planner_config=_PLANNER_CONFIG.value,
+        out_path=_OUT.value,
+    )
+
+
 def main(argv):
     del argv
     if not flags.FLAGS["verbosity"].present:
@@ -393,6 +427,7 @@ def main(argv):
         "compile": study_compile,
         "batch": study_batch,
         "compression": study_compression,
+        "aggregation": study_aggregation,
     }
     result = studies[_STUDY.value](config)
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)

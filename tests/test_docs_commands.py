@@ -118,6 +118,39 @@ SHORTENED = {
         "--config.train.steps=4 --config.checkpoint.every=4",
         "20 fine-tuning steps; 4 make the run folder the export reads",
     ),
+    "python scripts/bench.py --study=aggregation --parts=algorithms --config.mesh.data=8 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --out=runs/bench/aggregation.json": (
+        _TINY_BENCH_MODEL,
+        "six algorithms compiled and timed for 20 steps on the default GPT; a tiny GPT for 2 steps "
+        "runs the same code",
+    ),
+    "python scripts/bench.py --study=aggregation --parts=staleness --taus=0,1,2,4 --max_steps=300 "
+    "--eval_every=10 --target_loss=2.5 --out=runs/bench/staleness.json": (
+        _TINY_BENCH_MODEL + " --taus=0,1 --max_steps=2 --eval_every=2",
+        "four training runs of 300 steps take many minutes on 2 cores",
+    ),
+    "python scripts/bench.py --study=aggregation --parts=staleness --taus=0,1,4 --max_steps=300 "
+    "--eval_every=10 --target_loss=2.5 --config.train.learning_rate=1e-3 "
+    "--out=runs/bench/staleness_lr1e-3.json": (
+        _TINY_BENCH_MODEL + " --taus=0,1 --max_steps=2 --eval_every=2",
+        "three training runs of 300 steps take many minutes on 2 cores",
+    ),
+    "python scripts/bench.py --study=aggregation --parts=per_hop --config.mesh.data=8 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --max_steps=300 --out=runs/bench/per_hop.json": (
+        _TINY_BENCH_MODEL + " --max_steps=2",
+        "three training runs of 300 steps take many minutes on 2 cores",
+    ),
+    "python scripts/train.py --config.mesh.data=8 --config.mesh.fsdp=1 --config.mesh.tensor=1 "
+    "--config.grad_sync.algorithm=ps --workdir=runs/ps": (
+        "--config.train.steps=2",
+        "the default job's 300 steps",
+    ),
+    "python scripts/launch.py --num_processes=2 --devices_per_process=4 -- python scripts/train.py "
+    "--config.mesh.data=4 --config.mesh.fsdp=1 --config.mesh.tensor=2 --config.mesh.dcn_data=2 "
+    "--config.grad_sync.algorithm=hierarchical --workdir=runs/hierarchical": (
+        "--config.train.steps=2",
+        "the default job's 300 steps, in 2 processes",
+    ),
     "python scripts/bench_pipeline.py --ms=8 --steps=0 --fsdp=2 --schedules=gpipe,1f1b,zb": (
         "--schedules=1f1b",
         "3 compiles on 8 devices; one row runs the same code",

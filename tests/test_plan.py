@@ -253,6 +253,9 @@ def test_plan_script_end_to_end(tmp_path):
     assert result["devices"] == 16 and len(result["ranked"]) == 5
     assert result["recommended"]["fits"]
     assert result["recommended"]["layout"] == result["ranked"][0]["layout"]
+    if "data1" not in result["recommended"]["layout"]:  # an algorithm for the data axis
+        pick = result["grad_sync_algorithms"][0]["algorithm"]
+        assert f"recommended grad_sync.algorithm={pick}" in proc.stdout
     assert png.stat().st_size > 10_000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
