@@ -319,6 +319,8 @@ class Layout:
     grad_accum: int = 1
     microbatches: int = 1  # pipeline microbatches (only read when pipeline > 1)
     remat: str = "none"
+    expert: int = 1
+    context: int = 1
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -326,7 +328,7 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipeline
+        return self.data * self.fsdp * self.tensor * self.pipeline * self.expert * self.context
 
     @property
     def name(self) -> str:

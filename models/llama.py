@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxdist import sharding
 from jaxdist.errors import ConfigError
 from jaxdist.sharding import constrain
-from models import api, gpt
+from models import api, attention, gpt
 
 # Logical axes of one layer's parameters (without the leading `layers` axis). Key/value heads are
 # split over `tensor` like the query heads: query head n reads key/value head n // G, which lands
@@ -154,15 +155,26 @@ def _mlp(lp, x, cfg, c):
     return x + constrain(out, ACT)
 
 
-def block(lp: dict[str, jax.Array], x: jax.Array, *, cfg) -> jax.Array:
-    """One pre-norm Llama layer on x [B, T, D]; `lp` holds one layer's parameters."""
+def _attend(q, k, v, positions: np.ndarray | None, cfg) -> jax.Array:
+    """Causal grouped-query attention [B, T, N, H]; over `mesh.context` when it is > 1."""
+    if sharding.axis_size(attention.AXIS) > 1:
+        pos = np.arange(q.shape[1]) if positions is None else positions
+        return attention.context_attention(q, k, v, pos, cfg.context_attention)
+    impl = gpt.attention_implementation(cfg.attention, q.dtype, q.shape[-1])
+    # Grouped-query attention: K < N key/value heads, query head n reads head n // (N / K).
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+
+def block(
+    lp: dict[str, jax.Array], x: jax.Array, *, cfg, positions: np.ndarray | None = None
+) -> jax.Array:
+    """One pre-norm Llama layer on x [B, T, D]; `lp` holds one layer's parameters. `positions`
+    [T]: each storage slot's position (the zig-zag order of ring attention), default arange."""
     c = lambda name: constrain(lp[name], BLOCK_AXES[name])  # gathered over fsdp for compute
     with jax.named_scope("attention"):
-        q, k, v = _qkv(lp, x, jnp.arange(x.shape[1]), cfg, c)
-        impl = gpt.attention_implementation(cfg.attention, q.dtype, q.shape[-1])
-        # Grouped-query attention: K < N key/value heads, query head n reads head n // (N / K).
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-        o = constrain(o, HEADS)
+        pos = jnp.arange(x.shape[1]) if positions is None else jnp.asarray(positions)
+        q, k, v = _qkv(lp, x, pos, cfg, c)
+        o = constrain(_attend(q, k, v, positions, cfg), HEADS)
         x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ACT)
     with jax.named_scope("mlp"):
         return _mlp(lp, x, cfg, c)
@@ -209,18 +221,41 @@ class Llama(nnx.Module):
             p["head"] = self.head[...]
         return p
 
-    def __call__(self, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
-        """Logits [B, T, V] of tokens [B, T]."""
+    def _hidden(self, tokens: jax.Array, positions, remat: str) -> jax.Array:
         x = embed_tokens({"embed": self.embed[...]}, tokens, embed_grad=self.cfg.embed_grad)
-        layer = functools.partial(block, cfg=self.cfg)
-        x = api.scan_layers(
+        layer = functools.partial(block, cfg=self.cfg, positions=positions)
+        return api.scan_layers(
             layer, self.layers.stacked(), x, remat=remat, unroll=self.cfg.scan_unroll
         )
-        return logits(self.head_params(), x, eps=self.cfg.norm_eps)
+
+    def _order(self, length: int) -> np.ndarray | None:
+        """The storage order of the sequence under context parallelism (None: natural)."""
+        c = sharding.axis_size(attention.AXIS)
+        return attention.sequence_order(length, c, self.cfg.context_attention)
+
+    def __call__(self, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
+        """Logits [B, T, V] of tokens [B, T]."""
+        order = self._order(tokens.shape[1])
+        if order is None:
+            return logits(
+                self.head_params(), self._hidden(tokens, None, remat), eps=self.cfg.norm_eps
+            )
+        x = self._hidden(constrain(tokens[:, order], ("batch", "length")), order, remat)
+        out = logits(self.head_params(), x, eps=self.cfg.norm_eps)
+        return constrain(out[:, np.argsort(order)], ("batch", "length", "vocab"))
 
     def loss(self, batch: dict[str, jax.Array], *, remat: str = "none") -> tuple[jax.Array, dict]:
-        """Mean next-token cross-entropy (float32) over the batch."""
-        return api.token_cross_entropy(self(batch["inputs"], remat=remat), batch["targets"]), {}
+        """Mean next-token cross-entropy (float32) over the batch. Under ring context attention
+        the tokens and targets are stored zig-zag (a permutation: the mean is unchanged)."""
+        inputs, targets = batch["inputs"], batch["targets"]
+        order = self._order(inputs.shape[1])
+        if order is not None:
+            inputs = constrain(inputs[:, order], ("batch", "length"))
+            targets = constrain(targets[:, order], ("batch", "length"))
+        x = self._hidden(inputs, order, remat)
+        return api.token_cross_entropy(
+            logits(self.head_params(), x, eps=self.cfg.norm_eps), targets
+        ), {}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -344,6 +379,7 @@ def check(m, mesh: Mapping[str, int]) -> None:
         f"model.d_model={m.d_model} must be divisible by mesh.fsdp={mesh['fsdp']} "
         "(parameters are sharded over fsdp along embed)",
     )
+    _check_context(m, mesh)
     _need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
     _need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0")
     _need(
@@ -358,6 +394,20 @@ def check(m, mesh: Mapping[str, int]) -> None:
         isinstance(m.scan_unroll, int) and m.scan_unroll >= 1,
         f"model.scan_unroll={m.scan_unroll!r} must be an integer >= 1 (1 = a rolled layer loop; "
         f"model.num_layers={m.num_layers}: no loop)",
+    )
+
+
+def _check_context(m, mesh: Mapping[str, int]) -> None:
+    """Sequence split over `mesh.context`: into c slices, or 2c zig-zag chunks for `ring`."""
+    c = mesh.get("context", 1)
+    if c <= 1:
+        return
+    parts = 2 * c if m.context_attention == "ring" else c
+    why = "2·mesh.context zig-zag chunks" if m.context_attention == "ring" else "mesh.context"
+    _need(
+        m.seq_len % parts == 0,
+        f"model.seq_len={m.seq_len} must be divisible by {parts} ({why}, "
+        f"model.context_attention={m.context_attention!r})",
     )
 
 
