@@ -3,6 +3,7 @@ equal one device's attention, train like one device, and cut per-device memory b
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -161,3 +162,42 @@ def test_bad_length_is_one_line(mode, seq_len, want):
     with pytest.raises(ConfigError) as e:
         config_lib.validate(c, 8)
     assert str(e.value).startswith(want) and "\n" not in str(e.value)
+
+
+def train_llama(workdir, steps: int, *flags: str):
+    """scripts/train.py on configs/llama_tiny.py with test_reshard's tiny settings and `flags`."""
+    import subprocess
+    import sys
+
+    from tests.test_reshard import ROOT, TINY
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXDIST_", "XLA_FLAGS"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    args = ["--config=configs/llama_tiny.py", f"--workdir={workdir}", *TINY, *flags]
+    proc = subprocess.run(
+        [sys.executable, "scripts/train.py", *args, f"--config.train.steps={steps}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_checkpoint_restores_across_context_sizes(tmp_path):
+    """Steps 1–4 on context=4 × data=2 (ring), then 5–6 on context=2 × data=4: the losses equal
+    an uninterrupted context=4 run within 1e-5."""
+    from tests.test_reshard import losses, mesh_flags
+
+    train = train_llama
+    flags = ("--config.model.num_kv_heads=2",)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train(ref, 6, *flags, *mesh_flags(8, data=2), "--config.mesh.context=4")
+    train(run, 4, *flags, *mesh_flags(8, data=2), "--config.mesh.context=4")
+    proc = train(run, 6, *flags, *mesh_flags(8, data=4), "--config.mesh.context=2")
+    assert "at step 4" in proc.stdout
+    want, got = losses(ref), losses(run)
+    np.testing.assert_allclose([got[5], got[6]], [want[5], want[6]], rtol=0, atol=1e-5)

@@ -167,3 +167,24 @@ def test_bad_input_is_one_line(fields, mesh, want):
     with pytest.raises(ConfigError) as e:
         config_lib.validate(c, 8)
     assert str(e.value).startswith(want) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_checkpoint_restores_across_expert_sizes(tmp_path):
+    """Steps 1–4 on expert=4 × data=2, then 5–6 on expert=2 × data=4 (resharded restore of the
+    expert weights): the losses equal an uninterrupted expert=4 run within 1e-5."""
+    from tests.test_context import train_llama as train
+    from tests.test_reshard import losses, mesh_flags
+
+    moe_flags = (
+        "--config.model.num_experts=4",
+        "--config.model.mlp_dim=32",
+        "--config.model.num_kv_heads=2",
+    )
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train(ref, 6, *moe_flags, *mesh_flags(8, data=2), "--config.mesh.expert=4")
+    train(run, 4, *moe_flags, *mesh_flags(8, data=2), "--config.mesh.expert=4")
+    proc = train(run, 6, *moe_flags, *mesh_flags(8, data=4), "--config.mesh.expert=2")
+    assert "at step 4" in proc.stdout
+    want, got = losses(ref), losses(run)
+    np.testing.assert_allclose([got[5], got[6]], [want[5], want[6]], rtol=0, atol=1e-5)
