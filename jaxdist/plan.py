@@ -588,6 +588,40 @@ def _term_time(term: CommTerm, local: dict[str, int], hw: Hardware) -> float:
 #   full:          x (D)                                 | —                    | —
 # Flash attention (`model.attention="cudnn"`) keeps no scores. GPU and TPU fuse GELU's elementwise
 # pieces, so there `none` keeps fewer [b,T,F] copies: the figure is conservative off CPU.
+def _context_expert_terms(add, config, sizes: dict[str, int], tokens: int, dt: int, reps: int):
+    """Context and expert parallelism's collectives per step. `tokens`: one microbatch's tokens on
+    a device's data shard (before the context split); `dt`: bytes per value on the wire; `reps`:
+    layer executions per step. What the compiled step holds (tests/test_context.py,
+    tests/test_moe.py): ring attention sends one stacked K/V block per hop, c − 1 hops forward and
+    as many back; all_gather gathers K/V forward and reduce-scatters their gradient back; an MoE
+    layer sends its [E, C, D] buffer out and back with two all-to-alls, and two more backward."""
+    m = config.model
+    c, ep = sizes["context"], sizes["expert"]
+    n = tokens // c  # tokens on one device
+    kv_width = (m.num_kv_heads or m.num_heads) * (m.head_dim or m.d_model // m.num_heads)
+    kv = n * 2 * kv_width * dt  # the local K and V, stacked
+    ctx = ("context",)
+    if c > 1 and m.context_attention == "ring":
+        add(
+            "cp: ring K/V hops, fwd + bwd", "collective-permute", ctx, kv, 2 * (c - 1) * reps, False
+        )
+    elif c > 1:
+        add("cp: K/V all-gather, fwd", "all-gather", ctx, kv * c, reps, False)
+        add("cp: K/V grads reduce-scatter, bwd", "reduce-scatter", ctx, kv * c, reps, False)
+    if ep > 1 and m.num_experts:
+        E, k, f = m.num_experts, m.experts_per_token, m.moe_capacity_factor
+        C = n if f <= 0 else max(1, min(n, math.ceil(f * n * k / E)))
+        buf = E * C * m.d_model * dt  # [E, C, D]
+        add(
+            "ep: dispatch / combine all-to-alls, fwd + bwd",
+            "all-to-all",
+            ("expert",),
+            buf,
+            4 * reps,
+            False,
+        )
+
+
 def _saved_per_token(remat: str, D: int, F: int, NT: int) -> tuple[float, float, float]:
     if remat == "none":
         return 6 * D, 4 * D + 6 * F, 2 * NT
@@ -913,6 +947,8 @@ def predict(
         add("pp: batch split over stages (gather)", "all-gather", pa, act, A, False)
         add("pp: stage-0 input grad summed over stages", "all-reduce", pa, act, A, False)
 
+    _context_expert_terms(add, config, sizes, rows_mb * T, wire_dt(cdt), reps)
+
     # -- memory -----------------------------------------------------------------------------------
     # temp is the peak of the backward layer loop: the residuals saved for it, the working set of
     # one layer's backward (with what the policy recomputes), the stacked gradient buffers, the
@@ -922,7 +958,9 @@ def predict(
     NT = model.num_heads * T if config.model.attention != "cudnn" else 0
     rep, split, scores = _saved_per_token(remat, D, F, NT)
     # one row of one layer, bytes
-    row_bytes = lambda r, s, sc: T * ((r + s / tp) * adt + sc / tp * 4)
+    # With mesh.context a device holds T/c tokens; each still scores against all T keys.
+    Tl = T // sizes["context"]
+    row_bytes = lambda r, s, sc: Tl * ((r + s / tp) * adt + sc / tp * 4)
     full_row = row_bytes(*_saved_per_token("none", D, F, NT))
     # A stage's layer scan of one layer is no loop for XLA (trip count 1): nothing is stacked twice.
     Lc = Lp // v  # layers one tick runs
@@ -968,7 +1006,7 @@ def predict(
             weights_b += n_cp * cdt
             if one_f_one_b:  # the head's gradient sums over the ticks at its gathered shape
                 grads_b += n_cp * 4
-    logits_b = logit_rows * T * (V // tp) * 4
+    logits_b = logit_rows * Tl * (V // tp) * 4
     cast_b = sum(n * cdt for n in stored) if cdt < 4 else 0
     other = weights_b + logits_b + cast_b
     temp = grads_b + activations + other

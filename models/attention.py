@@ -13,8 +13,8 @@ local queries need, chosen by `model.context_attention`:
 * `all_gather`: K/V gathered over `context` in one collective; local queries against all keys
   ([T/c, T] scores per device). Simpler, fine for moderate lengths.
 
-Both run inside a `jax.shard_map` manual over `context` only; batch and heads stay automatic
-(split over data/fsdp/expert and tensor by the enclosing sharding). The backward is autodiff
+Both run inside a `jax.shard_map` manual over `context` and the batch axes (data, fsdp, expert);
+heads stay automatic (split over `tensor` by the enclosing sharding). The backward is autodiff
 (the transpose of a `ppermute` is the reverse `ppermute`). Masks come from positions, never
 from block indices, so the same code serves any storage order.
 
@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import sharding
 
 AXIS = "context"
+BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes of logical `batch` (jaxdist/sharding.py)
 _MASKED = -1e30  # finite: a fully masked row (never the case causally) stays NaN-free
 
 
@@ -116,12 +117,14 @@ def context_attention(q, k, v, positions: np.ndarray, mode: str) -> jax.Array:
     c = int(mesh.shape[AXIS])
     table = np.asarray(positions).reshape(c, -1)
     local = _local_ring if mode == "ring" else _local_gathered
-    spec = P(None, AXIS)
+    # Manual over the batch axes too: left automatic, XLA gathers the batch around all_gather.
+    batch = tuple(a for a in BATCH_AXES if a in mesh.shape)
+    spec = P(batch, AXIS)
     fn = jax.shard_map(
         lambda q, k, v: local(q, k, v, table=table, c=c),
         mesh=mesh,
         in_specs=(spec, spec, spec),
         out_specs=spec,
-        axis_names={AXIS},
+        axis_names={AXIS, *batch},
     )
     return fn(q, k, v)

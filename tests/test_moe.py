@@ -188,3 +188,36 @@ def test_checkpoint_restores_across_expert_sizes(tmp_path):
     assert "at step 4" in proc.stdout
     want, got = losses(ref), losses(run)
     np.testing.assert_allclose([got[5], got[6]], [want[5], want[6]], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "fields, kind",
+    [
+        (dict(mesh=dict(expert=4, data=2), moe=1.0), "all-to-all"),
+        (dict(mesh=dict(expert=4, data=2), moe=0.0), "all-to-all"),
+        (dict(mesh=dict(context=4, data=2), ring="ring"), "collective-permute"),
+        (dict(mesh=dict(context=2, data=4), ring="all_gather"), "all-gather"),
+    ],
+)
+def test_planner_costs_equal_the_compiled_step(fields, kind):
+    """The planner's context / expert terms (`plan._context_expert_terms`: ring hops, K/V
+    gathers, all-to-all bytes) equal the compiled step's bytes (the layout record's).
+    `plan.predict` itself models the GPT only, so the terms are checked directly."""
+    from jaxdist import hlo_cost, loop, plan
+
+    if "moe" in fields:
+        c = moe_config(fields["moe"], **fields["mesh"])
+    else:
+        c = llama_config(**fields["mesh"])
+        c.model.context_attention = fields["ring"]
+    eng, compiled = compile_step(c)
+    record = loop.layout_record(eng, compiled, c)["collective_bytes_per_step"]
+    sizes = config_lib.resolve_mesh_shape(c.mesh, 8)
+    terms = []
+    add = lambda name, k, axes, payload, count, hidden: terms.append(
+        (k, hlo_cost.ring_wire_bytes(k, payload, math.prod(sizes[a] for a in axes)) * count)
+    )
+    rows = c.train.batch_size // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
+    plan._context_expert_terms(add, c, sizes, rows * c.model.seq_len, 4, c.model.num_layers)
+    assert record[kind] > 0
+    assert sum(b for k, b in terms if k == kind) == pytest.approx(record[kind], rel=1e-9)
