@@ -4,12 +4,13 @@ Each device holds T/c of the sequence (c = mesh.context). Two ways to read the k
 local queries need, chosen by `model.context_attention`:
 
 * `ring`: the K/V block is passed around the `context` axis with `ppermute` (c − 1 hops, one
-  stacked K/V array per hop); each hop's transfer is issued before the current block's
+  stacked K/V array per hop); each hop's transfer does not depend on the previous block's
   computation, so the two can overlap. Scores are folded in with an online softmax (running max
   and sum, flash-style), so no device holds more than a [T/c, T/c] score block. Causal masking
   would leave the device holding the sequence's start idle, so the sequence is stored zig-zag:
-  2c chunks, device i holds chunks i and 2c−1−i (`sequence_order`), and every device has the same
-  number of unmasked scores.
+  2c chunks, device i holds chunks i and 2c−1−i (`sequence_order`): every device has the same
+  number of unmasked scores, and every hop after the first computes half a block
+  (`_zigzag_hop`), so each device does (c + 1)/2c of the full-block work.
 * `all_gather`: K/V gathered over `context` in one collective; local queries against all keys
   ([T/c, T] scores per device). Simpler, fine for moderate lengths.
 
@@ -82,13 +83,37 @@ def _local_ring(q, k, v, *, table: np.ndarray, c: int):
     qg = q.reshape(B, Tl, K, N // K, H)
     kv = jnp.stack([k, v])  # [2, B, T/c, K, H]: one permute per hop
     ring = [(j, (j + 1) % c) for j in range(c)]
-    carry = None
-    for step in range(c):
-        nxt = jax.lax.ppermute(kv, AXIS, ring) if step < c - 1 else None  # overlaps the block
+    scale = 1 / math.sqrt(H)
+    carry = _fold(None, qg, k, v, table[me], table[me], scale)  # own block: the diagonal
+    for step in range(1, c):
+        kv = jax.lax.ppermute(kv, AXIS, ring)  # issued before this hop's block runs
         src = (me - step) % c  # the device this K/V block started on
-        carry = _fold(carry, qg, kv[0], kv[1], table[me], table[src], 1 / math.sqrt(H))
-        kv = nxt
+        carry = _zigzag_hop(carry, qg, kv, table[me], table[src], src < me, scale)
     return _finish(carry, q.shape, q.dtype)
+
+
+def _zigzag_hop(carry, qg, kv, q_pos, k_pos, earlier, scale):
+    """One ring hop under the zig-zag layout, half the block's work. Device i holds chunks
+    (i, 2c−1−i); the block from device j holds (j, 2c−1−j). j < i: every local query sees chunk j
+    and none sees chunk 2c−1−j, so all queries × the first half of the keys. j > i: the early
+    local chunk sees nothing and the late one sees both, so the second half of the queries × all
+    keys. Masks still come from positions."""
+    half = qg.shape[1] // 2
+
+    def early_keys(carry):
+        return _fold(carry, qg, kv[0, :, :half], kv[1, :, :half], q_pos, k_pos[:half], scale)
+
+    def late_queries(carry):
+        o, m, l_sum = carry
+        part = (o[:, half:], m[..., half:], l_sum[..., half:])
+        o2, m2, l2 = _fold(part, qg[:, half:], kv[0], kv[1], q_pos[half:], k_pos, scale)
+        return (
+            jnp.concatenate([o[:, :half], o2], axis=1),
+            jnp.concatenate([m[..., :half], m2], axis=-1),
+            jnp.concatenate([l_sum[..., :half], l2], axis=-1),
+        )
+
+    return jax.lax.cond(earlier, early_keys, late_queries, carry)
 
 
 def _local_gathered(q, k, v, *, table: np.ndarray, c: int):
