@@ -221,3 +221,18 @@ def test_planner_costs_equal_the_compiled_step(fields, kind):
     plan._context_expert_terms(add, c, sizes, rows * c.model.seq_len, 4, c.model.num_layers)
     assert record[kind] > 0
     assert sum(b for k, b in terms if k == kind) == pytest.approx(record[kind], rel=1e-9)
+
+
+def test_kv_cache_forward_matches_the_model():
+    """Generation's cached forward (prefill) gives the training forward's logits for an MoE
+    model with a shared expert."""
+    from flax import nnx
+
+    c = moe_config()
+    c.model.moe_shared_expert = True
+    model = llama.Llama(c.model, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
+    cache = llama.init_cache(c.model, 2, 16)
+    got, _ = llama.forward_cached(params, tokens, jnp.zeros((2,), jnp.int32), cache, cfg=c.model)
+    np.testing.assert_allclose(got, model(tokens), rtol=0, atol=1e-5)
