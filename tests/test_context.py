@@ -102,6 +102,23 @@ def test_context4_data2_trains_like_one_device(mode):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize(
+    "mode, mesh",
+    [
+        ("ring", dict(context=2, fsdp=2, tensor=2)),
+        ("all_gather", dict(context=2, data=2, tensor=2)),
+    ],
+)
+def test_context_composes_with_fsdp_and_tensor(mode, mesh):
+    """Context with FSDP-stored weights and heads split over tensor: losses within 1e-5."""
+    base = llama_config()
+    ref, _ = train_steps(base, 4)
+    c = llama_config(**mesh)
+    c.model.context_attention = mode
+    losses, _ = train_steps(c, 4)
+    np.testing.assert_allclose(losses, ref, rtol=0, atol=1e-5)
+
+
 def _count(pattern: str, text: str) -> int:
     return len(re.findall(pattern, text))
 
