@@ -167,7 +167,8 @@ def _positive(config, path: str) -> None:
 
 def resolve_mesh_shape(mesh_cfg: Mapping[str, Any], num_devices: int) -> dict[str, int]:
     """Sizes for every mesh axis, with the one `-1` axis (if any) taking the remaining devices."""
-    sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
+    # An axis a caller's dict leaves out (scripts building a mesh by hand) has size 1.
+    sizes = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
     free = [a for a, s in sizes.items() if s == -1]
     _need(len(free) <= 1, f"mesh: only one axis may be -1, got {', '.join(free)}")
     for a, s in sizes.items():
@@ -190,7 +191,7 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, Any], num_devices: int) -> dict[st
         "or set one axis to -1",
     )
     for a in MESH_AXES:
-        dcn = int(mesh_cfg[f"dcn_{a}"])
+        dcn = int(mesh_cfg.get(f"dcn_{a}", 1))
         _need(
             dcn >= 1 and sizes[a] % dcn == 0,
             f"mesh.dcn_{a}={dcn} must be >= 1 and divide mesh.{a}={sizes[a]}",
