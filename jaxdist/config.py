@@ -18,7 +18,12 @@ import ml_collections
 
 from jaxdist.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor", "pipeline")
+# Slowest- to fastest-varying device index (jaxdist/mesh.py): `expert` and `context` sit between
+# the batch axes and `tensor`, so their all-to-alls and ring hops stay on neighbouring devices.
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor", "pipeline")
+# The axes every message names; `expert` and `context` are named only when used.
+_CORE_AXES = ("data", "fsdp", "tensor", "pipeline")
+CONTEXT_ATTENTIONS = ("ring", "all_gather")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 NONFINITE = ("stop", "skip")
 
@@ -58,6 +63,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.eos_token_id = -1  # generation stops at this token; -1 = none
+    # Context parallelism (models/attention.py): how attention reads K/V across `mesh.context`.
+    c.model.context_attention = "ring"  # or "all_gather"
+    # Mixture of experts in the Llama family (models/moe.py); 0 experts = a dense MLP.
+    c.model.num_experts = 0
+    c.model.experts_per_token = 2  # top-k
+    c.model.moe_capacity_factor = 0.0  # 0 = dropless; else capacity = factor·tokens·k / experts
+    c.model.moe_aux_loss_weight = 0.01  # load-balancing loss (Switch / GShard)
+    c.model.moe_z_loss_weight = 0.001  # router z-loss (ST-MoE)
+    c.model.moe_shared_expert = False  # one dense SwiGLU every token also goes through
     c.model.hidden_dims = (256, 256)  # mlp
     c.model.widths = (16, 32, 64)  # resnet stage widths
     c.model.num_classes = 10  # mlp / resnet
@@ -161,7 +175,8 @@ def _positive(config, path: str) -> None:
 
 def resolve_mesh_shape(mesh_cfg: Mapping[str, Any], num_devices: int) -> dict[str, int]:
     """Sizes for every mesh axis, with the one `-1` axis (if any) taking the remaining devices."""
-    sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
+    # An axis a caller's dict leaves out (scripts building a mesh by hand) has size 1.
+    sizes = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
     free = [a for a, s in sizes.items() if s == -1]
     _need(len(free) <= 1, f"mesh: only one axis may be -1, got {', '.join(free)}")
     for a, s in sizes.items():
@@ -175,15 +190,16 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, Any], num_devices: int) -> dict[st
         )
         sizes[free[0]] = num_devices // fixed
     total = math.prod(sizes.values())
+    named = [a for a in MESH_AXES if a in _CORE_AXES or sizes[a] != 1]
     _need(
         total == num_devices,
-        "mesh: data×fsdp×tensor×pipeline = "
-        + "×".join(str(sizes[a]) for a in MESH_AXES)
+        f"mesh: {'×'.join(named)} = "
+        + "×".join(str(sizes[a]) for a in named)
         + f" = {total} but there are {num_devices} devices; make the product {num_devices} "
         "or set one axis to -1",
     )
     for a in MESH_AXES:
-        dcn = int(mesh_cfg[f"dcn_{a}"])
+        dcn = int(mesh_cfg.get(f"dcn_{a}", 1))
         _need(
             dcn >= 1 and sizes[a] % dcn == 0,
             f"mesh.dcn_{a}={dcn} must be >= 1 and divide mesh.{a}={sizes[a]}",
@@ -240,14 +256,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
 
     mesh = resolve_mesh_shape(config.mesh, num_devices)
     models.check(config.model, mesh)
-    replicas = mesh["data"] * mesh["fsdp"]
+    replicas = mesh["data"] * mesh["fsdp"] * mesh["expert"]
     per_step = replicas * config.train.grad_accum
+    ep = "×mesh.expert" if mesh["expert"] > 1 else ""
+    ep_n = f"×{mesh['expert']}" if mesh["expert"] > 1 else ""
     _need(
         config.train.batch_size % per_step == 0,
         f"train.batch_size={config.train.batch_size} must be divisible by "
-        f"mesh.data×mesh.fsdp×train.grad_accum = {mesh['data']}×{mesh['fsdp']}×"
+        f"mesh.data×mesh.fsdp{ep}×train.grad_accum = {mesh['data']}×{mesh['fsdp']}{ep_n}×"
         f"{config.train.grad_accum} = {per_step}",
     )
+    _check_context_expert(config, mesh)
     pipeline.check(config, mesh)
     strategies.check(config, mesh)
     allreduce.check(config, mesh)
@@ -278,6 +297,26 @@ def _check_sources(d) -> None:
         )
     else:
         _need(not tuple(d.weights), "data.weights is set without data.sources; give both")
+
+
+def _check_context_expert(config, mesh: Mapping[str, int]) -> None:
+    """`mesh.context` / `mesh.expert` rules every model shares (the family checks its own)."""
+    _choice(config, "model.context_attention", CONTEXT_ATTENTIONS)
+    for axis in ("context", "expert"):
+        if mesh[axis] > 1:
+            _need(
+                config.model.name == "llama",
+                f"mesh.{axis}={mesh[axis]} needs model.name='llama' (got {config.model.name!r})",
+            )
+            _need(
+                mesh["pipeline"] == 1,
+                f"mesh.{axis}={mesh[axis]} does not compose with mesh.pipeline={mesh['pipeline']}",
+            )
+            _need(
+                config.grad_sync.compression == "none" and config.grad_sync.local_steps == 1,
+                f"mesh.{axis}={mesh[axis]} runs with the plain gradient strategy only; set "
+                "grad_sync.compression=none and grad_sync.local_steps=1",
+            )
 
 
 def to_json_dict(config: ml_collections.ConfigDict) -> dict:

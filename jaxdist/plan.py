@@ -319,6 +319,8 @@ class Layout:
     grad_accum: int = 1
     microbatches: int = 1  # pipeline microbatches (only read when pipeline > 1)
     remat: str = "none"
+    expert: int = 1
+    context: int = 1
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -326,7 +328,7 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipeline
+        return self.data * self.fsdp * self.tensor * self.pipeline * self.expert * self.context
 
     @property
     def name(self) -> str:
@@ -586,6 +588,40 @@ def _term_time(term: CommTerm, local: dict[str, int], hw: Hardware) -> float:
 #   full:          x (D)                                 | —                    | —
 # Flash attention (`model.attention="cudnn"`) keeps no scores. GPU and TPU fuse GELU's elementwise
 # pieces, so there `none` keeps fewer [b,T,F] copies: the figure is conservative off CPU.
+def _context_expert_terms(add, config, sizes: dict[str, int], tokens: int, dt: int, reps: int):
+    """Context and expert parallelism's collectives per step. `tokens`: one microbatch's tokens on
+    a device's data shard (before the context split); `dt`: bytes per value on the wire; `reps`:
+    layer executions per step. What the compiled step holds (tests/test_context.py,
+    tests/test_moe.py): ring attention sends one stacked K/V block per hop, c − 1 hops forward and
+    as many back; all_gather gathers K/V forward and reduce-scatters their gradient back; an MoE
+    layer sends its [E, C, D] buffer out and back with two all-to-alls, and two more backward."""
+    m = config.model
+    c, ep = sizes["context"], sizes["expert"]
+    n = tokens // c  # tokens on one device
+    kv_width = (m.num_kv_heads or m.num_heads) * (m.head_dim or m.d_model // m.num_heads)
+    kv = n * 2 * kv_width * dt  # the local K and V, stacked
+    ctx = ("context",)
+    if c > 1 and m.context_attention == "ring":
+        add(
+            "cp: ring K/V hops, fwd + bwd", "collective-permute", ctx, kv, 2 * (c - 1) * reps, False
+        )
+    elif c > 1:
+        add("cp: K/V all-gather, fwd", "all-gather", ctx, kv * c, reps, False)
+        add("cp: K/V grads reduce-scatter, bwd", "reduce-scatter", ctx, kv * c, reps, False)
+    if ep > 1 and m.num_experts:
+        E, k, f = m.num_experts, m.experts_per_token, m.moe_capacity_factor
+        C = n if f <= 0 else max(1, min(n, math.ceil(f * n * k / E)))
+        buf = E * C * m.d_model * dt  # [E, C, D]
+        add(
+            "ep: dispatch / combine all-to-alls, fwd + bwd",
+            "all-to-all",
+            ("expert",),
+            buf,
+            4 * reps,
+            False,
+        )
+
+
 def _saved_per_token(remat: str, D: int, F: int, NT: int) -> tuple[float, float, float]:
     if remat == "none":
         return 6 * D, 4 * D + 6 * F, 2 * NT
@@ -984,8 +1020,10 @@ def _activations(s: _Step) -> tuple[float, int, int, float, float]:
     adt = s.cdt if s.hw.bf16_activations else 4
     NT = m.num_heads * T if s.config.model.attention != "cudnn" else 0
     rep, split, scores = _saved_per_token(s.remat, D, m.mlp_dim, NT)
-    # one row of one layer, bytes
-    row_bytes = lambda r, sp, sc: T * ((r + sp / s.tp) * adt + sc / s.tp * 4)
+    # one row of one layer, bytes. With mesh.context a device holds T/c tokens; each still scores
+    # against all T keys.
+    Tl = T // s.sizes["context"]
+    row_bytes = lambda r, sp, sc: Tl * ((r + sp / s.tp) * adt + sc / s.tp * 4)
     full_row = row_bytes(*_saved_per_token("none", D, m.mlp_dim, NT))
     # A stage's layer scan of one layer is no loop for XLA (trip count 1): nothing is stacked twice.
     Lc = s.Lp // s.v  # layers one tick runs
@@ -1045,7 +1083,9 @@ def _memory(s: _Step) -> dict[str, float]:
             weights_b += n_cp * cdt
             if s.one_f_one_b:  # the head's gradient sums over the ticks at its gathered shape
                 grads_b += n_cp * 4
-    logits_b = logit_rows * s.model.seq_len * (s.model.vocab_size // s.tp) * 4
+    logits_b = (
+        logit_rows * (s.model.seq_len // s.sizes["context"]) * (s.model.vocab_size // s.tp) * 4
+    )
     cast_b = sum(n * cdt for n in stored) if cdt < 4 else 0
     other = weights_b + logits_b + cast_b
     temp = grads_b + activations + other
@@ -1098,6 +1138,9 @@ def predict(
     _fsdp_terms(s, out)
     _grad_sync_terms(s, out, compression_ratio)
     _pipeline_terms(s, out)
+    _context_expert_terms(
+        out.add, config, s.sizes, s.rows_mb * model.seq_len, s.wire_dt(s.cdt), s.reps
+    )
     memory = _memory(s)
 
     tokens = int(config.train.batch_size) * model.seq_len

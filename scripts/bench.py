@@ -21,6 +21,9 @@ Studies:
   aggregation  per grad_sync.algorithm: HLO bytes of the busiest device, sequential steps and step
             time; the planner's all-reduce time 8 → 4096 devices; steps to --target_loss for each
             grad_sync.staleness in --taus (scripts/aggregation_study.py, docs/AGGREGATION.md).
+  context, moe  context and expert parallelism (scripts/bench_parallel.py): temp memory and step
+            time vs sequence length for mesh.context 1/2/4/8; step time vs number of experts at
+            equal active parameters, dropless vs capacity.
 
 Timing: every step is synchronised with `block_until_ready`; medians with the 10th–90th percentile
 spread. The device's peak FLOP/s is looked up by device kind; no MFU is reported on CPU.
@@ -36,6 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import bench_parallel  # noqa: E402
 import benchlib  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from benchlib import build as _build  # noqa: E402
@@ -53,8 +57,11 @@ _STUDY = flags.DEFINE_enum(
     "study",
     "overhead",
     ["overhead", "compile", "batch", "compression", "aggregation"],
+    ["overhead", "compile", "batch", "compression", "context", "moe"],
     "Which benchmark.",
 )
+_LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "--study=context: lengths T.")
+_EXPERTS = flags.DEFINE_list("experts", ["4", "8", "16"], "--study=moe: numbers of experts.")
 _BATCHES = flags.DEFINE_list(
     "batch_sizes", ["16", "32", "64", "128", "256", "512"], "--study=batch: global batches."
 )
@@ -428,6 +435,12 @@ def main(argv):
         "batch": study_batch,
         "compression": study_compression,
         "aggregation": study_aggregation,
+        "context": lambda c: bench_parallel.study_context(
+            c, [int(t) for t in _LENGTHS.value], _STEPS.value, _WARMUP.value
+        ),
+        "moe": lambda c: bench_parallel.study_moe(
+            c, [int(e) for e in _EXPERTS.value], _STEPS.value, _WARMUP.value
+        ),
     }
     result = studies[_STUDY.value](config)
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)

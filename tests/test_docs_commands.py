@@ -118,6 +118,16 @@ SHORTENED = {
         "--config.train.steps=4 --config.checkpoint.every=4",
         "20 fine-tuning steps; 4 make the run folder the export reads",
     ),
+    "python scripts/bench.py --study=context --config=configs/llama_tiny.py --lengths=256,1024 "
+    "--steps=3 --warmup=1 --out=runs/bench/context.json": (
+        "--lengths=32 --steps=1 --warmup=0",
+        "16 compiles and timed runs up to T=1024 take ~15 minutes on 2 cores; T=32 runs the same code",
+    ),
+    "python scripts/bench.py --study=moe --config=configs/llama_tiny.py --steps=5 --warmup=2 "
+    "--out=runs/bench/moe.json": (
+        "--experts=4 --steps=1 --warmup=0",
+        "6 compiles take minutes on 2 cores; the 4-expert rows run the same code",
+    ),
     "python scripts/bench.py --study=aggregation --parts=algorithms --config.mesh.data=8 "
     "--config.mesh.fsdp=1 --config.mesh.tensor=1 --out=runs/bench/aggregation.json": (
         _TINY_BENCH_MODEL,

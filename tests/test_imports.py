@@ -17,7 +17,7 @@ PACKAGES = ("jaxdist", "models")
 # What a model may import from the library (logical-axis helpers, and the one error type).
 MODEL_MAY_IMPORT = {"jaxdist.sharding", "jaxdist.errors"}
 # What in models/ is not a model family: the registry and the protocol.
-NOT_A_FAMILY = {"models", "models.api"}
+NOT_A_FAMILY = {"models", "models.api", "models.attention", "models.moe"}
 
 
 def _modules(root: pathlib.Path, packages=PACKAGES) -> dict[str, pathlib.Path]:
