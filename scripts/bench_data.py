@@ -60,6 +60,16 @@ def _corpus(mb: float) -> list[str]:
     return docs
 
 
+def _config_from(path: str):
+    """`get_config()` of an experiment file, unlocked so the study can set its data fields."""
+    spec = importlib.util.spec_from_file_location("bench_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    config.unlock()
+    return config
+
+
 def study_tokenize(args) -> dict:
     from tokenizers import Tokenizer
 
@@ -123,12 +133,10 @@ def study_tokenize(args) -> dict:
 def study_loader(args) -> dict:
     import jax
 
-    from jaxdist import config as config_lib
     from jaxdist import data, mesh, token_shards
 
     mesh.configure_cpu_devices(8)
-    cfg = config_lib.base_config()
-    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 2, 2, 2  # the default job's layout
+    cfg = _config_from("configs/default.py")  # the default job: its model, batch and mesh
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         ns = argparse.Namespace(
@@ -188,10 +196,7 @@ def study_decode(args) -> dict:
     import models
     from jaxdist import generate
 
-    spec = importlib.util.spec_from_file_location("bench_config", args.config)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    m = module.get_config().model
+    m = _config_from(args.config).model
     family = models.get(m.name)
     if family.decoder is None:
         raise ConfigError(f"{args.config}: model.name={m.name!r} cannot generate")

@@ -170,6 +170,18 @@ SHORTENED = {
         "--schedules=1f1b",
         "3 compiles on 8 devices; one row runs the same code",
     ),
+    "python scripts/bench_data.py --study=loader": (
+        "--steps=2",
+        "30 timed batches of two sources; 2 run the same code",
+    ),
+    "python scripts/bench_data.py --study=tokenize --corpus_mb=50": (
+        "--corpus_mb=0.5 --vocab=512 --repeats=1",
+        "50 MB tokenized three times takes minutes on 2 cores; 0.5 MB runs the same code",
+    ),
+    "python scripts/bench_data.py --study=decode --config=configs/llama_tiny.py": (
+        "--new_tokens=4 --repeats=1",
+        "3 repeats of 32 decode steps at two batch sizes; one short repeat runs the same code",
+    ),
     "python scripts/bench_pipeline.py --ms=4,8,32 --steps=0": (
         "--ms=4 --schedules=1f1b",
         "12 schedule × microbatch compiles; one row runs the same code",
