@@ -56,8 +56,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 _STUDY = flags.DEFINE_enum(
     "study",
     "overhead",
-    ["overhead", "compile", "batch", "compression", "aggregation"],
-    ["overhead", "compile", "batch", "compression", "context", "moe"],
+    ["overhead", "compile", "batch", "compression", "aggregation", "context", "moe"],
     "Which benchmark.",
 )
 _LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "--study=context: lengths T.")
