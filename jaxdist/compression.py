@@ -359,6 +359,7 @@ def topk(
     momentum: float = 0.9,
     warmup_steps: int = 0,
     batch_dims: Any = None,
+    dense_start: bool = False,
 ) -> optax.GradientTransformation:
     """Per-tensor top-k sparsification by magnitude (Deep Gradient Compression).
 
@@ -367,7 +368,13 @@ def topk(
     residual keeps exactly the entries not sent. With `momentum_correction` the local velocity
     u <- m u + g is accumulated instead of the gradient and zeroed where sent (DGC); follow it with
     momentum-free SGD. With `warmup_steps` the density steps down 1, 1/4, 1/16, ... to `ratio`
-    over that many steps. Wire: R k 8 bytes gathered vs 8 size for f32: ~1 / (R ratio) x fewer.
+    over that many steps (`dense_start`: all of them dense, then `ratio`). At density 1 nothing is
+    masked: the velocity is kept, so DGC's dense warm-up steps are momentum SGD.
+    Wire: an all-gather of R k (value, index) pairs, ~R k 8 bytes, vs ~8 size for an f32 ring
+    all-reduce: ~1 / (R ratio) x fewer. Where R k >= size (large R or a dense warm-up stage) the
+    pairs would cost more than the dense tensor, and each replica instead all-reduces its top-k
+    scattered into a dense f32 tensor (the same sum: the dense reduce of the sparse union), so
+    top-k never sends more than `none`.
     `batch_dims` (an int or a tree like the params) marks leading stacked-layer axes: each layer
     is a tensor of its own, with its own k.
     """
@@ -378,6 +385,8 @@ def topk(
             "topk: momentum_correction needs error_feedback=True (DGC accumulates locally)"
         )
     densities = topk_densities(ratio, warmup_steps)
+    if dense_start and warmup_steps > 0:
+        densities = [1.0, ratio]
 
     def init(params):
         def zeros(p):  # f32 even for bf16 gradients: the residual must keep what was not sent
@@ -389,11 +398,17 @@ def topk(
 
     def send(acc, u, k, r):
         """Top-k of acc [n]: (mean over replicas of what was sent, acc and u zeroed where sent)."""
-        if k >= acc.size:
-            return jax.lax.pmean(acc, _axes(axis_name)), jnp.zeros_like(acc), jnp.zeros_like(u)
+        if k >= acc.size:  # everything sent: nothing left, the velocity kept (momentum SGD)
+            return jax.lax.pmean(acc, _axes(axis_name)), jnp.zeros_like(acc), u
         _, idx = jax.lax.top_k(jnp.abs(acc), k)
-        vals, all_idx = _gather(acc[idx], axis_name), _gather(idx.astype(jnp.int32), axis_name)
-        mean = jnp.zeros(acc.shape, acc.dtype).at[all_idx.reshape(-1)].add(vals.reshape(-1)) / r
+        if r * k >= acc.size:  # the pairs would outweigh the tensor: dense reduce of the union
+            sparse = jnp.zeros_like(acc).at[idx].set(acc[idx])
+            mean = jax.lax.pmean(sparse, _axes(axis_name))
+        else:
+            vals = _gather(acc[idx], axis_name)
+            all_idx = _gather(idx.astype(jnp.int32), axis_name)
+            mean = jnp.zeros(acc.shape, acc.dtype).at[all_idx.reshape(-1)].add(vals.reshape(-1))
+            mean = mean / r
         return mean, acc.at[idx].set(0), u.at[idx].set(0)
 
     def update(grads, state, params=None):
@@ -870,7 +885,11 @@ class FrozenAdamState(NamedTuple):
 
 
 def frozen_variance_adam(
-    freeze_step: int, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+    freeze_step: int,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    takes: str = "momentum",
 ) -> optax.GradientTransformation:
     """1-bit Adam's optimizer half (after `onebit_adam`'s sync): Adam, then frozen variance.
 
@@ -880,7 +899,14 @@ def frozen_variance_adam(
     with Adam's bias corrections (1 - b1^t) and (1 - b2^min(t, freeze_step)), so that the warm-up is
     AdamW exactly (DeepSpeed's OnebitAdam leaves the bias correction out). Chain it before weight
     decay and the learning rate, as in AdamW.
+
+    `takes="gradient"`: later steps take the (compressed) mean gradient too, and only v freezes.
+    Adam is then a fixed linear filter of its inputs, so what error feedback guarantees (the sum
+    of what is sent equals the sum of the gradients) carries through to the updates: the recipe
+    that makes top-k and PowerSGD work with Adam (`grad_sync.freeze_variance`).
     """
+    if takes not in ("momentum", "gradient"):
+        raise ValueError(f"frozen_variance_adam: takes={takes!r} must be momentum or gradient")
 
     def init(params):
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -894,7 +920,11 @@ def frozen_variance_adam(
 
         def moments(u, mu, nu):
             u = u.astype(jnp.float32)
-            mu = jnp.where(warm, b1 * mu + (1 - b1) * u, u)
+            mu = (
+                b1 * mu + (1 - b1) * u
+                if takes == "gradient"
+                else jnp.where(warm, b1 * mu + (1 - b1) * u, u)
+            )
             nu = jnp.where(warm, b2 * nu + (1 - b2) * u * u, nu)
             return mu, nu
 
@@ -936,6 +966,7 @@ _DEFAULTS = {
     "warm_start": True,
     "orthogonalization_epsilon": 0.0,
     "stochastic_rounding": False,
+    "freeze_variance": False,
 }
 
 
@@ -967,6 +998,7 @@ def _from_fields(name: str, axis_name: AxisName, cfg: Any, t: TrainFields):
         return topk(
             axis_name, _field(cfg, "topk_ratio"), error_feedback=ef, momentum_correction=mc,
             momentum=t.momentum, warmup_steps=warmup, batch_dims=t.batch_dims,
+            dense_start=bool(_field(cfg, "freeze_variance")),
         )  # fmt: skip
     return powersgd(
         axis_name, int(_field(cfg, "rank")), start_iter=warmup, error_feedback=ef,
@@ -1038,6 +1070,11 @@ def check(grad_sync_cfg: Any) -> None:
         raise ConfigError(
             f"grad_sync.min_compression={_field(grad_sync_cfg, 'min_compression')} must be >= 1"
         )
+    if _field(grad_sync_cfg, "freeze_variance") and name not in FREEZES_VARIANCE:
+        raise ConfigError(
+            f"grad_sync.freeze_variance applies to compression {' or '.join(FREEZES_VARIANCE)} "
+            f"(onebit_adam always freezes it), not {name!r}"
+        )
     if not _field(grad_sync_cfg, "orthogonalization_epsilon") >= 0:
         raise ConfigError("grad_sync.orthogonalization_epsilon must be >= 0, e.g. 0 or 1e-8")
 
@@ -1070,11 +1107,18 @@ def from_config(
     return COMPRESSORS[name](axis_name, grad_sync_cfg, t)
 
 
+FREEZES_VARIANCE = ("topk", "powersgd")  # grad_sync.freeze_variance: Adam with frozen v after
+
+
 def preconditioner(
     grad_sync_cfg: Any, betas: tuple[float, float] = (0.9, 0.95)
 ) -> optax.GradientTransformation | None:
-    """The optimizer half of a compressor that carries Adam's moments (onebit_adam), else None."""
+    """The optimizer half that replaces Adam's moments, else None: onebit_adam's, or with
+    `freeze_variance` (topk, powersgd) Adam whose variance freezes after `warmup_steps`."""
     name = _field(grad_sync_cfg, "compression")
+    if name in FREEZES_VARIANCE and _field(grad_sync_cfg, "freeze_variance"):
+        warmup = int(_field(grad_sync_cfg, "warmup_steps"))
+        return frozen_variance_adam(warmup, b1=betas[0], b2=betas[1], takes="gradient")
     if name not in PRECONDITIONERS:
         return None
     return PRECONDITIONERS[name](grad_sync_cfg, TrainFields(b1=betas[0], b2=betas[1]))

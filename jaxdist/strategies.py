@@ -107,7 +107,7 @@ def optimizer_config(config, mesh_shape: Mapping[str, int]):
     the compressor and `compression.frozen_variance_adam`; what is left is weight decay and the
     learning rate (momentum-free SGD with the same decay mask and schedule).
     """
-    onebit = config.grad_sync.compression in compression.PRECONDITIONERS
+    onebit = compression.preconditioner(config.grad_sync) is not None
     if not ((config.grad_sync.momentum_correction or onebit) and mesh_shape["data"] > 1):
         return config.train
     train = config.train.copy_and_resolve_references()
@@ -318,16 +318,17 @@ def check(config, mesh_shape: Mapping[str, int]) -> None:
             f"grad_sync.outer_optimizer={g.outer_optimizer!r} is not valid; choose one of "
             + ", ".join(collectives.OUTER_OPTIMIZERS)
         )
-    if g.compression in compression.PRECONDITIONERS:
+    if compression.preconditioner(g) is not None:
+        what = "freeze_variance" if g.freeze_variance else f"compression={g.compression!r}"
         if t.optimizer != "adamw":
             raise ConfigError(
-                f"grad_sync.compression={g.compression!r} is AdamW with compressed momentum: it "
-                f"needs train.optimizer='adamw', not {t.optimizer!r}"
+                f"grad_sync.{what} is AdamW with a frozen variance: it needs "
+                f"train.optimizer='adamw', not {t.optimizer!r}"
             )
         if g.warmup_steps < 1:
             raise ConfigError(
-                f"grad_sync.compression={g.compression!r} needs grad_sync.warmup_steps >= 1: the "
-                "full-precision Adam steps whose variance it then freezes (e.g. 15-25% of training)"
+                f"grad_sync.{what} needs grad_sync.warmup_steps >= 1: the full-precision Adam "
+                "steps whose variance it then freezes (e.g. 15-25% of training)"
             )
     if g.compression in compression.DEPRECATED:
         logging.getLogger("jaxdist").warning(

@@ -284,6 +284,12 @@ COMPRESSION_SETTINGS = [
 _METHODS = flags.DEFINE_list(
     "methods", [], "--study=compression: run only these rows (labels as printed); default all."
 )
+_RECIPE = flags.DEFINE_string(
+    "recipe",
+    "",
+    "--study=compression: JSON grad_sync fields laid over the chosen --methods rows (not `none`), "
+    "for tuning, e.g. '{\"warmup_steps\": 40}'; the JSON records them in grad_sync.",
+)
 _SGD_LR = flags.DEFINE_float(
     "sgd_learning_rate", 0.3, "--study=compression: learning rate of the momentum-SGD runs."
 )
@@ -319,9 +325,12 @@ def study_compression(config) -> dict:
             f"--methods: unknown {', '.join(sorted(unknown))}; valid: "
             + ", ".join(row[0] for row in COMPRESSION_SETTINGS)
         )
+    recipe = json.loads(_RECIPE.value) if _RECIPE.value else {}
     for label, fields, train_fields, base_label in COMPRESSION_SETTINGS:
         if chosen and label not in chosen | {"none", base_label}:
             continue
+        if recipe and label in chosen:
+            fields = {**fields, **recipe}
         cfg = config.copy_and_resolve_references()
         with cfg.unlocked():
             cfg.grad_sync.error_feedback = True

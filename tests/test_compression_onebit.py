@@ -5,6 +5,7 @@ simulates the R workers one by one, from the same per-replica gradients, at fixe
 wire formats are read from the compiled HLO.
 """
 
+import math
 import re
 
 import jax
@@ -231,3 +232,66 @@ def test_powersgd_min_compression_sends_small_matrices_dense():
     [(out, _, new)] = _run(tx, [g])
     assert new.q["w"] is None
     np.testing.assert_allclose(out["w"], g["w"].mean(0), rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# top-k: DGC's velocity through the dense warm-up, the dense reduce of the union at large R k
+
+
+def test_topk_dense_warmup_keeps_the_dgc_velocity():
+    """At density 1 nothing is masked: the warm-up is momentum SGD (u <- m u + g, all sent)."""
+    m = 0.9
+    steps = [_grads(100 + i) for i in range(3)]
+    tx = C.topk("data", 0.1, momentum_correction=True, momentum=m, warmup_steps=30)
+    u = {k: np.zeros((R, *s), F32) for k, s in SHAPES.items()}
+    for g, (out, _, new) in zip(steps, _run(tx, steps), strict=True):
+        for k in SHAPES:
+            u[k] = F32(m) * u[k] + g[k]
+            np.testing.assert_allclose(out[k], u[k].mean(0), rtol=0, atol=1e-5)
+            np.testing.assert_allclose(new.velocity[k], u[k], rtol=0, atol=1e-5)
+            assert not new.residual[k].any()
+
+
+def test_topk_switches_to_a_dense_reduce_where_pairs_outweigh_the_tensor():
+    """R k >= size: one f32 all-reduce of the sparse union (never more bytes than `none`)."""
+    shapes = {"w": (64, 64)}
+    params = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    stacked = {"w": jax.ShapeDtypeStruct((R, 64, 64), jnp.float32)}
+
+    def kinds(ratio):
+        tx = C.topk("data", ratio)
+        state = jax.eval_shape(lambda p: C.init_global(tx, p, MESH, "data"), params)
+        hlo = jax.jit(sync_grads(_identity_grad_fn, tx, MESH, "data"))
+        text = hlo.lower(params, stacked, state).compile().as_text()
+        return {op.kind for op in metrics.collective_ops(text) if op.bytes_per_exec > 64}
+
+    assert kinds(0.01) == {"all-gather"}  # 8 * 41 pairs < 4096 elements
+    assert kinds(0.2) == {"all-reduce"}  # 8 * 820 >= 4096
+    none = _wire_bytes(C.none("data"), shapes)
+    assert _wire_bytes(C.topk("data", 0.2), shapes) <= none * 1.01
+    g = _grads(110, shapes=shapes)
+    [(out, _, new)] = _run(C.topk("data", 0.2), [g], params={"w": jnp.zeros((64, 64))})
+    acc = g["w"].reshape(R, -1)
+    k = math.ceil(0.2 * acc.shape[1])
+    idx = np.argsort(-np.abs(acc), axis=1, kind="stable")[:, :k]
+    sent = np.zeros_like(acc)
+    np.put_along_axis(sent, idx, np.take_along_axis(acc, idx, 1), 1)
+    np.testing.assert_allclose(out["w"].reshape(-1), sent.mean(0), rtol=0, atol=1e-6)
+
+
+def test_frozen_variance_adam_on_gradients_is_adam_then_a_fixed_linear_filter():
+    freeze, b1, b2, eps = 2, 0.9, 0.95, 1e-8
+    opt = C.frozen_variance_adam(freeze, b1, b2, eps, takes="gradient")
+    state = opt.init(PARAMS)
+    rng = np.random.default_rng(0)
+    m = {k: np.zeros(s) for k, s in SHAPES.items()}
+    v = {k: np.zeros(s) for k, s in SHAPES.items()}
+    for t in range(1, 6):
+        g = {k: rng.normal(size=s).astype(F32) for k, s in SHAPES.items()}
+        out, state = opt.update(jax.tree.map(jnp.asarray, g), state)
+        for k in SHAPES:
+            m[k] = b1 * m[k] + (1 - b1) * g[k]
+            if t <= freeze:
+                v[k] = b2 * v[k] + (1 - b2) * g[k] ** 2
+            ref = (m[k] / (1 - b1**t)) / (np.sqrt(v[k] / (1 - b2 ** min(t, freeze))) + eps)
+            np.testing.assert_allclose(np.asarray(out[k]), ref, rtol=2e-5, atol=1e-6)
