@@ -1124,6 +1124,22 @@ def preconditioner(
     return PRECONDITIONERS[name](grad_sync_cfg, TrainFields(b1=betas[0], b2=betas[1]))
 
 
+RESIDUAL_FIELDS = ("residual", "worker", "server")  # state fields holding compression error
+
+
+def residual_norm(state: Any) -> jax.Array:
+    """RMS over replicas of the L2 norm of each replica's compression error (all residual fields).
+
+    `state` is the global sync state ([R, ...] leaves); 0 for compressors without residuals.
+    """
+    total, r = jnp.zeros((), jnp.float32), 1
+    for name in RESIDUAL_FIELDS:
+        for x in jax.tree.leaves(getattr(state, name, None)):
+            total = total + jnp.sum(jnp.square(x.astype(jnp.float32)))
+            r = x.shape[0]
+    return jnp.sqrt(total / r)
+
+
 def resize_replicas(saved: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]]) -> dict:
     """Per-replica state saved with R replicas, redistributed onto R' (an elastic resume).
 

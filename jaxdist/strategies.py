@@ -231,7 +231,8 @@ def compressed(setup: Setup) -> Strategy:
 
     def gradients(params, batch, extra):
         loss, grads, sync_state = sync(params, batch, extra["grad_sync"])
-        return loss, {}, grads, {"grad_sync": sync_state}
+        aux = {"grad_sync_residual_norm": compression.residual_norm(sync_state)}
+        return loss, aux, grads, {"grad_sync": sync_state}
 
     return from_gradients("compressed", gradients, tx, {"grad_sync": entry}, schedule)
 

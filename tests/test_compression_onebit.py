@@ -295,3 +295,29 @@ def test_frozen_variance_adam_on_gradients_is_adam_then_a_fixed_linear_filter():
                 v[k] = b2 * v[k] + (1 - b2) * g[k] ** 2
             ref = (m[k] / (1 - b1**t)) / (np.sqrt(v[k] / (1 - b2 ** min(t, freeze))) + eps)
             np.testing.assert_allclose(np.asarray(out[k]), ref, rtol=2e-5, atol=1e-6)
+
+
+def test_compression_statistics_in_the_metrics_and_layout():
+    from jaxdist import loop
+    from tests.helpers import engine_for, tiny_gpt_config
+
+    c = tiny_gpt_config(data=8)
+    c.model.num_layers = 1
+    c.grad_sync.compression = "topk"
+    eng, batches = engine_for(c)
+    state = eng.init()
+    norms = []
+    for i in range(2):
+        state, m = eng.train_step(state, batches.get(i))
+        norms.append(float(m["grad_sync_residual_norm"]))
+    residual = np.concatenate(
+        [np.asarray(x).reshape(8, -1) for x in jax.tree.leaves(state["grad_sync"].residual)], axis=1
+    )
+    np.testing.assert_allclose(norms[-1], np.sqrt((residual**2).sum() / 8), rtol=1e-4)
+    compiled = eng.train_step.lower(eng.abstract_state, batches.get(0)).compile()
+    rec = loop.layout_record(eng, compiled, c)["grad_sync"]
+    dense = 2 * 7 / 8 * 4 * eng.num_params
+    np.testing.assert_allclose(rec["f32_all_reduce_bytes_per_step"], dense, rtol=1e-6)
+    sent = sum(loop.layout_record(eng, compiled, c)["collective_bytes_per_step"].values())
+    assert rec["bytes_saved_per_step"] == pytest.approx(dense - sent)
+    assert rec["bytes_saved_per_step"] > 0.8 * dense
