@@ -123,9 +123,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_sync.warm_start = True  # powersgd: reuse last step's Q (False: a fresh Gaussian Q)
     c.grad_sync.orthogonalization_epsilon = 0.0  # powersgd: 0 = QR; > 0 = Gram-Schmidt + eps
     c.grad_sync.stochastic_rounding = False  # int8: unbiased random rounding instead of nearest
-    c.grad_sync.freeze_variance = (
-        False  # topk/powersgd + adamw: Adam's variance frozen after warm-up
-    )
+    c.grad_sync.freeze_variance = False  # topk/powersgd + adamw: variance frozen after warm-up
+    c.grad_sync.topk_exchange = "all_gather"  # topk: all_gather | two_phase (bytes flat in R)
 
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = ()  # steps to trace with jax.profiler, e.g. (10, 11)

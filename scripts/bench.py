@@ -290,6 +290,12 @@ _RECIPE = flags.DEFINE_string(
     "--study=compression: JSON grad_sync fields laid over the chosen --methods rows (not `none`), "
     "for tuning, e.g. '{\"warmup_steps\": 40}'; the JSON records them in grad_sync.",
 )
+_BASE_LOSS = flags.DEFINE_float(
+    "base_loss",
+    0.0,
+    "--study=compression, for tuning: take this as `none`'s final loss instead of training it "
+    "again (it is still compiled for the bytes); 0 = train it.",
+)
 _SGD_LR = flags.DEFINE_float(
     "sgd_learning_rate", 0.3, "--study=compression: learning rate of the momentum-SGD runs."
 )
@@ -371,7 +377,10 @@ def study_compression(config) -> dict:
             "ratio": wire_none / wire,
             "baseline": base_label,
         }
-        if steps > 0:
+        if steps > 0 and label == "none" and _BASE_LOSS.value > 0:
+            losses_of[label] = _BASE_LOSS.value
+            run.update(step_time_s=float("nan"), final_loss=_BASE_LOSS.value, loss_vs_baseline=0.0)
+        elif steps > 0:
             state, times, losses = engine.init(), [], []
             for step in range(steps):
                 batch = batches.get(step)

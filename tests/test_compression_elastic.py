@@ -116,5 +116,11 @@ def test_resize_replicas_rules():
     whole = np.moveaxis(server, 0, -2).reshape(2, -1)[:, :5]
     np.testing.assert_allclose(new["g/worker/w"][1], worker.mean(0) + whole, atol=1e-6)
     assert not new["g/server/w"].any() and new["g/count"].tolist() == [7, 7]
+    # top-k's two-phase server residual pairs with `residual`
+    paired = C.resize_replicas(
+        {"g/residual/w": worker, "g/server/w": server},
+        {"g/residual/w": (2, 2, 5), "g/server/w": (2, 2, 3)},
+    )
+    np.testing.assert_allclose(paired["g/residual/w"][0], worker.mean(0) + whole, atol=1e-6)
     with pytest.raises(ConfigError, match="cannot be redistributed"):
         C.resize_replicas({"g/residual/w": worker}, {"g/residual/w": (2, 3, 5)})
