@@ -520,6 +520,23 @@ def topk(
     return optax.GradientTransformation(init, update)
 
 
+def topk_wire_ratio(size: int, replicas: int, ratio: float, two_phase: bool = False) -> float:
+    """Bytes of an f32 ring all-reduce of a `size`-element tensor over those of top-k's exchange.
+
+    Ring costs as `metrics.collective_bytes` charges them (all-reduce 2(R-1)/R S, all-gather and
+    all-to-all (R-1)/R S); `size` counts one layer of one tensor. What the planner should use for
+    top-k at R replicas (the ratio measured at R = 8 is not the one at R = 1024).
+    """
+    k = _topk_k(ratio, size)
+    dense = 2 * 4 * size  # (R-1)/R cancels
+    if two_phase:
+        kr = min(-(-size // replicas), max(1, -(-k // replicas)))
+        return dense / (2 * replicas * kr * 8)
+    if replicas * k >= size:
+        return 1.0  # the dense reduce of the union
+    return dense / (replicas * k * 8)
+
+
 # --------------------------------------------------------------------------------------------------
 # PowerSGD
 

@@ -364,3 +364,19 @@ def test_topk_two_phase_matches_host_replay_and_bytes_do_not_grow_with_r():
     # ~8 k bytes per phase against ~8 size for f32: ~1 / (2 ratio), whatever R is.
     ratio_bytes = _none_wire_bytes() / _wire_bytes(C.topk("data", 0.01, two_phase=True), BIG)
     assert ratio_bytes >= 40, ratio_bytes
+
+
+def test_topk_wire_ratio_model_matches_the_hlo_and_holds_at_many_replicas():
+    n = BIG["w"][0] * BIG["w"][1]
+    for two_phase in (False, True):
+        tx = C.topk("data", 0.01, two_phase=two_phase)
+        measured = _wire_bytes(C.none("data"), {"w": BIG["w"]}) / _wire_bytes(tx, {"w": BIG["w"]})
+        model = C.topk_wire_ratio(n, R, 0.01, two_phase)
+        assert abs(measured / model - 1) < 0.02, (two_phase, measured, model)
+    # docs/COMPRESSION.md "Top-k at many replicas": all_gather 12.5x at R=8, gone by R=128;
+    # two_phase ~50x at every R.
+    assert [round(C.topk_wire_ratio(n, r, 0.01), 2) for r in (8, 64, 256, 1024)] == [
+        12.5, 1.56, 1.0, 1.0,
+    ]
+    got = [round(C.topk_wire_ratio(n, r, 0.01, True), 1) for r in (8, 64, 256, 1024)]
+    assert got == [50.0, 50.0, 50.0, 46.5], got  # ceil(k / R) rounds up at R = 1024
