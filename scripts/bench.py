@@ -263,9 +263,20 @@ COMPRESSION_SETTINGS = [
     ("none", {}, {}, "none"),
     ("bf16", {"compression": "bf16"}, {}, "none"),
     ("int8", {"compression": "int8"}, {}, "none"),
-    ("onebit_adam", {"compression": "onebit_adam", "warmup_steps": 20}, {}, "none"),
-    ("powersgd", {"compression": "powersgd", "rank": 2, "warmup_steps": 10}, {}, "none"),
-    ("topk", {"compression": "topk", "topk_ratio": 0.01, "warmup_steps": 20}, {}, "none"),
+    ("onebit_adam", {"compression": "onebit_adam", "warmup_steps": 40}, {}, "none"),
+    ("powersgd", {"compression": "powersgd", "rank": 8, "warmup_steps": 40}, {}, "none"),
+    (
+        "topk",
+        {
+            "compression": "topk",
+            "topk_ratio": 0.05,
+            "topk_exchange": "two_phase",
+            "freeze_variance": True,
+            "warmup_steps": 40,
+        },
+        {},
+        "none",
+    ),
     ("local_sgd(H=4)", {"local_steps": 4}, {}, "none"),
     ("none+sgd", {}, _SGD, "none"),
     (

@@ -376,7 +376,10 @@ def test_topk_wire_ratio_model_matches_the_hlo_and_holds_at_many_replicas():
     # docs/COMPRESSION.md "Top-k at many replicas": all_gather 12.5x at R=8, gone by R=128;
     # two_phase ~50x at every R.
     assert [round(C.topk_wire_ratio(n, r, 0.01), 2) for r in (8, 64, 256, 1024)] == [
-        12.5, 1.56, 1.0, 1.0,
+        12.5,
+        1.56,
+        1.0,
+        1.0,
     ]
     got = [round(C.topk_wire_ratio(n, r, 0.01, True), 1) for r in (8, 64, 256, 1024)]
     assert got == [50.0, 50.0, 50.0, 46.5], got  # ceil(k / R) rounds up at R = 1024
