@@ -25,6 +25,7 @@ without the model or the mesh; `scripts/ckpt.py` wraps them. Nothing here uses p
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import importlib.metadata
 import json
 import logging
@@ -35,8 +36,9 @@ import sys
 import threading
 import time
 import traceback
+import types
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -99,6 +101,24 @@ class _CommittedStepFormat:
         if not _is_committed(found):
             raise ValueError(f"step folder {found.path} has no orbax commit marker")
         return found
+
+
+class _PreemptionPolicy:  # an orbax `SaveDecisionPolicy` (a Protocol: matched by shape)
+    """orbax's preemption save decision, remembering whether it fired (the loop then stops).
+
+    Several processes: `context.reached_preemption` is JAX's preemption sync point, true at one
+    step on every process (what orbax's `PreemptionCheckpointingPolicy` reads). One process has no
+    preemption service, so `stop_requested` (the loop's SIGTERM/SIGINT flag) stands in for it.
+    """
+
+    def __init__(self, stop_requested: Callable[[], bool]):
+        self._stop_requested = stop_requested
+        self.reached = False
+
+    def should_save(self, step, previous_steps, *, context) -> bool:
+        del step, previous_steps
+        self.reached = bool(context.reached_preemption or self._stop_requested())
+        return self.reached
 
 
 def _as_path(directory: epath.PathLike) -> epath.Path:
@@ -417,6 +437,7 @@ class Checkpointer:
         keep: int,
         config_json: dict[str, Any] | None,
         async_save: bool = True,
+        stop_requested: Callable[[], bool] | None = None,
     ):
         """Opens (or creates) a checkpoint directory.
 
@@ -426,6 +447,9 @@ class Checkpointer:
           keep: keep the newest this many committed steps; 0 keeps all.
           config_json: the resolved config, stored with every step; must be JSON-serialisable.
           async_save: write in a background thread once the state is copied to host memory.
+          stop_requested: in a single process, whether a stop (SIGTERM/SIGINT) was asked for;
+            `should_save` is then true and `preempted` says why. Several processes use JAX's
+            preemption service instead.
         """
         self.every = _non_negative_int(every, "checkpoint.every", "steps; 0 = off")
         self.keep = _non_negative_int(keep, "checkpoint.keep", "0 = keep all")
@@ -439,7 +463,15 @@ class Checkpointer:
         self._unreadable: set[int] = set()
         self._in_flight: int | None = None  # the step of a save that may still be writing
         _silence_failed_writes()  # a background save's failure is reported once, by `wait`/`save`
+        # When to save is orbax's decision: a fixed interval, or a preemption (checked first, on
+        # every call, so that every process asks JAX's sync point at every step).
+        self._preemption = _PreemptionPolicy(stop_requested or (lambda: False))
+        policies: list[Any] = [self._preemption]
+        if self.every:
+            policies.append(ocp.checkpoint_managers.FixedIntervalPolicy(self.every))
+        self._save_policy = ocp.checkpoint_managers.AnySavePolicy(policies)
         options = ocp.CheckpointManagerOptions(
+            save_decision_policy=self._save_policy,
             step_name_format=_CommittedStepFormat(),
             preservation_policy=ocp.checkpoint_managers.LatestN(n=self.keep or None),
             enable_async_checkpointing=async_save,
@@ -500,16 +532,33 @@ class Checkpointer:
         return _read_json_item(_step_dir(self.directory, step) / META_ITEM)
 
     def should_save(self, step: int) -> bool:
-        """True every `every` steps, unless `step` is saved.
+        """True every `every` steps and when a preemption was signalled, unless `step` is saved.
 
-        A preemption save is the caller's (`save(..., force=True)` where
-        `multihost_utils.reached_preemption_sync_point` says so): that point must be asked for
-        once per step on every process, which the training loop does.
+        orbax's policies decide (`FixedIntervalPolicy`, and the preemption policy above), as in
+        `CheckpointManager.should_save`, but over the steps this class counts: a committed step
+        that failed to restore is not "saved" (the manager would still count it). With several
+        processes JAX's preemption sync point is asked, which every process must do once per
+        step: call this once per step on every process, then `save(..., force=True)`.
         """
         step = int(step)
-        if self.every == 0 or step in self.all_steps():
+        saved = self.all_steps()
+        if saved and saved[-1] >= step:
             return False
-        return step % self.every == 0
+        context = ocp.checkpoint_managers.DecisionContext(
+            is_saving_in_progress=False,  # neither policy waits for a save in flight
+            reached_preemption=self._manager.reached_preemption(step),
+            multiprocessing_options=ocp.options.MultiprocessingOptions(),
+        )
+        # A `PolicyCheckpointInfo` (a Protocol, so any object with these fields).
+        now = types.SimpleNamespace(
+            step=step, time=datetime.datetime.now(tz=datetime.UTC), metrics=None
+        )
+        return bool(self._save_policy.should_save(now, previous_steps=[], context=context))
+
+    @property
+    def preempted(self) -> bool:
+        """Whether the last `should_save` was true because of a preemption (then stop)."""
+        return self._preemption.reached
 
     # -- save --------------------------------------------------------------------------------
 

@@ -18,7 +18,12 @@ import ml_collections
 
 from jaxdist.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor", "pipeline")
+# Slowest- to fastest-varying device index (jaxdist/mesh.py): `expert` and `context` sit between
+# the batch axes and `tensor`, so their all-to-alls and ring hops stay on neighbouring devices.
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor", "pipeline")
+# The axes every message names; `expert` and `context` are named only when used.
+_CORE_AXES = ("data", "fsdp", "tensor", "pipeline")
+CONTEXT_ATTENTIONS = ("ring", "all_gather")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 NONFINITE = ("stop", "skip")
 
@@ -58,6 +63,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.eos_token_id = -1  # generation stops at this token; -1 = none
+    # Context parallelism (models/attention.py): how attention reads K/V across `mesh.context`.
+    c.model.context_attention = "ring"  # or "all_gather"
+    # Mixture of experts in the Llama family (models/moe.py); 0 experts = a dense MLP.
+    c.model.num_experts = 0
+    c.model.experts_per_token = 2  # top-k
+    c.model.moe_capacity_factor = 0.0  # 0 = dropless; else capacity = factor·tokens·k / experts
+    c.model.moe_aux_loss_weight = 0.01  # load-balancing loss (Switch / GShard)
+    c.model.moe_z_loss_weight = 0.001  # router z-loss (ST-MoE)
+    c.model.moe_shared_expert = False  # one dense SwiGLU every token also goes through
     c.model.hidden_dims = (256, 256)  # mlp
     c.model.widths = (16, 32, 64)  # resnet stage widths
     c.model.num_classes = 10  # mlp / resnet
@@ -97,6 +111,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.source = "stdlib"
     c.data.val_fraction = 0.1
     c.data.max_bytes = 16_000_000  # cap on the text corpus read into memory
+    c.data.sources = ()  # a mixture of token sources (replaces data.source when given)
+    c.data.weights = ()  # one per data.sources entry; default equal
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0
@@ -106,6 +122,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.pipeline.microbatches = 1
     c.pipeline.schedule = "gpipe"
     c.pipeline.virtual_stages = 1
+    # Gather the FSDP-sharded stage weights once per step instead of at every tick (and reduce
+    # their gradients once): more memory (a stage's whole weights), fewer collectives.
+    c.pipeline.fsdp_gather_once = False
 
     c.grad_sync = ml_collections.ConfigDict()
     c.grad_sync.compression = "none"
@@ -125,6 +144,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_sync.stochastic_rounding = False  # int8: unbiased random rounding instead of nearest
     c.grad_sync.freeze_variance = False  # topk/powersgd + adamw: variance frozen after warm-up
     c.grad_sync.topk_exchange = "all_gather"  # topk: all_gather | two_phase (bytes flat in R)
+    c.grad_sync.algorithm = "xla"  # the data-parallel all-reduce (jaxdist/allreduce.py ALGORITHMS)
+    c.grad_sync.staleness = 0  # tau: step t applies the reduced gradient of step t - tau
+    c.grad_sync.compress_over = "all"  # "dcn": hierarchical compresses only across hosts
 
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = ()  # steps to trace with jax.profiler, e.g. (10, 11)
@@ -160,7 +182,8 @@ def _positive(config, path: str) -> None:
 
 def resolve_mesh_shape(mesh_cfg: Mapping[str, Any], num_devices: int) -> dict[str, int]:
     """Sizes for every mesh axis, with the one `-1` axis (if any) taking the remaining devices."""
-    sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
+    # An axis a caller's dict leaves out (scripts building a mesh by hand) has size 1.
+    sizes = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
     free = [a for a, s in sizes.items() if s == -1]
     _need(len(free) <= 1, f"mesh: only one axis may be -1, got {', '.join(free)}")
     for a, s in sizes.items():
@@ -174,15 +197,16 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, Any], num_devices: int) -> dict[st
         )
         sizes[free[0]] = num_devices // fixed
     total = math.prod(sizes.values())
+    named = [a for a in MESH_AXES if a in _CORE_AXES or sizes[a] != 1]
     _need(
         total == num_devices,
-        "mesh: data×fsdp×tensor×pipeline = "
-        + "×".join(str(sizes[a]) for a in MESH_AXES)
+        f"mesh: {'×'.join(named)} = "
+        + "×".join(str(sizes[a]) for a in named)
         + f" = {total} but there are {num_devices} devices; make the product {num_devices} "
         "or set one axis to -1",
     )
     for a in MESH_AXES:
-        dcn = int(mesh_cfg[f"dcn_{a}"])
+        dcn = int(mesh_cfg.get(f"dcn_{a}", 1))
         _need(
             dcn >= 1 and sizes[a] % dcn == 0,
             f"mesh.dcn_{a}={dcn} must be >= 1 and divide mesh.{a}={sizes[a]}",
@@ -202,7 +226,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
       ConfigError: one line naming the field and what would be valid.
     """
     import models
-    from jaxdist import optim, pipeline, strategies
+    from jaxdist import allreduce, optim, pipeline, staleness, strategies
     from models import api
 
     models.get(config.model.name)
@@ -239,21 +263,67 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
 
     mesh = resolve_mesh_shape(config.mesh, num_devices)
     models.check(config.model, mesh)
-    replicas = mesh["data"] * mesh["fsdp"]
+    replicas = mesh["data"] * mesh["fsdp"] * mesh["expert"]
     per_step = replicas * config.train.grad_accum
+    ep = "×mesh.expert" if mesh["expert"] > 1 else ""
+    ep_n = f"×{mesh['expert']}" if mesh["expert"] > 1 else ""
     _need(
         config.train.batch_size % per_step == 0,
         f"train.batch_size={config.train.batch_size} must be divisible by "
-        f"mesh.data×mesh.fsdp×train.grad_accum = {mesh['data']}×{mesh['fsdp']}×"
+        f"mesh.data×mesh.fsdp{ep}×train.grad_accum = {mesh['data']}×{mesh['fsdp']}{ep_n}×"
         f"{config.train.grad_accum} = {per_step}",
     )
+    _check_context_expert(config, mesh)
     pipeline.check(config, mesh)
     strategies.check(config, mesh)
-    src = config.data.source
-    if src not in ("stdlib", "digits"):
-        _need(os.path.exists(src), f"data.source={src!r}: no such file or directory")
-        _need(os.access(src, os.R_OK), f"data.source={src!r}: not readable")
+    allreduce.check(config, mesh)
+    staleness.check(config, mesh)
+    _check_sources(config.data)
     return mesh
+
+
+def _check_sources(d) -> None:
+    """data.source, or the mixture data.sources / data.weights: paths that exist and read."""
+    sources = tuple(d.sources) or (d.source,)
+    for src in sources:
+        if src not in ("stdlib", "digits"):
+            name = f"data.sources entry {src!r}" if tuple(d.sources) else f"data.source={src!r}"
+            _need(os.path.exists(src), f"{name}: no such file or directory")
+            _need(os.access(src, os.R_OK), f"{name}: not readable")
+    if tuple(d.sources):
+        _need("digits" not in sources, "data.sources mixes token sources; 'digits' is images")
+        weights = tuple(d.weights)
+        _need(
+            not weights or len(weights) == len(sources),
+            f"data.weights has {len(weights)} entries for {len(sources)} data.sources; give one "
+            "per source (or none: equal weights)",
+        )
+        _need(
+            all(float(w) > 0 for w in weights),
+            f"data.weights={list(weights)}: each must be > 0",
+        )
+    else:
+        _need(not tuple(d.weights), "data.weights is set without data.sources; give both")
+
+
+def _check_context_expert(config, mesh: Mapping[str, int]) -> None:
+    """`mesh.context` / `mesh.expert` rules every model shares (the family checks its own)."""
+    _choice(config, "model.context_attention", CONTEXT_ATTENTIONS)
+    for axis in ("context", "expert"):
+        if mesh[axis] > 1:
+            _need(
+                config.model.name == "llama",
+                f"mesh.{axis}={mesh[axis]} needs model.name='llama' (got {config.model.name!r})",
+            )
+            _need(
+                mesh["pipeline"] == 1,
+                f"mesh.{axis}={mesh[axis]} does not compose with mesh.pipeline={mesh['pipeline']}",
+            )
+            _need(
+                config.grad_sync.compression == "none" and config.grad_sync.local_steps == 1,
+                f"mesh.{axis}={mesh[axis]} runs with the plain gradient strategy only; set "
+                "grad_sync.compression=none and grad_sync.local_steps=1",
+            )
 
 
 def to_json_dict(config: ml_collections.ConfigDict) -> dict:

@@ -9,6 +9,10 @@ Sources (`data.source`):
 * a `.npz` with `images` [N, H, W(, C)] and integer `labels` [N].
 * `digits`: the 8×8 handwritten digits scikit-learn ships (extra `digits`).
 
+A mixture: `data.sources` (a tuple of token sources as above, replacing `data.source`) and
+`data.weights` (one per source, default equal): each batch row comes from source k with
+probability weights[k] / sum(weights), drawn from (seed, step) like everything else.
+
 Order is a pure function of (seed, batch index): batch `i` is the same whatever the process count or
 restart history, so the iterator position is one integer saved with each checkpoint. Each process
 materialises only the rows its devices hold and builds the global array with
@@ -69,6 +73,10 @@ class Dataset:
     val_labels: np.ndarray | None = None
     vocab_size: int = 256
     warnings: list[str] = field(default_factory=list)  # one line each, for the console
+    # A mixture (`data.sources`): its token sources and the probability each batch row comes
+    # from each; `train`/`val` are then the first source's.
+    parts: list[Dataset] | None = None
+    weights: np.ndarray | None = None
 
     @property
     def example_shape(self) -> tuple[int, ...]:
@@ -166,8 +174,33 @@ def _split(x: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 def load(data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
-    """Reads `data.source` into memory (or memory-maps it). Raises ConfigError on a bad path."""
-    src = data_cfg.source
+    """Reads `data.source` (or each of `data.sources`) into memory, or memory-maps it.
+
+    Raises ConfigError on a bad path.
+    """
+    sources = tuple(data_cfg.get("sources", ()) or ())
+    if not sources:
+        return _load_one(data_cfg.source, data_cfg, seq_len=seq_len, vocab_size=vocab_size)
+    weights = np.asarray(tuple(data_cfg.get("weights", ()) or (1.0,) * len(sources)), np.float64)
+    parts = [_load_one(s, data_cfg, seq_len=seq_len, vocab_size=vocab_size) for s in sources]
+    for s, part in zip(sources, parts):
+        if part.kind != "tokens":
+            raise ConfigError(
+                f"data.sources: {s!r} holds {part.kind}; a mixture mixes token sources"
+            )
+    return Dataset(
+        "tokens",
+        parts[0].train,
+        parts[0].val,
+        vocab_size=max(p.vocab_size for p in parts),
+        warnings=[w for p in parts for w in p.warnings],
+        parts=parts,
+        weights=weights / weights.sum(),
+    )
+
+
+def _load_one(src: str, data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
+    """One source: `stdlib`, `digits`, a text file or folder, a token `.bin` / folder, an `.npz`."""
     vf = data_cfg.val_fraction
     if src == "stdlib":
         tokens = _read_text_files(sysconfig.get_paths()["stdlib"], data_cfg.max_bytes, ".py")
@@ -248,19 +281,26 @@ class Batches:
         self.ds, self.batch_size, self.seq_len, self.seed = ds, batch_size, seq_len, seed
         self.shardings = shardings
         if ds.kind == "tokens":
-            for name, arr in (("train", ds.train), ("validation", ds.val)):
-                if len(arr) <= seq_len + 1:
-                    raise ConfigError(
-                        f"data: the {name} split has {len(arr)} tokens, fewer than model.seq_len+1={seq_len + 1}"
-                    )
+            for part in ds.parts or [ds]:
+                for name, arr in (("train", part.train), ("validation", part.val)):
+                    if len(arr) <= seq_len + 1:
+                        raise ConfigError(
+                            f"data: the {name} split has {len(arr)} tokens, fewer than "
+                            f"model.seq_len+1={seq_len + 1}"
+                        )
 
     def _indices(self, step: int, split: str) -> np.ndarray:
         """Window starts (tokens) or example indices (images) for global batch `step`."""
         B = self.batch_size
         if self.ds.kind == "tokens":
-            arr = self.ds.train if split == "train" else self.ds.val
             stream = 0 if split == "train" else _VAL_STREAM
             rng = np.random.default_rng([self.seed, stream, step])
+            if self.ds.parts is not None:  # [B, 2]: (source, window start) per row
+                which = rng.choice(len(self.ds.parts), size=B, p=self.ds.weights)
+                sizes = np.array([len(self._split_of(p, split)) for p in self.ds.parts])
+                starts = (rng.random(B) * (sizes[which] - self.seq_len - 1)).astype(np.int64)
+                return np.stack([which, starts], axis=1)
+            arr = self._split_of(self.ds, split)
             return rng.integers(0, len(arr) - self.seq_len - 1, size=B)
         if split != "train":  # evaluation walks the validation set in order, wrapping
             return (np.arange(B) + step * B) % len(self.ds.val)
@@ -273,11 +313,20 @@ class Batches:
             out[sel] = perm[pos[sel] % n]
         return out
 
+    @staticmethod
+    def _split_of(ds: Dataset, split: str) -> np.ndarray:
+        return ds.train if split == "train" else ds.val
+
     def _rows(self, idx: np.ndarray, split: str) -> dict[str, np.ndarray]:
         if self.ds.kind == "tokens":
-            arr = self.ds.train if split == "train" else self.ds.val
             T = self.seq_len
-            win = np.stack([np.asarray(arr[s : s + T + 1], dtype=np.int32) for s in idx])
+            if idx.ndim == 2:  # a mixture: (source, start)
+                arrs = [self._split_of(p, split) for p in self.ds.parts]
+                windows = [arrs[k][s : s + T + 1] for k, s in idx]
+            else:
+                arr = self._split_of(self.ds, split)
+                windows = [arr[s : s + T + 1] for s in idx]
+            win = np.stack([np.asarray(w, dtype=np.int32) for w in windows])
             return {"inputs": win[:, :-1], "targets": win[:, 1:]}
         x = self.ds.train if split == "train" else self.ds.val
         y = self.ds.train_labels if split == "train" else self.ds.val_labels

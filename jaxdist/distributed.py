@@ -614,50 +614,61 @@ def initialize(
         if heartbeat_timeout_s is None:
             heartbeat_timeout_s = _env_float(ENV_HEARTBEAT_TIMEOUT)
 
-        import jax
-
-        if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
-            try:
-                jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            except (AttributeError, KeyError, ValueError):
-                pass  # a JAX without the option picks its own CPU collectives
-        kwargs = _jax_initialize_kwargs(spec, timeout_s, heartbeat_timeout_s)
-        who = f"process {spec.process_id} of {spec.num_processes}"
-
-        # JAX blocks in C++ until everyone registers and aborts the process on its deadline, so the
-        # call runs in a daemon thread and we keep our own, catchable deadline here.
-        outcome: dict[str, BaseException | None] = {}
-
-        def join() -> None:
-            try:
-                jax.distributed.initialize(**kwargs)
-                outcome["error"] = None
-            except BaseException as e:  # re-raised in the caller's thread
-                outcome["error"] = e
-
-        _install_fail_fast()  # also spares a failed join JAX's slow teardown of the half-made client
-        thread = threading.Thread(target=join, name="jaxdist-join", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        if thread.is_alive():
-            _failure = ConfigError(
-                f"{who} did not join within {timeout_s:g} s: check coordinator address "
-                f"{spec.coordinator_address} (from {spec.source}) is reachable and that all "
-                f"{spec.num_processes} processes started"
-            )
-            raise _failure
-        error = outcome.get("error")
-        if error is not None:
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            _failure = ConfigError(
-                f"{who} could not join the job at {spec.coordinator_address}: {first_line}"
-            )
-            raise _failure from error
+        _failure = _join(spec, timeout_s, heartbeat_timeout_s)
+        if _failure is not None:
+            raise _failure from _failure.__cause__
         _spec = spec
         logging.getLogger(__name__).info(
-            "joined as %s via %s (coordinator %s)", who, spec.source, spec.coordinator_address
+            "joined as process %d of %d via %s (coordinator %s)",
+            spec.process_id,
+            spec.num_processes,
+            spec.source,
+            spec.coordinator_address,
         )
         return spec
+
+
+def _join(spec: ClusterSpec, timeout_s: float, heartbeat_s: float | None) -> ConfigError | None:
+    """Calls `jax.distributed.initialize` with a catchable deadline; the error, or None if joined."""
+    import jax
+
+    if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+        try:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        except (AttributeError, KeyError, ValueError):
+            pass  # a JAX without the option picks its own CPU collectives
+    kwargs = _jax_initialize_kwargs(spec, timeout_s, heartbeat_s)
+    who = f"process {spec.process_id} of {spec.num_processes}"
+    # JAX blocks in C++ until everyone registers and aborts the process on its deadline, so the
+    # call runs in a daemon thread and we keep our own, catchable deadline here.
+    outcome: dict[str, BaseException | None] = {}
+
+    def join() -> None:
+        try:
+            jax.distributed.initialize(**kwargs)
+            outcome["error"] = None
+        except BaseException as e:  # re-raised in the caller's thread
+            outcome["error"] = e
+
+    _install_fail_fast()  # also spares a failed join JAX's slow teardown of the half-made client
+    thread = threading.Thread(target=join, name="jaxdist-join", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return ConfigError(
+            f"{who} did not join within {timeout_s:g} s: check coordinator address "
+            f"{spec.coordinator_address} (from {spec.source}) is reachable and that all "
+            f"{spec.num_processes} processes started"
+        )
+    error = outcome.get("error")
+    if error is None:
+        return None
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    failure = ConfigError(
+        f"{who} could not join the job at {spec.coordinator_address}: {first_line}"
+    )
+    failure.__cause__ = error
+    return failure
 
 
 def _current() -> ClusterSpec:

@@ -98,13 +98,46 @@ def generate(
     sampling.check()
     if max_new_tokens < 1:
         raise ConfigError(f"--max_new_tokens={max_new_tokens} must be >= 1")
-    B, P = len(prompts), max(len(p) for p in prompts)
+    padded, lengths = _pad(prompts)
+    B, P = padded.shape
+    prefill, decode = _steps(
+        decoder, B, P + max_new_tokens, max_new_tokens, sampling, mesh, cache_dtype
+    )
+    key = jax.random.key(seed)
+    put = lambda x: x
+    if mesh is not None:
+        axes = {2: ("batch", "length"), 1: ("batch",)}
+        put = lambda x: jax.device_put(
+            x,
+            NamedSharding(
+                mesh, sharding.logical_to_spec(axes[x.ndim], sharding.COMPUTE_RULES, mesh)
+            ),
+        )
+    tokens, lens = put(padded), put(lengths)
+    prefill_c = prefill.lower(params, tokens, lens, key).compile()  # compile outside timing
+    t0 = time.perf_counter()
+    first, cache = jax.block_until_ready(prefill_c(params, tokens, lens, key))
+    prefill_s = time.perf_counter() - t0
+    decode_c = decode.lower(params, first, cache, lens, key).compile()  # compile outside timing
+    t0 = time.perf_counter()
+    out = np.asarray(jax.block_until_ready(decode_c(params, first, cache, lens, key)))
+    decode_s = time.perf_counter() - t0
+    rows = [r[: r.index(eos_id) + 1] if eos_id in r else r for r in out.tolist()]
+    return Result(rows, prefill_s, decode_s, B * (max_new_tokens - 1))
+
+
+def _pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts right-padded with 0 into [B, P] int32, and their lengths [B]."""
     if min(len(p) for p in prompts) == 0:
         raise ConfigError("a prompt encodes to no tokens; give a non-empty --prompt")
-    padded = np.zeros((B, P), np.int32)
+    padded = np.zeros((len(prompts), max(len(p) for p in prompts)), np.int32)
     for b, p in enumerate(prompts):
         padded[b, : len(p)] = p
-    lengths = np.array([len(p) for p in prompts], np.int32)
+    return padded, np.array([len(p) for p in prompts], np.int32)
+
+
+def _steps(decoder, B: int, cache_len: int, max_new_tokens: int, sampling, mesh, cache_dtype):
+    """The jitted prefill (prompts → first token, cache) and decode loop (→ [B, max_new_tokens])."""
     rules = sharding.COMPUTE_RULES
 
     def under_mesh(fn):
@@ -120,7 +153,7 @@ def generate(
     @jax.jit
     @under_mesh
     def prefill(params, tokens, lengths, key):
-        cache = decoder.init_cache(B, P + max_new_tokens, cache_dtype)
+        cache = decoder.init_cache(B, cache_len, cache_dtype)
         if mesh is not None:
             cache = jax.tree.map(
                 lambda c, axes: sharding.constrain(c, axes),
@@ -147,25 +180,4 @@ def generate(
         out, _ = jax.lax.fori_loop(1, max_new_tokens, step, (out, cache))
         return out
 
-    key = jax.random.key(seed)
-    put = lambda x: x
-    if mesh is not None:
-        axes = {2: ("batch", "length"), 1: ("batch",)}
-        put = lambda x: jax.device_put(
-            x, NamedSharding(mesh, sharding.logical_to_spec(axes[x.ndim], rules, mesh))
-        )
-    tokens, lens = put(padded), put(lengths)
-    prefill_c = prefill.lower(params, tokens, lens, key).compile()  # compile outside timing
-    t0 = time.perf_counter()
-    first, cache = jax.block_until_ready(prefill_c(params, tokens, lens, key))
-    prefill_s = time.perf_counter() - t0
-    decode_c = decode.lower(params, first, cache, lens, key).compile()  # compile outside timing
-    t0 = time.perf_counter()
-    out = np.asarray(jax.block_until_ready(decode_c(params, first, cache, lens, key)))
-    decode_s = time.perf_counter() - t0
-    rows = []
-    for r in out.tolist():
-        if eos_id is not None and eos_id in r:
-            r = r[: r.index(eos_id) + 1]
-        rows.append(r)
-    return Result(rows, prefill_s, decode_s, B * (max_new_tokens - 1))
+    return prefill, decode

@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+
+import numpy as np
 
 COLLECTIVE_KINDS = (
     "all-reduce",
@@ -114,6 +116,10 @@ class CollectiveOp:
     wire_bytes: float
     name: str = ""
     conditional: bool = False
+    # Which devices talk: (source, target) partition ids of a collective-permute, else the replica
+    # groups as partition ids; None where every device is in one group or the form is unread.
+    pairs: tuple[tuple[int, int], ...] | None = None
+    groups: tuple[tuple[int, ...], ...] | None = None
 
 
 def collective_ops(hlo_text: str) -> list[CollectiveOp]:
@@ -159,6 +165,94 @@ def collective_bytes(hlo_text: str, conditional_period: int = 1) -> dict[str, fl
             share = op.wire_bytes / (conditional_period if op.conditional else 1)
             totals[op.kind] = totals.get(op.kind, 0.0) + share
     return {kind: totals[kind] for kind in COLLECTIVE_KINDS if kind in totals}
+
+
+def _traffic(op: CollectiveOp, num_devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sent, received) bytes per device (partition id) for all `op.count` runs of `op`.
+
+    collective-permute: exactly its pairs (a parameter server's hot spot shows); the others: every
+    member of a group of N > 1 sends and receives the op's ring cost (symmetric algorithms)."""
+    sent, received = np.zeros(num_devices), np.zeros(num_devices)
+    if op.pairs is not None:
+        for src, dst in op.pairs:
+            if src != dst:
+                sent[src] += op.bytes_per_exec * op.count
+                received[dst] += op.bytes_per_exec * op.count
+        return sent, received
+    groups = op.groups or (tuple(range(num_devices)),)
+    for g in groups:
+        if len(g) > 1:
+            sent[list(g)] += op.wire_bytes
+            received[list(g)] += op.wire_bytes
+    return sent, received
+
+
+def _axes_and_tier(
+    op: CollectiveOp, mesh_shape: dict[str, int] | None, processes: Sequence[int] | None
+) -> tuple[str, str]:
+    """('data' / 'fsdp+tensor' / ..., 'ici' | 'dcn'): the mesh axes the op's groups span and
+    whether any group spans two processes (hosts). '?' where the groups are not readable."""
+    sets = op.pairs if op.pairs is not None else op.groups
+    if sets is None or mesh_shape is None:
+        axes = "?" if mesh_shape is not None else "-"
+        return axes, "dcn" if processes is not None and len(set(processes)) > 1 else "ici"
+    names, shape = list(mesh_shape), tuple(mesh_shape.values())
+    varying, dcn = set(), False
+    for ids in sets:
+        ids = [i for i in ids if i < math.prod(shape)]
+        coords = np.array(np.unravel_index(ids, shape))  # [axes, members]
+        varying |= {names[a] for a in range(len(names)) if len(set(coords[a])) > 1}
+        dcn |= processes is not None and len({processes[i] for i in ids}) > 1
+    ordered = [a for a in names if a in varying]
+    return "+".join(ordered) or "-", "dcn" if dcn else "ici"
+
+
+def collective_phases(
+    hlo_text: str,
+    mesh_shape: dict[str, int] | None = None,
+    processes: Sequence[int] | None = None,
+    conditional_period: int = 1,
+) -> tuple[list[dict], float]:
+    """Per phase (collective kind × mesh axes × tier), what the busiest device moves, per step.
+
+    Args:
+      hlo_text: a compiled module.
+      mesh_shape: axis -> size of the mesh the module runs on, in mesh order (partition id i is
+        mesh.devices.flat[i], as jit assigns them); None: axes unknown ('-').
+      processes: the process index of each partition id (hosts); None: one host.
+      conditional_period: as in `collective_bytes`.
+
+    Returns:
+      (phases, busiest): phases as dicts with `kind`, `axes`, `tier` (ici | dcn), `steps` (op
+      executions per step: the sequential latency terms), `bytes` (what one device sends per step,
+      the ring costing of `collective_bytes`) and `busiest_bytes` (sent + received by the device
+      that moves the most in this phase); busiest is the per-step sent + received of the device
+      that moves the most over all phases (the layout record's `busiest_device_bytes_per_step`).
+    """
+    ops = [op for op in collective_ops(hlo_text) if op.wire_bytes > 0]
+    ids = [i for op in ops for g in (op.pairs or op.groups or ()) for i in g]
+    n = math.prod(mesh_shape.values()) if mesh_shape else max(ids, default=0) + 1
+    n = max(n, max(ids, default=0) + 1)
+    phases: dict[tuple, dict] = {}
+    total = np.zeros(n)
+    for op in ops:
+        share = 1.0 / (conditional_period if op.conditional else 1)
+        sent, received = _traffic(op, n)
+        axes, tier = _axes_and_tier(op, mesh_shape, processes)
+        ph = phases.setdefault(
+            (op.kind, axes, tier),
+            {"kind": op.kind, "axes": axes, "tier": tier, "steps": 0, "bytes": 0.0,
+             "per_device": np.zeros(n)},
+        )  # fmt: skip
+        ph["steps"] += op.count
+        ph["bytes"] += op.wire_bytes * share
+        ph["per_device"] = ph["per_device"] + (sent + received) * share
+        total += (sent + received) * share
+    out = []
+    for ph in phases.values():
+        per_device = ph.pop("per_device")
+        out.append({**ph, "busiest_bytes": float(per_device.max())})
+    return out, float(total.max()) if n else 0.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -431,6 +525,49 @@ def _first_group_size(replica_groups: str) -> int | None:
     return len(_int_list(first))
 
 
+def _explicit_groups(replica_groups: str) -> tuple[tuple[int, ...], ...] | None:
+    """The replica groups as tuples of ids (list, iota and mesh forms); None for `{}`."""
+    rg = replica_groups.strip()
+    try:
+        if rg.startswith("mesh["):
+            axes_text = rg[rg.index("[") + 1 : rg.index("]")]
+            names, sizes = [], []
+            for item in _split_top_level(axes_text):
+                name, size = item.rsplit("=", 1)
+                names.append(name.strip().strip("'\""))
+                sizes.append(int(size))
+            group_text = rg[rg.rindex("{") + 1 : rg.rindex("}")]
+            in_group = [a.strip().strip("'\"") for a in _split_top_level(group_text)]
+            if any(a not in names for a in in_group):
+                return None  # a sub-axis form ('a':(2)4): not needed by jaxdist's programs
+            ids = np.arange(math.prod(sizes))
+            if "device_ids=" in rg:
+                ids = _iota(rg[rg.index("device_ids=") : rg.rindex("{")])
+            ids = ids.reshape(sizes)
+            moved = [names.index(a) for a in in_group]
+            rest = [i for i in range(len(names)) if i not in moved]
+            size = math.prod(sizes[i] for i in moved)
+            return tuple(map(tuple, ids.transpose(rest + moved).reshape(-1, size).tolist()))
+        if rg.startswith("["):  # iota form [num_groups,group_size]<=[dims]T(perm)
+            shape = _int_list(rg[: rg.index("]")])
+            return tuple(map(tuple, _iota(rg[rg.index("<=") :]).reshape(shape).tolist()))
+        inner = rg[1:-1].strip()
+        if not inner:
+            return None
+        return tuple(tuple(_int_list(g)) for g in re.findall(r"\{([^{}]*)\}", inner))
+    except (ValueError, IndexError):
+        return None
+
+
+def _iota(text: str) -> np.ndarray:
+    """`<=[dims]T(perm)` / `device_ids=([dims]T(perm))`: arange(prod dims) reshaped, transposed."""
+    dims = _int_list(text[text.index("[") : text.index("]")])
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if "T(" in text:
+        ids = ids.transpose(_int_list(text[text.index("T(") : text.index(")", text.index("T("))]))
+    return ids.reshape(-1)
+
+
 def _group_size(inst: _Instruction, kind: str, module: _Module) -> int:
     """N for one op, following XLA's collective group modes (channel_id / use_global_device_ids)."""
     attrs = inst.attrs
@@ -510,7 +647,14 @@ class _Analysis:
         payload = _payload_bytes(inst)
         if kind == "reduce-scatter":
             payload *= n  # the ring is costed on the unscattered input, S_in = N * S_out
-        return CollectiveOp(kind, n, payload, 1, ring_wire_bytes(kind, payload, n), inst.name)
+        pairs = groups = None
+        if kind == "collective-permute":
+            ids = _int_list(inst.attrs.get("source_target_pairs", ""))
+            pairs = tuple(zip(ids[0::2], ids[1::2], strict=True))
+        else:
+            groups = _explicit_groups(inst.attrs.get("replica_groups", "{}"))
+        wire = ring_wire_bytes(kind, payload, n)
+        return CollectiveOp(kind, n, payload, 1, wire, inst.name, pairs=pairs, groups=groups)
 
     def _while(self, inst: _Instruction, comp: _Computation) -> list[tuple[str, CollectiveOp]]:
         body = self._collect(inst.attrs["body"].lstrip("%"))
@@ -658,3 +802,35 @@ def _count_iterations(direction: str, start: int, bound: int, step: int) -> int 
     if direction == "NE" and (bound - start) % step == 0 and (bound - start) // step >= 0:
         return (bound - start) // step
     return None
+
+
+# --------------------------------------------------------------------------------------------------
+# The same reader for other per-instruction counts (jaxdist/pipeline.py's lock-step FLOPs)
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_module(hlo_text: str) -> _Module:
+    """The HLO text's computations (`.computations`: name → computation with `.instructions`,
+    name → instruction with `.opcode`, `.shape`, `.operands`, `.attrs`) and `.entry`'s name."""
+    return _parse_module(hlo_text)
+
+
+def callees(inst: _Instruction) -> list[str]:
+    """Names of the computations an instruction runs (loop body and condition, branches, ...)."""
+    return list(_callees(inst))
+
+
+def trip_count(module: _Module, inst: _Instruction, parent: _Computation) -> int:
+    """How many times a `while` instruction of `parent` runs its body (ValueError if unknown)."""
+    return _Analysis(module)._trip_count(inst, parent)
+
+
+def dot_flops(inst: _Instruction, comp: _Computation) -> float:
+    """2 · |output| · |contracted| of one `dot` of `comp` (its operand shape looked up by name)."""
+    _, out_dims = _parse_shape(inst.shape)
+    lhs = comp.instructions.get(inst.operands[0])
+    if lhs is None:
+        raise ValueError(f"dot {inst.name!r}: operand {inst.operands[0]!r} not in {comp.name!r}")
+    _, lhs_dims = _parse_shape(lhs.shape)
+    contracted = _int_list(inst.attrs.get("lhs_contracting_dims", "{}"))
+    return 2.0 * float(math.prod(out_dims)) * float(math.prod(lhs_dims[i] for i in contracted))

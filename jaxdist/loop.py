@@ -7,6 +7,7 @@ checkpoint under `workdir/checkpoints` if there is one, compiles the step once (
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -14,16 +15,17 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist import checkpoint, data, distributed, metrics, train, weights
+from jaxdist import checkpoint, data, metrics, train, weights
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
-from jaxdist.errors import ConfigError
+from jaxdist.errors import ConfigError, NonFiniteError
 
 log = logging.getLogger("jaxdist")
 
@@ -36,6 +38,12 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
     shard_bytes = lambda tree: sum(
         int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
         for x in jax.tree.leaves(tree)
+    )
+    phases, busiest = metrics.collective_phases(
+        compiled.as_text(),
+        mesh_lib.mesh_shape(engine.mesh),
+        [d.process_index for d in engine.mesh.devices.flat],
+        conditional_period=local_steps,
     )
     record: dict[str, Any] = {
         "mesh": mesh_lib.mesh_shape(engine.mesh),
@@ -56,12 +64,16 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         "collective_bytes_per_step": metrics.collective_bytes(
             compiled.as_text(), conditional_period=local_steps
         ),
+        # Per phase (kind × mesh axes × tier): op executions per step and the busiest device's
+        # sent + received bytes (a parameter server's hot spot); their per-step total below.
+        "collective_phases": phases,
+        "busiest_device_bytes_per_step": busiest,
         "global_batch": config.train.batch_size,
         "grad_accum": config.train.grad_accum,
         "compute_dtype": config.train.compute_dtype,
         "remat": config.train.remat,
     }
-    for key in ("grad_sync", "local"):  # per-replica compressor / local SGD state
+    for key in ("grad_sync", "local", "in_flight"):  # compressor / local SGD / staleness state
         if key in st:
             record["bytes_per_device"][f"{key}_state"] = shard_bytes(st[key])
     if "grad_sync" in st:  # what compression saves against an f32 ring all-reduce of the grads
@@ -77,7 +89,10 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
     if local_steps > 1:
         record["local_steps"] = local_steps
     if engine.schedule is not None:
-        record["pipeline"] = engine.schedule.describe()
+        from jaxdist import pipeline
+
+        # The table bubble assumes unit-time ticks; the lock-step cost is what the program runs.
+        record["pipeline"] = {**engine.schedule.describe(), **pipeline.step_cost(engine, compiled)}
         record["bubble_fraction"] = engine.schedule.bubble_fraction
     family = engine.family
     if family.tokens_per_example is not None:
@@ -85,15 +100,6 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         record["tokens_per_step"] = config.train.batch_size * tokens
     if family.flops_per_token is not None:
         record["flops_per_token"] = family.flops_per_token(config.model, st["params"])
-    if config.model.name == "gpt" and local_steps == 1:
-        # The planner models one optimizer state per parameter shard; local SGD keeps an outer
-        # state plus a copy of the model and optimizer per replica, which it does not model.
-        from jaxdist import plan
-
-        predicted = plan.predict(config, num_devices=engine.mesh.size).memory
-        record["predicted_bytes_per_device"] = {
-            k: int(predicted[k]) for k in ("params", "opt_state", "temp")
-        }
     return record
 
 
@@ -118,7 +124,12 @@ def summary(record: dict[str, Any]) -> str:
         f"mesh    │ {mesh}",
         f"memory  │ per device: params {_fmt_bytes(b['params'])}, optimizer {_fmt_bytes(b['opt_state'])}, "
         f"temp {_fmt_bytes(b['temp'])}",
-        f"wire    │ per device per step: {wire} (total {_fmt_bytes(sum(coll.values()))})",
+        f"wire    │ per device per step: {wire} (total {_fmt_bytes(sum(coll.values()))})"
+        + (
+            f"; busiest device sends + receives {_fmt_bytes(record['busiest_device_bytes_per_step'])}"
+            if "busiest_device_bytes_per_step" in record
+            else ""
+        ),
     ]
     extra = {"grad_sync_state": "compressor state", "local_state": "local SGD replica state"}
     for key, what in extra.items():
@@ -133,7 +144,10 @@ def summary(record: dict[str, Any]) -> str:
             f"temp {_fmt_bytes(p['temp'])} (jaxdist/plan.py)"
         )
     if "bubble_fraction" in record:
-        lines.append(f"pipeline│ bubble fraction {record['bubble_fraction']:.3f}")
+        line = f"pipeline│ bubble fraction {record['bubble_fraction']:.3f}"
+        if "lockstep_vs_ideal" in record.get("pipeline", {}):
+            line += f", lock-step cost {record['pipeline']['lockstep_vs_ideal']:.2f}× the ideal"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -279,11 +293,9 @@ class _Preemption:
         for sig, h in self._old.items():
             signal.signal(sig, h)
 
-    def requested(self, step: int) -> bool:
-        """True on every process at the same step once a stop was asked for."""
-        if not self._multi:
-            return self.signum is not None
-        return distributed.reached_preemption_point(step)
+    def stop_requested(self) -> bool:
+        """One process: whether SIGTERM/SIGINT arrived. Several: False (JAX's service decides)."""
+        return not self._multi and self.signum is not None
 
 
 # What a resume must keep, and why. Everything else may change: the learning rate and the other
@@ -345,30 +357,179 @@ def _schedule_change_note(saved_train: dict[str, Any], train_cfg, step: int) -> 
     )
 
 
-def run(config, workdir: str) -> dict[str, float]:
-    """Trains per `config`, writing metrics, config and checkpoints under `workdir`.
+@dataclasses.dataclass
+class Hook:
+    """`fn(step, state, metrics)` after every step that is a multiple of `every` (0: never), and
+    after the last step when `at_end`. `metrics` are the step's device arrays (not fetched)."""
 
-    Returns the last logged metrics (and the final evaluation loss under "eval_loss"); an empty
-    dict when the checkpoint in `workdir` already reached `train.steps` (nothing is run).
+    every: int
+    fn: Callable[[int, Any, Any], None]
+    at_end: bool = False
 
-    Raises:
-      Preempted: SIGTERM or SIGINT stopped the run; its checkpoint is committed.
+    def due(self, step: int, last_step: int) -> bool:
+        return (self.every > 0 and step % self.every == 0) or (self.at_end and step == last_step)
+
+
+class _Console:
+    """Where the run's lines go: a tqdm bar on a terminal, plain lines otherwise; process 0 only."""
+
+    def __init__(self, main: bool, total: int, start: int):
+        self.main, self.bar = main, None
+        if main and _terminal_width() > 0:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def say(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        elif self.main:
+            print(line, flush=True)
+
+    def step(self, step: int, total: int, m: dict[str, float], eta_s: float) -> None:
+        if self.bar is None:
+            if self.main:
+                print(step_line(step, total, m, eta_s), flush=True)
+            return
+        line = step_line(step, total, m, None).split(" │ ", 1)[1]  # tqdm shows the ETA itself
+        self.bar.set_postfix_str(line.split(" │ eval ")[0], refresh=False)
+        if any(k.startswith("eval_") for k in m):
+            self.bar.write(f"step {step}: " + ", ".join(eval_parts(m)))
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        """Ends the bar, so that the lines after it get their own."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class _FiniteGuard:
+    """Judges each step's finiteness once: stops (on_nonfinite=stop) or reports a skipped update."""
+
+    def __init__(self, train_cfg, ckpt: checkpoint.Checkpointer, say: Callable[[str], None], start):
+        self.t, self.ckpt, self.say = train_cfg, ckpt, say
+        self.through, self.in_a_row = start, 0  # last step judged; skips in a row
+
+    def check(self, m, at_step: int) -> None:
+        if at_step <= self.through:
+            return
+        self.through = at_step
+        if bool(m["finite"]):
+            self.in_a_row = 0
+            return
+        good = self.ckpt.latest_step()
+        last_good = f"step {good} in {self.ckpt.directory}" if good is not None else "none"
+        if self.t.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"non-finite loss or gradient at step {at_step}; last good checkpoint: "
+                f"{last_good} (set train.on_nonfinite=skip to drop such updates)"
+            )
+        self.in_a_row += 1
+        n = self.in_a_row
+        self.say(
+            f"step {at_step}: non-finite loss or gradient, update skipped ({n} in a row; "
+            f"stopping at train.max_skipped={self.t.max_skipped})"
+        )
+        if n >= self.t.max_skipped:
+            raise NonFiniteError(
+                f"{n} non-finite steps in a row ({at_step - n + 1} to {at_step}), each update "
+                f"skipped: stopped at train.max_skipped={self.t.max_skipped}; last good "
+                f"checkpoint: {last_good} (lower train.learning_rate, or raise train.max_skipped)"
+            )
+
+
+class _Profiler:
+    """A trace of the `profile.steps` (each contiguous run of steps one trace) under workdir."""
+
+    def __init__(self, steps: Sequence[int], workdir: str):
+        self.steps, self.dir = set(steps), os.path.join(workdir, "profile")
+
+    def before(self, step: int) -> None:  # `step`: the step about to run (0-based)
+        if step in self.steps and step - 1 not in self.steps:
+            jax.profiler.start_trace(self.dir)
+
+    def after(self, step: int, m) -> None:  # `step`: steps done
+        if step - 1 in self.steps and step not in self.steps:
+            jax.block_until_ready(m)
+            jax.profiler.stop_trace()
+
+
+def _report_progress(at_step: int) -> None:
+    """Tells the launcher's watchdog (`--hang_s`, JAXDIST_PROGRESS_FILE) this process moves."""
+    progress_file = os.environ.get("JAXDIST_PROGRESS_FILE")  # set by scripts/launch.py
+    if progress_file:
+        try:
+            with open(progress_file, "w", encoding="ascii") as f:
+                f.write(f"{at_step}\n")
+        except OSError:
+            pass  # the watchdog is a help, never a reason to stop training
+
+
+def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool):
+    """(state, start step): the newest checkpoint's, `train.init_from`'s weights, or fresh.
+
+    (None, start) when the checkpoint already reached `train.steps`.
     """
-    workdir = check_workdir(workdir)
-    init_from = weights.apply_init_from(config)  # the source's model fields, before validation
+    t = config.train
+    if ckpt.latest_step() is None:
+        if init_from is None:
+            return engine.init(), 0
+        params = weights.load_params(init_from, engine.abstract_state["params"])
+        if main:
+            print(f"initialised from {init_from.path} ({init_from.kind})", flush=True)
+        return engine.init(params=params), 0  # its weights, a fresh optimizer, step 0
+    saved = ckpt.saved_config()
+    checkpoint.check_config_compatible(
+        saved, cfg_json, fields=tuple(RESUME_MUST_MATCH), why=RESUME_MUST_MATCH
+    )
+    state, meta = ckpt.restore(engine.abstract_state)
+    state = engine.to_storage(state)  # checkpoints hold the stacked layers in [L] order
+    start = int(meta["data_position"])
+    if start >= t.steps:
+        # Read back (a damaged newest step falls back and trains on), but nothing left to
+        # train: no evaluation record is appended and the checkpoints stay as they are.
+        if main:
+            print(
+                f"already finished: step {start} of {t.steps} (train.steps) in "
+                f"{ckpt.directory}; raise train.steps to train on, or use a new --workdir",
+                flush=True,
+            )
+        return None, start
+    if main:
+        print(f"resumed from {ckpt.directory} at step {int(state['step'])}", flush=True)
+        note = _schedule_change_note((saved or {}).get("train", {}), t, start)
+        if note:
+            print(note, flush=True)
+    return state, start
+
+
+@dataclasses.dataclass
+class _Setup:
+    """What `run` builds before the first step."""
+
+    engine: train.Engine
+    batches: data.Batches
+    ckpt: checkpoint.Checkpointer
+    cfg_json: dict[str, Any]
+    preemption: _Preemption
+
+
+def _build(config, workdir: str, checks) -> _Setup:
+    """Validates, loads the data, builds the mesh and the engine; nothing compiled yet."""
     num_devices = jax.device_count()
     config_lib.validate(config, num_devices)
     mesh_lib.check_backend(config)
-    from jaxdist import plan
-
-    plan.refuse_if_far_over_memory(config, num_devices)
-    main = jax.process_index() == 0
+    for check in checks:
+        check(config, num_devices)
     ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
-    if main:
+    if jax.process_index() == 0:
         for warning in ds.warnings:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
-    mesh = mesh_lib.make_mesh(config.mesh)
-    engine = train.build(config, mesh, ds)
+    engine = train.build(config, mesh_lib.make_mesh(config.mesh), ds)
     t = config.train
     batches = data.Batches(
         ds,
@@ -377,220 +538,234 @@ def run(config, workdir: str) -> dict[str, float]:
         seed=t.seed,
         shardings=engine.batch_shardings,
     )
-    shapes = batches.global_shapes()
-    dtypes = {"inputs": jnp.int32 if ds.kind == "tokens" else jnp.float32, "targets": jnp.int32}
-    abstract_batch = engine.abstract_batch(shapes, dtypes)
-
     os.makedirs(workdir, exist_ok=True)
     cfg_json = config_lib.to_json_dict(config)
+    preemption = _Preemption()
     ckpt = checkpoint.Checkpointer(
         os.path.join(workdir, "checkpoints"),
         every=config.checkpoint.every,
         keep=config.checkpoint.keep,
         config_json=cfg_json,
+        stop_requested=preemption.stop_requested,
     )
-    start = 0
-    if ckpt.latest_step() is not None:
-        saved = ckpt.saved_config()
-        checkpoint.check_config_compatible(
-            saved, cfg_json, fields=tuple(RESUME_MUST_MATCH), why=RESUME_MUST_MATCH
-        )
-        state, meta = ckpt.restore(engine.abstract_state)
-        start = int(meta["data_position"])
-        if start >= t.steps:
-            # Read back (a damaged newest step falls back and trains on), but nothing left to
-            # train: no evaluation record is appended and the checkpoints stay as they are.
-            ckpt.close()
-            if main:
-                print(
-                    f"already finished: step {start} of {t.steps} (train.steps) in "
-                    f"{ckpt.directory}; raise train.steps to train on, or use a new --workdir",
-                    flush=True,
-                )
-            return {}
-        if main:
-            print(f"resumed from {ckpt.directory} at step {int(state['step'])}", flush=True)
-            note = _schedule_change_note((saved or {}).get("train", {}), t, start)
-            if note:
-                print(note, flush=True)
-    elif init_from is not None:  # its weights, a fresh optimizer, step 0
-        state = engine.init(params=weights.load_params(init_from, engine.abstract_state["params"]))
-        if main:
-            print(f"initialised from {init_from.path} ({init_from.kind})", flush=True)
-    else:
-        state = engine.init()
+    return _Setup(engine, batches, ckpt, cfg_json, preemption)
 
+
+def run(
+    config,
+    workdir: str,
+    *,
+    checks: Sequence[Callable[[Any, int], None]] = (),
+    layout_extras: Sequence[Callable[[Any, train.Engine], dict[str, Any]]] = (),
+) -> dict[str, float]:
+    """Trains per `config`, writing metrics, config and checkpoints under `workdir`.
+
+    Args:
+      config: the experiment config (validated here).
+      workdir: the run's folder; a rerun resumes from its newest checkpoint.
+      checks: `check(config, num_devices)` run after validation, before anything is built
+        (scripts/train.py passes the planner's memory refusal); raise ConfigError to refuse.
+      layout_extras: `extra(config, engine) -> dict` merged into the `layout` record
+        (scripts/train.py passes the planner's prediction).
+
+    Returns the last logged metrics (and the final evaluation loss under "eval_loss"); an empty
+    dict when the checkpoint in `workdir` already reached `train.steps` (nothing is run).
+
+    Raises:
+      Preempted: SIGTERM or SIGINT stopped the run; its checkpoint is committed.
+      NonFiniteError: a non-finite step with train.on_nonfinite=stop, or too many skipped.
+    """
+    workdir = check_workdir(workdir)
+    init_from = weights.apply_init_from(config)  # the source's model fields, before validation
+    setup = _build(config, workdir, checks)
+    engine, ckpt, main = setup.engine, setup.ckpt, jax.process_index() == 0
+    try:
+        state, start = _restore_or_init(engine, ckpt, config, setup.cfg_json, init_from, main)
+        if state is None:
+            return {}
+        return _train(config, workdir, setup, state, start, layout_extras)
+    finally:
+        ckpt.wait()
+        ckpt.close()
+
+
+def _train(config, workdir, setup: _Setup, state, start: int, layout_extras) -> dict[str, float]:
+    """The steps from `start` to `train.steps`, with the hooks on their cadence."""
+    engine, batches, ckpt, t = setup.engine, setup.batches, setup.ckpt, config.train
+    main = jax.process_index() == 0
+    dtypes = {
+        "inputs": jnp.int32 if batches.ds.kind == "tokens" else jnp.float32,
+        "targets": jnp.int32,
+    }
+    abstract_batch = engine.abstract_batch(batches.global_shapes(), dtypes)
     compiled = engine.train_step.lower(engine.abstract_state, abstract_batch).compile()
     record = layout_record(engine, compiled, config)
+    for extra in layout_extras:
+        record.update(extra(config, engine))
     writer = metrics.MetricsWriter(workdir, enabled=main)
     if main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(cfg_json, f, indent=2, sort_keys=True)
-        if start == 0 or not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+            json.dump(setup.cfg_json, f, indent=2, sort_keys=True)
+        if start == 0 or _layout_changed(workdir, record):
             writer.write_layout(record)
         print(summary(record), flush=True)
-
-    peak = metrics.peak_flops(jax.devices()[0])
-    per_step_items = record.get("tokens_per_step", t.batch_size)
-    rate_key = "tokens_per_s" if "tokens_per_step" in record else "examples_per_s"
-
-    def evaluate(state) -> dict[str, float]:
-        out: dict[str, list[float]] = {}
-        for i in range(t.eval_batches):
-            for k, v in engine.eval_step(state, batches.get(i, "val")).items():
-                out.setdefault(k, []).append(float(v))
-        return {f"eval_{k}": float(np.mean(v)) for k, v in out.items()}
-
-    finite_checks = {"through": start, "in_a_row": 0}  # last step checked; skips in a row
-
-    def say(line: str) -> None:
-        if bar is not None:
-            bar.write(line)
-        elif main:
-            print(line, flush=True)
-
-    def check_finite(m, at_step: int) -> None:
-        """Stops (on_nonfinite=stop) or reports a skipped update; each step is judged once."""
-        if at_step <= finite_checks["through"]:
-            return
-        finite_checks["through"] = at_step
-        if bool(m["finite"]):
-            finite_checks["in_a_row"] = 0
-            return
-        good = ckpt.latest_step()
-        last_good = f"step {good} in {ckpt.directory}" if good is not None else "none"
-        if t.on_nonfinite == "stop":
-            raise ConfigError(
-                f"non-finite loss or gradient at step {at_step}; last good checkpoint: "
-                f"{last_good} (set train.on_nonfinite=skip to drop such updates)"
-            )
-        finite_checks["in_a_row"] += 1
-        n = finite_checks["in_a_row"]
-        say(
-            f"step {at_step}: non-finite loss or gradient, update skipped ({n} in a row; "
-            f"stopping at train.max_skipped={t.max_skipped})"
-        )
-        if n >= t.max_skipped:
-            raise ConfigError(
-                f"{n} non-finite steps in a row ({at_step - n + 1} to {at_step}), each update "
-                f"skipped: stopped at train.max_skipped={t.max_skipped}; last good checkpoint: "
-                f"{last_good} (lower train.learning_rate, or raise train.max_skipped)"
-            )
-
-    progress_file = os.environ.get("JAXDIST_PROGRESS_FILE")  # set by scripts/launch.py
-
-    def report_progress(at_step: int) -> None:
-        """Tells the launcher's watchdog (--hang_s) this process is still moving."""
-        if progress_file:
-            try:
-                with open(progress_file, "w", encoding="ascii") as f:
-                    f.write(f"{at_step}\n")
-            except OSError:
-                pass  # the watchdog is a help, never a reason to stop training
-
-    pre = _Preemption()
-    pre.install()
-    bar = None
-    if main and _terminal_width() > 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=t.steps, initial=start, unit="step", dynamic_ncols=True)
-    profile_steps = set(config.profile.steps)
-    last: dict[str, float] = {}
-    prev_metrics = None
-    t_last, n_since = time.perf_counter(), 0
-    t_start = t_last
+    console = _Console(main, t.steps, start)
+    guard = _FiniteGuard(t, ckpt, console.say, start)
+    logger = _Logger(config, record, writer, console, guard, start)
+    evaluate = _Evaluator(engine, batches, t.eval_batches)
+    hooks = [
+        Hook(1, lambda step, state, m: _report_progress(step) if step > start + 1 else None),
+        # The previous step's finiteness is judged one step late, so the host never waits on the
+        # step it just dispatched.
+        Hook(1, lambda step, state, m: logger.judge_previous(step, m)),
+        Hook(
+            t.eval_every, lambda step, state, m: logger.add_eval(step, m, lambda: evaluate(state))
+        ),
+        Hook(t.log_every, logger.log, at_end=True),
+        Hook(1, lambda step, state, m: console.advance()),
+        # Saved only once known finite, so the "last good checkpoint" is never a non-finite one.
+        Hook(1, lambda step, state, m: _checkpoint(engine, ckpt, guard, console, step, state, m)),
+    ]
+    profiler = _Profiler(config.profile.steps, workdir)
+    setup.preemption.install()
     step = start
     try:
         while step < t.steps:
-            if step in profile_steps and step - 1 not in profile_steps:
-                jax.profiler.start_trace(os.path.join(workdir, "profile"))
+            profiler.before(step)
             state, m = compiled(state, batches.get(step))
             step += 1
-            n_since += 1
-            if step > start + 1:  # the first step pays one-off costs (first run, warm-up)
-                report_progress(step)
-            if step - 1 in profile_steps and step not in profile_steps:
-                jax.block_until_ready(m)
-                jax.profiler.stop_trace()
-            # The previous step's finiteness is checked one step late, so the host never waits on
-            # the step it just dispatched.
-            if prev_metrics is not None:
-                check_finite(prev_metrics, step - 1)
-            prev_metrics = m
-            if step % t.log_every == 0 or step == t.steps:
-                m = jax.device_get(m)
-                check_finite(m, step)
-                now = time.perf_counter()
-                dt = (now - t_last) / n_since
-                t_last, n_since = now, 0
-                last = {k: float(v) for k, v in m.items() if k != "finite"}
-                last["step_time_s"] = dt
-                last[rate_key] = per_step_items / dt
-                if peak and "flops_per_token" in record:
-                    last["mfu"] = metrics.mfu(
-                        last[rate_key], record["flops_per_token"], num_devices, peak
-                    )
-                if t.eval_every and step % t.eval_every == 0:
-                    last.update(evaluate(state))
-                    report_progress(step)
-                writer.write_step(step, last)
-                eta = (now - t_start) / (step - start) * (t.steps - step)
-                if bar is not None:  # tqdm shows the ETA itself
-                    line = step_line(step, t.steps, last, None).split(" │ ", 1)[1]
-                    bar.set_postfix_str(line.split(" │ eval ")[0], refresh=False)
-                    if any(k.startswith("eval_") for k in last):
-                        bar.write(f"step {step}: " + ", ".join(eval_parts(last)))
-                elif main:
-                    print(step_line(step, t.steps, last, eta), flush=True)
-            if bar is not None:
-                bar.update(1)
-            # A checkpoint is written only once its step is known to be finite, so the "last
-            # good checkpoint" named by check_finite never holds a non-finite state.
-            if pre.requested(step):  # asked once per step, on every process
-                check_finite(m, step)
-                ckpt.save(step, state, data_position=step, force=True)
-                ckpt.wait()
-                if bar is not None:
-                    bar.close()
-                    bar = None
-                stopped = Preempted(step, str(ckpt.directory), preempted_exit_code())
-                if main:
-                    code = stopped.exit_code
-                    print(
-                        f"{stopped}" + (f"; exit status {code} (unfinished)" if code else ""),
-                        flush=True,
-                    )
-                raise stopped
-            if ckpt.should_save(step) and step < t.steps:
-                check_finite(m, step)
-                ckpt.save(step, state, data_position=step)
-        if prev_metrics is not None:
-            check_finite(prev_metrics, step)
-        final_eval = evaluate(state)
-        report_progress(step)
-        last.update(final_eval)
-        writer.write_step(step, {**final_eval, "kind": "eval"})
-        if config.checkpoint.every > 0:
-            ckpt.save(step, state, data_position=step, force=True)
-        ckpt.wait()
-        report_progress(step)
-        if bar is not None:  # closed first: `done:` gets its own line, not the bar's
-            bar.close()
-            bar = None
-        if main:
-            evals = ", ".join(eval_parts(final_eval))
-            print(
-                f"done: step {step}, train loss {last.get('loss', float('nan')):.4f}, {evals}",
-                flush=True,
-            )
-            steps = ckpt.all_steps()
-            print("\n".join(outputs_lines(workdir, str(ckpt.directory), steps)), flush=True)
-        return last
+            profiler.after(step, m)
+            for hook in hooks:
+                if hook.due(step, t.steps):
+                    hook.fn(step, state, m)
+        return _finish(config, workdir, setup, logger, console, step, state, evaluate)
     finally:
-        pre.restore()
-        if bar is not None:
-            bar.close()
-        ckpt.wait()
-        ckpt.close()
+        setup.preemption.restore()
+        console.close()
         writer.close()
+
+
+def _layout_changed(workdir: str, record: dict[str, Any]) -> bool:
+    """Whether a resumed run's program differs from the last `layout` record (an elastic restart on
+    fewer devices, another mesh): it then gets a record of its own."""
+    last = None
+    try:
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            for line in f:
+                if '"kind": "layout"' in line:
+                    last = json.loads(line)
+    except (OSError, json.JSONDecodeError):
+        return True
+    keys = ("mesh", "devices", "processes", "bytes_per_device", "collective_bytes_per_step")
+    return last is None or any(last.get(k) != record.get(k) for k in keys)
+
+
+def _checkpoint(engine, ckpt, guard, console, step: int, state, m) -> None:
+    """Saves when orbax's policies say so (interval, preemption); a preemption then stops."""
+    if not ckpt.should_save(step):  # asked once per step, on every process
+        return
+    guard.check(m, step)
+    ckpt.save(step, engine.to_user(state), data_position=step, force=True)
+    if not ckpt.preempted:
+        return
+    ckpt.wait()
+    console.close()
+    stopped = Preempted(step, str(ckpt.directory), preempted_exit_code())
+    if console.main:
+        code = stopped.exit_code
+        print(f"{stopped}" + (f"; exit status {code} (unfinished)" if code else ""), flush=True)
+    raise stopped
+
+
+def _finish(config, workdir, setup, logger, console, step, state, evaluate) -> dict[str, float]:
+    """The final evaluation and checkpoint, then where the outputs are."""
+    ckpt = setup.ckpt
+    logger.judge_previous(step + 1, None)
+    final_eval = evaluate(state)
+    _report_progress(step)
+    logger.last.update(final_eval)
+    logger.writer.write_step(step, {**final_eval, "kind": "eval"})
+    if config.checkpoint.every > 0:
+        ckpt.save(step, setup.engine.to_user(state), data_position=step, force=True)
+    ckpt.wait()
+    _report_progress(step)
+    console.close()  # first: `done:` gets its own line, not the bar's
+    if console.main:
+        evals = ", ".join(eval_parts(final_eval))
+        loss = logger.last.get("loss", float("nan"))
+        print(f"done: step {step}, train loss {loss:.4f}, {evals}", flush=True)
+        print("\n".join(outputs_lines(workdir, str(ckpt.directory), ckpt.all_steps())), flush=True)
+    return logger.last
+
+
+class _Evaluator:
+    """Mean of each eval figure over `eval_batches` validation batches."""
+
+    def __init__(self, engine, batches, eval_batches: int):
+        self.engine, self.batches, self.n = engine, batches, eval_batches
+
+    def __call__(self, state) -> dict[str, float]:
+        out: dict[str, list[float]] = {}
+        for i in range(self.n):
+            for k, v in self.engine.eval_step(state, self.batches.get(i, "val")).items():
+                out.setdefault(k, []).append(float(v))
+        return {f"eval_{k}": float(np.mean(v)) for k, v in out.items()}
+
+
+class _Logger:
+    """The log hook: fetches the metrics every `train.log_every` steps, times, writes, prints."""
+
+    def __init__(self, config, record, writer, console, guard, start: int):
+        self.t, self.writer, self.console, self.guard = config.train, writer, console, guard
+        self.per_step_items = record.get("tokens_per_step", config.train.batch_size)
+        self.rate_key = "tokens_per_s" if "tokens_per_step" in record else "examples_per_s"
+        self.flops_per_token = record.get("flops_per_token")
+        self.peak = metrics.peak_flops(jax.devices()[0])
+        self.start, self.last = start, {}
+        self.prev = None  # the previous step's metrics, judged one step late
+        self.pending_eval: dict[str, float] = {}
+        self.t_last = self.t_start = time.perf_counter()
+        self.n_since = 0
+
+    def judge_previous(self, step: int, m) -> None:
+        """Checks the finiteness of step - 1 (dispatched one step ago); keeps `m` for next time."""
+        self.n_since += m is not None
+        if self.prev is not None:
+            self.guard.check(self.prev, step - 1)
+        self.prev = m
+
+    def add_eval(self, step: int, m, run_eval: Callable[[], dict[str, float]]) -> None:
+        """Evaluates, off the step-time clock; the figures join this step's log line when it logs,
+        and are written as their own record otherwise."""
+        jax.block_until_ready(m)  # the step's own time stays on the clock
+        t0 = time.perf_counter()
+        figures = run_eval()
+        self.t_last += time.perf_counter() - t0
+        self.t_start += time.perf_counter() - t0
+        _report_progress(step)
+        if step % self.t.log_every == 0 or step == self.t.steps:
+            self.pending_eval = figures
+        else:
+            self.writer.write_step(step, {**figures, "kind": "eval"})
+            self.console.say(f"step {step}: " + ", ".join(eval_parts(figures)))
+
+    def log(self, step: int, state, m) -> None:
+        del state
+        m = jax.device_get(m)
+        self.guard.check(m, step)
+        now = time.perf_counter()
+        dt = (now - self.t_last) / max(self.n_since, 1)
+        self.t_last, self.n_since = now, 0
+        last = {k: float(v) for k, v in m.items() if k != "finite"}
+        last["step_time_s"] = dt
+        last[self.rate_key] = self.per_step_items / dt
+        if self.peak and self.flops_per_token is not None:
+            last["mfu"] = metrics.mfu(
+                last[self.rate_key], self.flops_per_token, jax.device_count(), self.peak
+            )
+        last.update(self.pending_eval)
+        self.pending_eval = {}
+        self.last = last
+        self.writer.write_step(step, last)
+        eta = (now - self.t_start) / (step - self.start) * (self.t.steps - step)
+        self.console.step(step, self.t.steps, last, eta)

@@ -1,8 +1,9 @@
-"""The device mesh: four named axes sized from `config.mesh`.
+"""The device mesh: six named axes sized from `config.mesh`.
 
-Axis order is (data, fsdp, tensor, pipeline) from slowest- to fastest-varying device index, so `tensor`,
-the axis with the most traffic per step, spans neighbouring devices (NVLink / ICI), and `data`, the axis
-with the least, spans hosts when `dcn_*` sizes are set.
+Axis order is (data, fsdp, expert, context, tensor, pipeline) from slowest- to fastest-varying device
+index, so `tensor`, the axis with the most traffic per step, spans neighbouring devices (NVLink / ICI),
+`expert` all-to-alls and `context` ring hops stay close, and `data`, the axis with the least, spans
+hosts when `dcn_*` sizes are set.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def check_backend(config) -> None:
 
 
 def make_mesh(mesh_cfg: Mapping[str, Any], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the (data, fsdp, tensor, pipeline) mesh.
+    """Builds the (data, fsdp, expert, context, tensor, pipeline) mesh.
 
     Args:
       mesh_cfg: `config.mesh`: a size per axis (one may be -1) and optional `dcn_<axis>` sizes, the
@@ -103,4 +104,10 @@ def make_mesh(mesh_cfg: Mapping[str, Any], devices: Sequence[jax.Device] | None 
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
-    return {name: int(size) for name, size in mesh.shape.items()}
+    """Axis → size for records and reports: data, fsdp, tensor, pipeline always; `expert` and
+    `context` only where they are > 1 (a record of a run without them reads as before)."""
+    return {
+        name: int(size)
+        for name, size in mesh.shape.items()
+        if name in ("data", "fsdp", "tensor", "pipeline") or size > 1
+    }

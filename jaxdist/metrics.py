@@ -22,6 +22,7 @@ from jaxdist.hlo_cost import (
     CollectiveOp,
     collective_bytes,
     collective_ops,
+    collective_phases,
     ring_wire_bytes,
 )
 
@@ -133,6 +134,7 @@ __all__ = [
     "MetricsWriter",
     "collective_bytes",
     "collective_ops",
+    "collective_phases",
     "mfu",
     "model_flops_per_token",
     "peak_flops",

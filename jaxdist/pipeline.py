@@ -19,15 +19,19 @@ stage at every tick, and `Schedule.bubble_fraction` counts the idle entries of t
 * `gpipe`: all forwards, then all backwards; the backward is JAX's autodiff of the scanned forward
   ticks, so a stage keeps the activations of every microbatch (remat at the stage boundary with
   `train.remat` keeps only each tick's stage input). Bubble (p-1)/(m+p-1).
-* `1f1b`: PipeDream-Flush. Forward and backward ticks interleave per stage; the backward of a
-  microbatch is an explicit `jax.vjp` of its stage (recomputed from the stashed stage input) in a
-  `lax.switch` branch, so all stages run one SPMD program while doing different work. A stage keeps
-  the inputs of at most `p` microbatches, in a circular buffer of `p` slots: activation memory does
-  not grow with `m`. The head and loss of a microbatch run on the last stage as it leaves, so its
-  backward starts on the next tick. Bubble (p-1)/(m+p-1).
+* `1f1b`: PipeDream-Flush. Forward and backward ticks interleave per stage, each a `lax.switch`
+  branch, so all stages run one SPMD program while doing different work. A forward tick runs the
+  stage under `jax.vjp` and stashes the residuals (what `train.remat` lets a layer keep) of at most
+  `p` microbatches, in `p` slots; the backward tick applies the stashed vjp, so it recomputes
+  nothing and activation memory does not grow with `m`. The head and loss of a microbatch run on
+  the last stage as it leaves, so its backward starts on the next tick. Bubble (p-1)/(m+p-1).
 * `interleaved`: the looped (circular) schedule over `v` chunks per device: microbatches enter in
   groups of `p`, each loops `v` times around the ring. Backward by autodiff as for gpipe. Bubble
-  (p-1)/(v·m+p-1); needs `m` to be a multiple of `p`.
+  (p-1)/(v·m+p-1); needs `m` to be a multiple of `p`. Its stacked layers are stored in looped order
+  (`layer_order`), so no layer crosses devices per step; checkpoints keep the [L] order.
+* `zb`: ZB-H1 (Qi et al. 2023): 1F1B's executor with the backward cut into the input-gradient
+  pass B and the weight-gradient pass W (`_SplitVjp`), the W passes deferred into what would be
+  bubble ticks, at most p - s + 1 microbatches between a stage's F and W.
 
 The embedding (all schedules) and, for gpipe/interleaved, the head and loss stay
 outside the stage loop: they are computed SPMD over the whole batch, with the batch additionally
@@ -36,6 +40,10 @@ them and no stage carries extra work. The price is moving the activations ([B, T
 pipeline once and out once per step. 1f1b computes head and loss inside the schedule on the last
 stage instead: its backward must start as soon as a microbatch leaves, and collecting all `m`
 outputs first would bring back the memory that grows with `m`.
+
+The table bubble counts idle entries as if every tick cost the same; `cost` reads what the compiled
+step executes instead: the lock-step FLOPs (per tick, the slowest stage's branch) against the ideal.
+Evaluation (`make_loss`) runs the looped forward ticks, so no device gathers the layer stack.
 """
 
 from __future__ import annotations
@@ -45,17 +53,20 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist import microbatch, sharding
+from jaxdist import hlo_cost, microbatch, sharding
 from jaxdist.errors import ConfigError
 from models import api
 from models.api import Stages
 
 AXIS = "pipeline"
-IDLE, FWD, BWD = 0, 1, 2
+IDLE, FWD, BWD, WGT = 0, 1, 2, 3  # WGT: zb's deferred weight-gradient pass
+_WEIGHTS = "pipeline_stage_weights"  # checkpoint name of a tick's selected stage weights
 
 # --------------------------------------------------------------------------------------------------
 # Schedule tables
@@ -67,12 +78,13 @@ class Schedule:
     """Which stage does what at each tick, as the executors run it.
 
     Attributes:
-      name: `gpipe`, `1f1b` or `interleaved`.
+      name: `gpipe`, `1f1b`, `interleaved` or `zb`.
       stages: p, the size of the `pipeline` mesh axis.
       microbatches: m.
       virtual_stages: v, layer chunks per device (1 unless interleaved).
-      action: int8 [ticks, p]: IDLE, FWD or BWD for every tick and stage, forward and backward ticks
-        together (for gpipe/interleaved the backward ticks are the autodiff mirror of the forward).
+      action: int8 [ticks, p]: IDLE, FWD, BWD or (zb) WGT for every tick and stage, forward and
+        backward ticks together (for gpipe/interleaved the backward ticks are the autodiff mirror of
+        the forward; zb's BWD is the input-gradient pass and WGT the weight-gradient pass).
       micro: int32 [ticks, p]: the microbatch of that action (0 when idle).
       virtual: int32 [ticks, p]: the virtual stage (layer chunk on that device) of that action.
     """
@@ -119,8 +131,9 @@ class Schedule:
         }
 
     def render(self) -> str:
-        """The table as text, one row per stage: `F3` forward of microbatch 3, `B3` backward, `.` idle
-        (interleaved adds the virtual stage: `F3.1`)."""
+        """The table as text, one row per stage: `F3` forward of microbatch 3, `B3` backward (zb: its
+        input gradient), `W3` zb's weight gradient, `.` idle (interleaved adds the virtual stage:
+        `F3.1`)."""
         rows = []
         for s in range(self.stages):
             cells = []
@@ -129,7 +142,7 @@ class Schedule:
                 if a == IDLE:
                     cells.append(".")
                     continue
-                cell = f"{'FB'[a - 1]}{int(self.micro[t, s])}"
+                cell = f"{'FBW'[a - 1]}{int(self.micro[t, s])}"
                 if self.virtual_stages > 1:
                     cell += f".{int(self.virtual[t, s])}"
                 cells.append(cell)
@@ -202,6 +215,56 @@ def one_f_one_b_table(p: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(actions), np.stack(micros)
 
 
+# zb: how many more microbatches than 1F1B's p - s a stage may hold between its forward and its
+# weight-gradient pass. One more lets the W passes wait for the bubble ticks of the drain.
+ZB_EXTRA_IN_FLIGHT = 1
+
+
+def zero_bubble_table(
+    p: int, m: int, extra: int = ZB_EXTRA_IN_FLIGHT
+) -> tuple[np.ndarray, np.ndarray]:
+    """ZB-H1 ticks (Qi et al. 2023): (action, micro), [ticks, p], by simulating unit-time F, B, W.
+
+    The backward is split into B (the input gradient, which the previous stage waits for) and W
+    (the weight gradient, which nobody waits for). Each tick a stage runs, in this order of
+    preference: the B of its oldest forwarded microbatch if its gradient has arrived (on the last
+    stage: its forward is done); the F of its next microbatch if its input has arrived and fewer
+    than `p - s + extra` microbatches are between their F and their W on stage s; the W of its
+    oldest microbatch past B; else it idles. W passes thus fill the ticks where 1F1B's stages wait,
+    and activation memory stays bounded like 1F1B's (`p - s` in flight there).
+    """
+    f_done = np.full((p, m), -1)
+    b_done = np.full((p, m), -1)
+    nf, nb, nw = [0] * p, [0] * p, [0] * p
+    actions, micros = [], []
+    t = 0
+    while min(nw) < m:
+        act_row, mic_row = np.zeros(p, np.int8), np.zeros(p, np.int32)
+        for s in range(p):
+            i = nb[s]
+            upstream = -1 if i >= nf[s] else (f_done[s, i] if s == p - 1 else b_done[s + 1, i])
+            if 0 <= upstream < t:
+                act_row[s], mic_row[s] = BWD, i
+                b_done[s, i] = t
+                nb[s] += 1
+                continue
+            i = nf[s]
+            ready = i < m and (s == 0 or 0 <= f_done[s - 1, i] < t)
+            if ready and nf[s] - nw[s] < p - s + extra:
+                act_row[s], mic_row[s] = FWD, i
+                f_done[s, i] = t
+                nf[s] += 1
+            elif nw[s] < nb[s]:
+                act_row[s], mic_row[s] = WGT, nw[s]
+                nw[s] += 1
+        actions.append(act_row)
+        micros.append(mic_row)
+        t += 1
+        if t > 6 * (m + p) + 8:  # a finite state machine; this never fires
+            raise AssertionError(f"zb table did not finish for p={p}, m={m}")
+    return np.stack(actions), np.stack(micros)
+
+
 def _looped_tables(name: str) -> Callable[[int, int, int], Schedule]:
     """gpipe (v = 1) / interleaved: the looped forward ticks, then their autodiff mirror."""
 
@@ -228,6 +291,12 @@ def _one_f_one_b_tables(p: int, m: int, v: int) -> Schedule:
     return Schedule("1f1b", p, m, 1, action, micro, np.zeros_like(micro))
 
 
+def _zero_bubble_tables(p: int, m: int, v: int) -> Schedule:
+    del v  # one layer chunk per device
+    action, micro = zero_bubble_table(p, m)
+    return Schedule("zb", p, m, 1, action, micro, np.zeros_like(micro))
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleKind:
     """One `pipeline.schedule` choice.
@@ -237,11 +306,14 @@ class ScheduleKind:
       virtual: whether it runs `pipeline.virtual_stages` layer chunks per device (else v = 1).
       autodiff_backward: its backward is the autodiff of the looped forward ticks (`_looped_forward`);
         otherwise the table interleaves explicit per-microbatch backwards (`_one_f_one_b`).
+      split_backward: the explicit backward is split into input- and weight-gradient passes
+        (`_zero_bubble`).
     """
 
     tables: Callable[[int, int, int], Schedule]
     virtual: bool
     autodiff_backward: bool
+    split_backward: bool = False
 
 
 # The schedules by `pipeline.schedule`: the one list `config.validate` and the executors read.
@@ -250,6 +322,9 @@ SCHEDULES: dict[str, ScheduleKind] = {
     "1f1b": ScheduleKind(_one_f_one_b_tables, virtual=False, autodiff_backward=False),
     "interleaved": ScheduleKind(
         _looped_tables("interleaved"), virtual=True, autodiff_backward=True
+    ),
+    "zb": ScheduleKind(
+        _zero_bubble_tables, virtual=False, autodiff_backward=False, split_backward=True
     ),
 }
 
@@ -329,6 +404,48 @@ def bubble_fraction(config, mesh: Mesh) -> float | None:
     return None if sched is None else sched.bubble_fraction
 
 
+def layer_order(config, mesh_shape: Mapping[str, int]) -> np.ndarray | None:
+    """Which layer each stored row of the stacked layers holds, or None for the identity.
+
+    The stacked layers are stored split over `pipeline` in contiguous blocks. For the looped
+    (interleaved) schedule device d runs chunks d, p + d, 2p + d, ...; storing the rows in that
+    order (like MaxText's `circular_repeats`: [p, v, Lc] = device, lap, layer within the chunk)
+    gives each device its own chunks with no per-step exchange. Row r of the store holds layer
+    `order[r]`; checkpoints, exports and `train.init_from` keep the user's [L] order (the engine
+    reorders at init, save and restore: `reorder_layers`).
+    """
+    p = int(mesh_shape.get(AXIS, 1))
+    kind = schedule_kind(config.pipeline.schedule)
+    v = int(config.pipeline.virtual_stages) if kind.virtual else 1
+    if p <= 1 or v <= 1:
+        return None
+    lc = int(config.model.num_layers) // (p * v)
+    chunks = np.arange(p * v).reshape(v, p).T  # [p, v]: chunk s·p + d on device d, lap s
+    return (chunks[..., None] * lc + np.arange(lc)).reshape(-1)
+
+
+def reorder_layers(tree: Any, shardings: Any, order: np.ndarray | None, *, to_user: bool) -> Any:
+    """Stacked-layer leaves of `tree` (any state tree: params, optimizer moments, per-replica
+    copies) between the stored order and the user's [L] order (`layer_order`).
+
+    A leaf is a stacked-layer leaf when its storage sharding puts `pipeline` on an axis of length
+    `len(order)` (the logical `layers` axis, see sharding.STORAGE_RULES); that axis is permuted.
+    """
+    if order is None:
+        return tree
+    index = np.argsort(order) if to_user else order  # user[l] = stored[r] where order[r] = l
+
+    def one(x, sh):
+        spec = tuple(sh.spec) + (None,) * (x.ndim - len(sh.spec))
+        for axis, entry in enumerate(spec):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            if AXIS in names and x.shape[axis] == len(order):
+                return sharding.constrain_to(jnp.take(x, jnp.asarray(index), axis=axis), sh)
+        return x
+
+    return jax.tree.map(one, tree, shardings)
+
+
 # --------------------------------------------------------------------------------------------------
 # Helpers for the SPMD program
 # --------------------------------------------------------------------------------------------------
@@ -383,7 +500,7 @@ def _looped_forward(stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtu
     """Forward ticks of gpipe / interleaved on one stage; returns [m, ...] final activations.
 
     Args:
-      stage_fn: (one chunk's layer params [Lc, ...], x [b, T, D]) -> y.
+      stage_fn: (chunks [v, Lc, ...], virtual stage, x [b, T, D]) -> y (`looped_stage_fn`).
       chunks: this device's chunks, every leaf [v, Lc, ...] (float32: cast per tick, so autodiff
         accumulates their gradients over the ticks in float32).
       x0: [m, b, T, D] embedded microbatches (the same on every stage; stage 0 reads them).
@@ -405,13 +522,131 @@ def _looped_forward(stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtu
         recv, outs = carry
         ok, i, s = row[0][d], row[1][d], row[2][d]
         x = jnp.where((d == 0) & (s == 0), _take(x0, i).astype(dtype), recv)  # [b, T, D]
-        y = stage_fn(jax.tree.map(lambda a: _take(a, s), chunks), x)
+        y = stage_fn(chunks, s, x)
         outs = _put(outs, i, y, ok & (d == p - 1) & (s == v - 1))
         return (jax.lax.ppermute(y, AXIS, ring), outs), None
 
     rows = (jnp.asarray(valid), jnp.asarray(micro), jnp.asarray(virtual))
     (_, outs), _ = jax.lax.scan(tick, (zero, outs), rows)
     return outs
+
+
+class _StashedVjp:
+    """`jax.vjp` split across ticks: the forward tick keeps the residuals, a later tick applies
+    the backward to them, without running the forward again.
+
+    The residuals are the leaves of the vjp function (`jax.vjp` returns a pytree); those that are
+    one of the `fixed` arrays (the stage weights, which every tick has anyway) are not stashed but
+    passed again to the backward. What else a residual holds is decided by the remat policy of the
+    function (`train.remat`): activations for `none`, the layer inputs for `full`.
+    """
+
+    def __init__(self):
+        self.tree = None
+        self.where: list[int] | None = None  # per vjp leaf: index into `fixed`, or -1 = stashed
+
+    def forward(self, fn, fixed: list, *args):
+        """(fn(*args), stashed residual leaves)."""
+        out, vjp = jax.vjp(fn, *args)
+        leaves, tree = jax.tree.flatten(vjp)
+        ids = {id(f): k for k, f in enumerate(fixed)}
+        where = [ids.get(id(leaf), -1) for leaf in leaves]
+        if self.where is not None and where != self.where:
+            raise AssertionError("stashed vjp: residual layout differs between traces")
+        self.tree, self.where = tree, where
+        return out, [leaf for leaf, w in zip(leaves, where) if w < 0]
+
+    def backward(self, fixed: list, stashed: list, cotangent):
+        """The input cotangents of `forward`'s args, from its stashed residuals."""
+        rest = iter(stashed)
+        leaves = [fixed[w] if w >= 0 else next(rest) for w in self.where]
+        return jax.tree.unflatten(self.tree, leaves)(cotangent)
+
+
+class _SplitVjp(_StashedVjp):
+    """A stashed vjp whose backward is cut in two (zb): `backward_input` computes the input
+    cotangent and what the weight gradient needs from the cotangent path (the cotangents at the
+    outputs of the weight-using ops); `backward_weight`, on any later tick, the weight gradient.
+
+    The cut is made on the backward's jaxpr, traced once: the residuals that the input cotangent
+    does not need (the inputs of the weight matmuls) are marked unknown, and JAX's partial
+    evaluation moves the equations that depend on them, and only those, into the second part
+    (scans, the stacked layers, are split per iteration). Nothing is computed twice. With a remat
+    policy that keeps only the layer inputs (`full`) no residual is weight-only: the weight
+    gradient then stays in the first part and the second is empty.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.cut: dict[str, Any] | None = None
+
+    def forward(self, fn, fixed: list, *args):
+        """(fn(*args), residuals for the input pass, residuals only the weight pass reads)."""
+        out, stashed = super().forward(fn, fixed, *args)
+        if self.cut is None:
+            self._make_cut(fixed, stashed, out)
+        only = self.cut["weight_only"][len(fixed) :]
+        return (
+            out,
+            [r for r, w in zip(stashed, only) if not w],
+            [r for r, w in zip(stashed, only) if w],
+        )
+
+    def _make_cut(self, fixed: list, stashed: list, out) -> None:
+        from jax._src.interpreters import partial_eval as pe
+
+        def bwd(fixed, stashed, dy):
+            return _StashedVjp.backward(self, fixed, stashed, dy)
+
+        closed, shape = jax.make_jaxpr(bwd, return_shape=True)(fixed, stashed, out)
+        n_in, n_dy = len(fixed) + len(stashed), len(jax.tree.leaves(out))
+        assert len(closed.jaxpr.invars) == n_in + n_dy, "split vjp: unexpected backward inputs"
+        n_out = len(closed.jaxpr.outvars)
+        n_dx = len(jax.tree.leaves(shape[1:]))
+        used_for_dx = [False] * (n_out - n_dx) + [True] * n_dx
+        _, used_in = pe.dce_jaxpr(closed.jaxpr, used_for_dx)
+        weight_only = [not u for u in used_in[:n_in]]
+        known, unknown, out_unknown, res = pe.partial_eval_jaxpr_nounits(
+            closed, weight_only + [False] * n_dy, False
+        )
+        assert not any(out_unknown[n_out - n_dx :]), "split vjp: the input cotangent was cut"
+        self.cut = dict(
+            known=known,
+            unknown=unknown,
+            weight_only=weight_only,
+            out_unknown=out_unknown[: n_out - n_dx],
+            dx_tree=jax.tree.structure(shape[1:]),
+            n_res=len(res),
+        )
+
+    def backward_input(self, fixed: list, for_input: list, cotangent):
+        """(the input cotangents (a tuple, one per `forward` arg after the first), the weight
+        gradient's leaves computed here (None where the weight pass computes them), residuals
+        for the weight pass)."""
+        cut = self.cut
+        known_fixed = [f for f, w in zip(fixed, cut["weight_only"]) if not w]
+        outs = jax.extend.core.jaxpr_as_fun(cut["known"])(
+            *known_fixed, *for_input, *jax.tree.leaves(cotangent)
+        )
+        outs, res = outs[: len(outs) - cut["n_res"]], outs[len(outs) - cut["n_res"] :]
+        n_dw = len(cut["out_unknown"])
+        n_known_dw = n_dw - sum(cut["out_unknown"])
+        it = iter(outs[:n_known_dw])
+        dw = [None if u else next(it) for u in cut["out_unknown"]]
+        dx = jax.tree.unflatten(cut["dx_tree"], outs[n_known_dw:])
+        return dx, dw, list(res)
+
+    def backward_weight(self, fixed: list, weight_only: list, res: list) -> list:
+        """The weight gradient's leaves that `backward_input` left out (None for the others)."""
+        cut = self.cut
+        only_fixed = [f for f, w in zip(fixed, cut["weight_only"]) if w]
+        outs = iter(jax.extend.core.jaxpr_as_fun(cut["unknown"])(*res, *only_fixed, *weight_only))
+        return [next(outs) if u else None for u in cut["out_unknown"]]
+
+
+# Branches of the 1F1B tick switch; the last stage runs its own forward (with head and loss) and
+# backward (from the loss) branches.
+F_LAST, B_LAST = 3, 4
 
 
 def _one_f_one_b(
@@ -424,6 +659,7 @@ def _one_f_one_b(
     *,
     p: int,
     scale: float,
+    dtype,
     action,
     micro,
     recv_f,
@@ -431,15 +667,21 @@ def _one_f_one_b(
 ):
     """The 1F1B ticks on one stage: loss, gradients and the gradient of the stage-0 input.
 
+    A forward tick runs the stage under `jax.vjp` and stashes its residuals (at most p microbatches
+    in flight: p slots, slot = microbatch mod p); the backward tick applies the stashed vjp to the
+    arriving gradient, so it costs about two forwards and recomputes nothing (unless `train.remat`
+    says so). The last stage also runs head and loss in its forward tick, stashing their residuals
+    in one slot (its backward follows on the next tick).
+
     Args:
-      stage_fn: (layer params [Lc, ...] float32, x [b, T, D]) -> y (casts to the compute dtype).
-      head_loss: (head params float32, y, targets [b, T]) -> mean cross-entropy of the microbatch.
+      stage_fn: (layer params [Lc, ...] in the compute dtype, x [b, T, D]) -> y.
+      head_loss: (head params, y, targets [b, T]) -> mean cross-entropy of the microbatch.
       chunk: this stage's layer params, every leaf [Lc, ...], float32.
       head: the head's params (final norm, projection), float32, the same on every stage.
       x0: [m, b, T, D] embedded microbatches; targets: [m, b, T].
       scale: d loss / d (one microbatch's head_loss) = 1 / (m · data replicas).
-      action: [ticks, p] what runs (IDLE / FWD / BWD); the last stage's FWD entries are IDLE here:
-        its backward recomputes the forward, so a separate forward would be wasted work.
+      dtype: the compute dtype.
+      action: [ticks, p] the branch each stage runs (IDLE / FWD / BWD / F_LAST / B_LAST).
       micro: [ticks, p] microbatch per action.
       recv_f, recv_b: [ticks, p] the slot an arriving activation / gradient goes into at the end of
         the tick, -1 if none arrives.
@@ -448,62 +690,201 @@ def _one_f_one_b(
       head gradients are nonzero on the last stage only, d x0 on stage 0 only; float32 gradients.
     """
     d = jax.lax.axis_index(AXIS)
-    first, last = d == 0, d == p - 1
+    first = d == 0
     # Differentiate with respect to per-device copies, so no vjp inside a tick sums over the manual
     # axes (a collective inside one stage's branch would deadlock the others); sum once at the end.
-    chunk, head = jax.tree.map(_varying, (chunk, head))
+    # Cast once per step: the stage's vjp then keeps the weights it was given, not a cast copy.
+    chunk, head = jax.tree.map(_varying, microbatch.cast_floating((chunk, head), dtype))
     fwd_pairs = [(s, s + 1) for s in range(p - 1)]
     bwd_pairs = [(s + 1, s) for s in range(p - 1)]
-    shape, dtype = x0.shape[1:], x0.dtype
-    zeros = lambda *lead: _varying(jnp.zeros((*lead, *shape), dtype))
+    shape, act_dtype = x0.shape[1:], x0.dtype
+    zeros = lambda *lead: _varying(jnp.zeros((*lead, *shape), act_dtype))
     f32_zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, jnp.float32)), tree)
+    add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
     m = x0.shape[0]
+    leaves = jax.tree.leaves
+    stage_vjp, head_vjp = _StashedVjp(), _StashedVjp()
+    head_fn = lambda hp, y, tgt: head_loss(hp, y, tgt)
+    # The stash: residual leaves [p, ...] per slot; the head's [1, ...] (the last stage keeps one).
+    # Their shapes come from tracing one forward on zeros here, which compiles to nothing (unused).
+    slots = lambda n, avals: [_varying(jnp.zeros((n, *a.shape), a.dtype)) for a in avals]
+    res0 = slots(p, stage_vjp.forward(stage_fn, leaves(chunk), chunk, zeros())[1])
+    hres0 = slots(1, head_vjp.forward(head_fn, leaves(head), head, zeros(), targets[0])[1])
 
-    def f(cp, hp, x, tgt):
-        y = stage_fn(cp, x)
-        loss = jax.lax.cond(
-            last,
-            lambda: head_loss(hp, y, tgt),
-            lambda: _varying(jnp.zeros((), jnp.float32)),
-        )
-        return y, loss
+    # The branches take one microbatch's residuals and return one microbatch's new residuals; the
+    # stash itself is read and written outside the switch, in place (passing it through the
+    # branches would make XLA copy it).
+    def idle(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
+        return zeros(), zeros(), r, hr, g_c, g_h, loss
 
-    def idle(x, dy, i, g_c, g_h, loss):
-        return zeros(), zeros(), g_c, g_h, loss
+    def forward(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
+        y, r = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
+        return y, zeros(), r, hr, g_c, g_h, loss
 
-    def forward(x, dy, i, g_c, g_h, loss):
-        return stage_fn(chunk, x), zeros(), g_c, g_h, loss
+    def backward(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
+        dc, dx = stage_vjp.backward(leaves(ck), r, dy)
+        return zeros(), dx.astype(act_dtype), r, hr, add(g_c, dc), g_h, loss
 
-    def backward(x, dy, i, g_c, g_h, loss):
-        tgt = _take(targets, i)
-        (_, mb_loss), vjp = jax.vjp(lambda cp, hp, x: f(cp, hp, x, tgt), chunk, head, x)
-        dl = _varying(jnp.where(last, jnp.float32(scale), jnp.float32(0)))
-        dc, dh, dx = vjp((jnp.where(last, jnp.zeros_like(dy), dy), dl))
-        add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
-        return zeros(), dx.astype(dtype), add(g_c, dc), add(g_h, dh), loss + mb_loss * scale
+    def forward_last(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
+        y, r = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
+        mb_loss, hr = head_vjp.forward(head_fn, leaves(hp), hp, y, tgt)
+        return zeros(), zeros(), r, hr, g_c, g_h, loss + mb_loss * scale
+
+    def backward_last(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
+        dh, dy, _ = head_vjp.backward(leaves(hp), hr, _varying(jnp.float32(scale)))
+        dc, dx = stage_vjp.backward(leaves(ck), r, dy.astype(act_dtype))
+        return zeros(), dx.astype(act_dtype), r, hr, add(g_c, dc), add(g_h, dh), loss
+
+    branches = (idle, forward, backward, forward_last, backward_last)
 
     def tick(carry, row):
-        stash, gbuf, dx0, g_c, g_h, loss = carry
+        xin, gbuf, res, hres, dx0, g_c, g_h, loss = carry
         act, i, rf, rb = row[0][d], row[1][d], row[2][d], row[3][d]
         slot = i % p
-        # Stage 0 takes the microbatch from the embedded input and keeps it for its backward.
-        stash = _put(stash, slot, _take(x0, i), first & (act == FWD))
-        x, dy = _take(stash, slot), _take(gbuf, slot)
-        y, dx, g_c, g_h, loss = jax.lax.switch(
-            act, (idle, forward, backward), x, dy, i, g_c, g_h, loss
+        # Stage 0 takes the microbatch from the embedded input; the others from what arrived.
+        x = jnp.where(first, _take(x0, i), _take(xin, slot))
+        dy, tgt = _take(gbuf, slot), _take(targets, i)
+        r, hr = [_take(b, slot) for b in res], [_take(b, 0) for b in hres]
+        y, dx, r, hr, g_c, g_h, loss = jax.lax.switch(
+            act, branches, chunk, head, x, dy, tgt, r, hr, g_c, g_h, loss
         )
+        fwd = (act == FWD) | (act == F_LAST)
+        res = [_put(b, slot, v, fwd) for b, v in zip(res, r)]
+        hres = [_put(b, 0, v, act == F_LAST) for b, v in zip(hres, hr)]
         dx0 = _put(dx0, i, dx, first & (act == BWD))
         # Every stage sends every tick (all must join a collective); receivers keep only arrivals.
         y_in = jax.lax.ppermute(y, AXIS, fwd_pairs)
         dy_in = jax.lax.ppermute(dx, AXIS, bwd_pairs)
-        stash = _put(stash, jnp.maximum(rf, 0), y_in, rf >= 0)
+        xin = _put(xin, jnp.maximum(rf, 0), y_in, rf >= 0)
         gbuf = _put(gbuf, jnp.maximum(rb, 0), dy_in, rb >= 0)
-        return (stash, gbuf, dx0, g_c, g_h, loss), None
+        return (xin, gbuf, res, hres, dx0, g_c, g_h, loss), None
 
-    carry = (zeros(p), zeros(p), zeros(m), f32_zeros(chunk), f32_zeros(head))
+    carry = (zeros(p), zeros(p), res0, hres0, zeros(m), f32_zeros(chunk), f32_zeros(head))
     carry += (_varying(jnp.zeros((), jnp.float32)),)
     rows = tuple(jnp.asarray(a) for a in (action, micro, recv_f, recv_b))
-    (_, _, dx0, g_c, g_h, loss), _ = jax.lax.scan(tick, carry, rows)
+    (*_, dx0, g_c, g_h, loss), _ = jax.lax.scan(tick, carry, rows)
+    return loss, g_c, g_h, dx0
+
+
+# Branches of the zb tick switch (W_LAST: the last stage's weight pass is the same as the others').
+ZB_F_LAST, ZB_B_LAST = 4, 5
+
+
+def _zero_bubble(
+    stage_fn,
+    head_loss,
+    chunk,
+    head,
+    x0,
+    targets,
+    *,
+    p: int,
+    scale: float,
+    dtype,
+    action,
+    micro,
+    recv_f,
+    recv_b,
+    slots,
+):
+    """The zb ticks on one stage: 1F1B's executor with the backward cut in two (`_SplitVjp`).
+
+    A forward tick stashes the residuals of the stage's vjp in two stashes: those the input pass
+    reads (freed at B) and those only the weight pass reads (kept until W). The B tick computes the
+    input gradient (sent to the previous stage at once) and stashes what the weight gradient needs
+    from the cotangent path; the W tick, which no other stage waits for, computes the weight
+    gradient. The head and loss run on the last stage as in 1F1B (their backward whole, in B).
+
+    Args: as `_one_f_one_b`, plus `slots`: per buffer (`x`, `g`, `b`, `w`, `r`: arriving
+      activations, arriving gradients, input-pass residuals, weight-only residuals, B → W
+      residuals), its number of slots; microbatch i uses slot i mod that number
+      (`zero_bubble_exec_tables` checks that no live slot is overwritten).
+    Returns: as `_one_f_one_b`.
+    """
+    d = jax.lax.axis_index(AXIS)
+    first = d == 0
+    chunk, head = jax.tree.map(_varying, microbatch.cast_floating((chunk, head), dtype))
+    fwd_pairs = [(s, s + 1) for s in range(p - 1)]
+    bwd_pairs = [(s + 1, s) for s in range(p - 1)]
+    shape, act_dtype = x0.shape[1:], x0.dtype
+    zeros = lambda *lead: _varying(jnp.zeros((*lead, *shape), act_dtype))
+    f32_zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, jnp.float32)), tree)
+    m = x0.shape[0]
+    leaves = jax.tree.leaves
+    stage_vjp, head_vjp = _SplitVjp(), _StashedVjp()
+    head_fn = lambda hp, y, tgt: head_loss(hp, y, tgt)
+
+    def add(acc, dw):  # dw: leaves of the chunk's gradient, None where not computed here
+        flat, tree = jax.tree.flatten(acc)
+        out = [a if g is None else a + g.astype(jnp.float32) for a, g in zip(flat, dw)]
+        return jax.tree.unflatten(tree, out)
+
+    def add_tree(acc, g):
+        return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+
+    buf = lambda n, avals: [_varying(jnp.zeros((n, *a.shape), a.dtype)) for a in avals]
+    y0, rb0, rw0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zeros())
+    _, _, rr0 = stage_vjp.backward_input(leaves(chunk), rb0, y0)
+    res_b, res_w, res_r = buf(slots["b"], rb0), buf(slots["w"], rw0), buf(slots["r"], rr0)
+    hres = buf(1, head_vjp.forward(head_fn, leaves(head), head, zeros(), targets[0])[1])
+
+    # Per branch: one microbatch's residuals in, its new ones out; the stashes are read and written
+    # outside the switch, in place.
+    def idle(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
+        return zeros(), zeros(), rb, rw, rr, hr, g_c, g_h, loss
+
+    def forward(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
+        y, rb, rw = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
+        return y, zeros(), rb, rw, rr, hr, g_c, g_h, loss
+
+    def backward(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
+        (dx,), dw, rr = stage_vjp.backward_input(leaves(ck), rb, dy)
+        return zeros(), dx.astype(act_dtype), rb, rw, rr, hr, add(g_c, dw), g_h, loss
+
+    def weight(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
+        dw = stage_vjp.backward_weight(leaves(ck), rw, rr)
+        return zeros(), zeros(), rb, rw, rr, hr, add(g_c, dw), g_h, loss
+
+    def forward_last(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
+        y, rb, rw = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
+        mb_loss, hr = head_vjp.forward(head_fn, leaves(hp), hp, y, tgt)
+        return zeros(), zeros(), rb, rw, rr, hr, g_c, g_h, loss + mb_loss * scale
+
+    def backward_last(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
+        dh, dy, _ = head_vjp.backward(leaves(hp), hr, _varying(jnp.float32(scale)))
+        (dx,), dw, rr = stage_vjp.backward_input(leaves(ck), rb, dy.astype(act_dtype))
+        return zeros(), dx.astype(act_dtype), rb, rw, rr, hr, add(g_c, dw), add_tree(g_h, dh), loss
+
+    branches = (idle, forward, backward, weight, forward_last, backward_last)
+    take = lambda bufs, k: [_take(b, k) for b in bufs]
+    put = lambda bufs, k, new, when: [_put(b, k, v, when) for b, v in zip(bufs, new)]
+
+    def tick(carry, row):
+        xin, gbuf, res_b, res_w, res_r, hres, dx0, g_c, g_h, loss = carry
+        act, i, rf, rb_ = row[0][d], row[1][d], row[2][d], row[3][d]
+        x = jnp.where(first, _take(x0, i), _take(xin, i % slots["x"]))
+        dy, tgt = _take(gbuf, i % slots["g"]), _take(targets, i)
+        kb, kw, kr = i % slots["b"], i % slots["w"], i % slots["r"]
+        y, dx, rb, rw, rr, hr, g_c, g_h, loss = jax.lax.switch(
+            act, branches, chunk, head, x, dy, tgt,
+            take(res_b, kb), take(res_w, kw), take(res_r, kr), take(hres, 0), g_c, g_h, loss,
+        )  # fmt: skip
+        fwd = (act == FWD) | (act == ZB_F_LAST)
+        bwd = (act == BWD) | (act == ZB_B_LAST)
+        res_b, res_w = put(res_b, kb, rb, fwd), put(res_w, kw, rw, fwd)
+        res_r = put(res_r, kr, rr, bwd)
+        hres = put(hres, 0, hr, act == ZB_F_LAST)
+        dx0 = _put(dx0, i, dx, first & (act == BWD))
+        y_in = jax.lax.ppermute(y, AXIS, fwd_pairs)
+        dy_in = jax.lax.ppermute(dx, AXIS, bwd_pairs)
+        xin = _put(xin, jnp.maximum(rf, 0), y_in, rf >= 0)
+        gbuf = _put(gbuf, jnp.maximum(rb_, 0), dy_in, rb_ >= 0)
+        return (xin, gbuf, res_b, res_w, res_r, hres, dx0, g_c, g_h, loss), None
+
+    carry = (zeros(slots["x"]), zeros(slots["g"]), res_b, res_w, res_r, hres, zeros(m))
+    carry += (f32_zeros(chunk), f32_zeros(head), _varying(jnp.zeros((), jnp.float32)))
+    rows = tuple(jnp.asarray(a) for a in (action, micro, recv_f, recv_b))
+    (*_, dx0, g_c, g_h, loss), _ = jax.lax.scan(tick, carry, rows)
     return loss, g_c, g_h, dx0
 
 
@@ -549,11 +930,14 @@ def _looped_gradients(
 
 
 def one_f_one_b_exec_tables(sched: Schedule) -> dict[str, np.ndarray]:
-    """What the 1F1B executor reads: actions (last stage's forwards folded into its backwards) and
+    """What the 1F1B executor reads: the switch branch per tick and stage (the last stage's forward
+    and backward have branches of their own, with head and loss) and
     the stash / gradient-buffer slots arrivals go to, checked to never overwrite a live slot."""
     p = sched.stages
     action = sched.action.copy()
-    action[action[:, p - 1] == FWD, p - 1] = IDLE
+    last = action[:, p - 1].copy()
+    action[last == FWD, p - 1] = F_LAST
+    action[last == BWD, p - 1] = B_LAST
     recv_f = np.full_like(sched.micro, -1)
     recv_b = np.full_like(sched.micro, -1)
     for t in range(sched.ticks):
@@ -583,6 +967,66 @@ def one_f_one_b_exec_tables(sched: Schedule) -> dict[str, np.ndarray]:
                 if len({j % p for j in live}) != len(live):
                     raise AssertionError(f"1f1b slot collision at stage {s}, tick {t}: {live}")
     return {"action": action, "micro": sched.micro, "recv_f": recv_f, "recv_b": recv_b}
+
+
+def zero_bubble_exec_tables(sched: Schedule) -> dict[str, Any]:
+    """What the zb executor reads: the switch branch per tick and stage (the last stage's forward
+    and input pass have branches of their own, with head and loss), the slots arrivals go to, and
+    the number of slots of each buffer, the span of microbatches live in it at once; checked that
+    no live slot is ever overwritten."""
+    p, m, ticks = sched.stages, sched.microbatches, sched.ticks
+    when = {}  # (action, stage, microbatch) -> tick
+    for t in range(ticks):
+        for s in range(p):
+            if sched.action[t, s] != IDLE:
+                when[int(sched.action[t, s]), s, int(sched.micro[t, s])] = t
+    # Per buffer and stage: microbatch i is written at the end of tick start(i) and read at tick
+    # end(i); it is live on the ticks start(i) ... end(i) - 1 after their writes.
+    spans = {
+        "x": lambda s, i: None if s == 0 else (when[FWD, s - 1, i], when[FWD, s, i]),
+        "g": lambda s, i: None if s == p - 1 else (when[BWD, s + 1, i], when[BWD, s, i]),
+        "b": lambda s, i: (when[FWD, s, i], when[BWD, s, i]),
+        "w": lambda s, i: (when[FWD, s, i], when[WGT, s, i]),
+        "r": lambda s, i: (when[BWD, s, i], when[WGT, s, i]),
+    }
+    slots = {}
+    for name, span in spans.items():
+        need = 1
+        for s in range(p):
+            live = [span(s, i) for i in range(m)]
+            for t in range(ticks):
+                now = [i for i, iv in enumerate(live) if iv is not None and iv[0] <= t < iv[1]]
+                if now:
+                    need = max(need, max(now) - min(now) + 1)
+        slots[name] = need
+        for s in range(p):  # microbatches sharing a slot never overlap
+            live = [span(s, i) for i in range(m)]
+            for i in range(m):
+                j = i + need
+                if j < m and live[i] is not None and live[j] is not None:
+                    assert live[j][0] >= live[i][1], f"zb slot collision: {name}, stage {s}"
+    action = sched.action.copy()
+    last = action[:, p - 1].copy()
+    action[last == FWD, p - 1] = ZB_F_LAST
+    action[last == BWD, p - 1] = ZB_B_LAST
+    recv_f = np.full_like(sched.micro, -1)
+    recv_b = np.full_like(sched.micro, -1)
+    for t in range(ticks):
+        for s in range(p):
+            i = int(sched.micro[t, s])
+            if sched.action[t, s] == FWD and s < p - 1:
+                recv_f[t, s + 1] = i % slots["x"]
+            if sched.action[t, s] == BWD and s > 0:
+                recv_b[t, s - 1] = i % slots["g"]
+    for i in range(m):  # the head's residuals: one slot, from the last forward to its B
+        assert when[BWD, p - 1, i] == when[FWD, p - 1, i] + 1, "zb: the last stage's B waited"
+    return {
+        "action": action,
+        "micro": sched.micro,
+        "recv_f": recv_f,
+        "recv_b": recv_b,
+        "slots": slots,
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -624,33 +1068,38 @@ class _Pipe:
     layer_shardings: Any
 
     @property
+    def batch_manual(self) -> tuple[str, ...]:
+        """The manual axes that split the batch: `data`, and `fsdp` with `fsdp_gather_once`."""
+        return tuple(a for a in self.manual if a != AXIS)
+
+    @property
     def data_in_stages(self) -> bool:
-        return "data" in self.manual
+        return bool(self.batch_manual)
 
     @property
     def n_summed(self) -> int:
         """Replicas whose losses the stages' psum adds."""
-        return int(self.mesh.shape["data"]) if self.data_in_stages else 1
+        return int(np.prod([self.mesh.shape[a] for a in self.batch_manual]))
 
     @property
     def batch_spec(self) -> PartitionSpec:
         """Microbatched inputs [m, b, ...] of the stages' shard_map."""
-        return PartitionSpec(None, "data") if self.data_in_stages else PartitionSpec()
+        return PartitionSpec(None, self.batch_manual) if self.batch_manual else PartitionSpec()
 
     def to_stages(self, layers: Any) -> Any:
-        """[L, ...] -> [p, v, Lc, ...]: chunk j = s·p + d (layers j·Lc ...) goes to device d.
+        """stored [L, ...] -> [p, v, Lc, ...]: chunk j = s·p + d (layers j·Lc ...) on device d.
 
-        With v = 1 this is a reshape that moves nothing; with v > 1 the looped placement differs
-        from the contiguous storage split, so the layers are exchanged (all-to-all) every step.
+        A reshape that moves nothing: with v > 1 the rows are stored in looped order already
+        (`layer_order`), so each device's contiguous block is its v chunks.
         """
         p, v = self.sched.stages, self.sched.virtual_stages
         one = lambda x, sh: sharding.constrain_to(
-            x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:]).swapaxes(0, 1), sh
+            x.reshape(p, v, x.shape[0] // (p * v), *x.shape[1:]), sh
         )
         return jax.tree.map(one, layers, self.stage_shardings)
 
     def from_stages(self, chunks: Any) -> Any:
-        one = lambda x, sh: sharding.constrain_to(x.swapaxes(0, 1).reshape(-1, *x.shape[3:]), sh)
+        one = lambda x, sh: sharding.constrain_to(x.reshape(-1, *x.shape[3:]), sh)
         return jax.tree.map(one, chunks, self.layer_shardings)
 
     def micro_split(self, x: jax.Array, axes: tuple) -> jax.Array:
@@ -662,24 +1111,41 @@ class _Pipe:
         spec = sharding.logical_to_spec(axes, self.outer_rules, self.mesh)
         return sharding.constrain_to(x, NamedSharding(self.mesh, spec))
 
-    def stage_fn(self, remat_per_layer: bool) -> Callable:
-        """(one chunk's layer params [Lc, ...], x) -> y, run inside the stages' shard_map.
+    def layers(self, chunk, x, remat: str = "none"):
+        """One chunk's layers [Lc, ...] (float32, cast here) applied to x, inside the shard_map."""
+        with sharding.activation_rules(jax.sharding.get_abstract_mesh(), self.inner_rules):
+            chunk = microbatch.cast_floating(chunk, self.dtype)
+            return api.scan_layers(self.stages.block, chunk, x, remat=remat)
 
-        `remat_per_layer`: each layer keeps what `train.remat` allows (1F1B, whose backward
-        recomputes its stage anyway); otherwise the policy applies to the whole stage per tick.
+    def looped_stage_fn(self) -> Callable:
+        """(this device's chunks [v, Lc, ...], virtual stage s, x) -> y for the looped ticks.
+
+        The chunk is selected inside the function autodiff saves residuals for, so no tick keeps
+        a copy of its stage's weights: with v = 1 the index is static (the weights stay a loop
+        invariant); with v > 1 the selection and cast run inside a `jax.checkpoint` whose policy
+        never saves them (they are recomputed, a slice, in the backward). With `train.remat` the
+        policy applies to the whole stage per tick (`full` keeps only each tick's stage input).
         """
+        v = self.sched.virtual_stages
 
-        def layers(chunk, x, remat):
-            with sharding.activation_rules(jax.sharding.get_abstract_mesh(), self.inner_rules):
-                chunk = microbatch.cast_floating(chunk, self.dtype)
-                return api.scan_layers(self.stages.block, chunk, x, remat=remat)
+        def fn(chunks, s, x):
+            chunk = jax.tree.map(lambda a: a[0] if v == 1 else _take(a, s), chunks)
+            chunk = microbatch.cast_floating(chunk, self.dtype)
+            chunk = jax.tree.map(lambda a: checkpoint_name(a, _WEIGHTS), chunk)
+            return self.layers(chunk, x)
 
-        if remat_per_layer:
-            return lambda chunk, x: layers(chunk, x, self.remat)
-        fn = lambda chunk, x: layers(chunk, x, "none")
-        if self.remat == "none":
+        if self.remat != "none":
+            return jax.checkpoint(fn, policy=api.REMAT_POLICIES[self.remat])
+        if v == 1:
             return fn
-        return jax.checkpoint(fn, policy=api.REMAT_POLICIES[self.remat])
+        return jax.checkpoint(
+            fn, policy=jax.checkpoint_policies.save_anything_except_these_names(_WEIGHTS)
+        )
+
+    def stage_fn(self) -> Callable:
+        """(one chunk's layer params [Lc, ...], x) -> y, each layer keeping what `train.remat`
+        allows (1F1B)."""
+        return lambda chunk, x: self.layers(chunk, x, self.remat)
 
     def shard_map(self, body: Callable, in_specs: Any, out_specs: Any) -> Callable:
         def run(*args):
@@ -708,9 +1174,15 @@ def _pipe(
     # they are summed once per step, not once per tick (as XLA does for an automatic batch axis).
     # With data_manual the caller's shard_map owns `data` and sums (or compresses) the gradients.
     manual = (AXIS, "data") if n_data > 1 and not data_manual else (AXIS,)
-    storage = lambda names: NamedSharding(
-        mesh, sharding.logical_to_spec(names, sharding.STORAGE_RULES, mesh)
+    # fsdp_gather_once: `fsdp` is manual too, like `data` (each shard accumulates its own gradients
+    # on its rows), and the stage weights enter the stages gathered over it, once per step.
+    once = bool(config.pipeline.get("fsdp_gather_once", False)) and shape.get("fsdp", 1) > 1
+    if once and not data_manual:
+        manual = (*manual, "fsdp")
+    storage = lambda names, rules=sharding.STORAGE_RULES: NamedSharding(
+        mesh, sharding.logical_to_spec(names, rules, mesh)
     )
+    stage_rules = sharding.rules_without(sharding.STORAGE_RULES, ("fsdp",) if once else ())
     _, layer_axes, _ = stages.split(param_axes)
     stage_axes = lambda axes: ("stage", None, None, *axes[1:])  # [p, v, Lc, ...]
     return _Pipe(
@@ -727,7 +1199,9 @@ def _pipe(
         ),
         outer_rules=_outer_rules(rows_per_replica, sched.stages),
         stage_shardings=jax.tree.map(
-            lambda axes: storage(stage_axes(axes)), layer_axes, is_leaf=sharding.is_axes
+            lambda axes: storage(stage_axes(axes), stage_rules),
+            layer_axes,
+            is_leaf=sharding.is_axes,
         ),
         layer_shardings=jax.tree.map(storage, layer_axes, is_leaf=sharding.is_axes),
     )
@@ -736,9 +1210,21 @@ def _pipe(
 def _autodiff_outside(pipe: _Pipe) -> microbatch.GradFn:
     """gpipe / interleaved: forward ticks in the stages' shard_map, embedding and head outside it;
     the backward is the autodiff of all of it, the ticks in reverse."""
+    grad_fn = jax.value_and_grad(_looped_loss(pipe), has_aux=True)
+
+    def gradients(params, batch):
+        (loss, aux), grads = grad_fn(params, batch)
+        return loss, aux, grads
+
+    return gradients
+
+
+def _looped_loss(pipe: _Pipe) -> Callable:
+    """loss(params, batch) -> (mean loss, {}): the looped forward ticks (v = 1 unless interleaved)
+    in the stages' shard_map, embedding and head outside it."""
     p, v, m = pipe.sched.stages, pipe.sched.virtual_stages, pipe.sched.microbatches
     valid, micro, virtual = looped_forward_table(p, m, v)
-    stage_fn = pipe.stage_fn(remat_per_layer=False)
+    stage_fn = pipe.looped_stage_fn()
     act = pipe.stages.activation_axes
 
     def body(chunks, x0):
@@ -748,7 +1234,7 @@ def _autodiff_outside(pipe: _Pipe) -> microbatch.GradFn:
         )
         return outs[None]
 
-    out_spec = PartitionSpec(AXIS, None, "data") if pipe.data_in_stages else PartitionSpec(AXIS)
+    out_spec = PartitionSpec(AXIS, None, *pipe.batch_spec[1:])
     run = pipe.shard_map(body, (PartitionSpec(AXIS), pipe.batch_spec), out_spec)
 
     def loss_fn(params, batch):
@@ -760,13 +1246,7 @@ def _autodiff_outside(pipe: _Pipe) -> microbatch.GradFn:
             head = microbatch.cast_floating(head, pipe.dtype)
             return pipe.stages.head_loss(head, y, batch["targets"]), {}
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def gradients(params, batch):
-        (loss, aux), grads = grad_fn(params, batch)
-        return loss, aux, grads
-
-    return gradients
+    return loss_fn
 
 
 def _stage_executor(pipe: _Pipe) -> Callable:
@@ -774,21 +1254,24 @@ def _stage_executor(pipe: _Pipe) -> Callable:
     grads, d loss / d x0) on one stage, per device: 1F1B's explicit per-microbatch backward, or
     the autodiff of gpipe / interleaved's forward ticks kept inside the stage."""
     p, v, m = pipe.sched.stages, pipe.sched.virtual_stages, pipe.sched.microbatches
-    if not SCHEDULES[pipe.sched.name].autodiff_backward:
-        tables = one_f_one_b_exec_tables(pipe.sched)
-        stage_fn = pipe.stage_fn(remat_per_layer=True)
+    kind = SCHEDULES[pipe.sched.name]
+    if not kind.autodiff_backward:
+        split = kind.split_backward
+        tables = (zero_bubble_exec_tables if split else one_f_one_b_exec_tables)(pipe.sched)
+        stage_fn = pipe.stage_fn()
+        executor = _zero_bubble if split else _one_f_one_b
 
         def one_f_one_b(head_loss, chunks, head, x0, targets):
             chunk = jax.tree.map(lambda a: a[0], chunks)  # [Lc, ...]
-            loss, g_c, g_h, dx0 = _one_f_one_b(
+            loss, g_c, g_h, dx0 = executor(
                 stage_fn, head_loss, chunk, head, x0, targets,
-                p=p, scale=1.0 / (m * pipe.n_summed), **tables,
+                p=p, scale=1.0 / (m * pipe.n_summed), dtype=pipe.dtype, **tables,
             )  # fmt: skip
             return loss, jax.tree.map(lambda g: g[None], g_c), g_h, dx0
 
         return one_f_one_b
     valid, micro, virtual = looped_forward_table(p, m, v)
-    stage_fn = pipe.stage_fn(remat_per_layer=False)
+    stage_fn = pipe.looped_stage_fn()
 
     def looped(head_loss, chunks, head, x0, targets):
         return _looped_gradients(
@@ -880,3 +1363,167 @@ def make_gradients(
     # Accumulation chunk a takes rows a, a+A, ... as in train.build: no row changes device.
     gradients = microbatch.accumulated(chunk_gradients, config.train.grad_accum, batch_axes, mesh)
     return gradients, pipe.sched
+
+
+# --------------------------------------------------------------------------------------------------
+# Lock-step cost, read from the compiled program
+# --------------------------------------------------------------------------------------------------
+
+
+def executed_actions(sched: Schedule) -> np.ndarray | None:
+    """int [ticks, p]: the `lax.switch` branch each stage takes at each tick of a schedule whose
+    executor switches per tick (1f1b, zb), or None when every stage runs the same tick body
+    (gpipe and interleaved: the forward ticks and their autodiff)."""
+    kind = SCHEDULES[sched.name]
+    if kind.autodiff_backward:
+        return None
+    return (zero_bubble_exec_tables if kind.split_backward else one_f_one_b_exec_tables)(sched)[
+        "action"
+    ]
+
+
+class _LockStep:
+    """Dot FLOPs of one device's program, with each tick of a switching schedule charged for the
+    slowest stage's branch (`actions`: the branch per tick and stage, None for none). `count`
+    replaces the dot FLOPs by another per-instruction count (e.g. all-reduces)."""
+
+    def __init__(self, module, actions: np.ndarray | None, count: Callable | None = None):
+        self.module, self.actions = module, actions
+        self.count = count or (
+            lambda inst, c: hlo_cost.dot_flops(inst, c) if inst.opcode == "dot" else 0
+        )
+        self.memo: dict[str, float] = {}
+        self.branches: list[float] | None = None  # FLOPs of each switch branch, once found
+
+    def comp(self, name: str, skip: str | None = None) -> float:
+        if name in self.memo and skip is None:
+            return self.memo[name]
+        c = self.module.computations[name]
+        total = 0.0
+        for inst in c.instructions.values():
+            if inst.name == skip:
+                continue
+            total += self.count(inst, c)
+            if inst.opcode == "while":
+                total += self.loop(inst, c)
+            elif inst.opcode == "conditional":
+                total += max(self.comp(b) for b in hlo_cost.callees(inst))
+            else:
+                total += sum(self.comp(b) for b in hlo_cost.callees(inst))
+        if skip is None:
+            self.memo[name] = total
+        return total
+
+    def loop(self, inst, parent) -> float:
+        body, cond = (inst.attrs[k].lstrip("%") for k in ("body", "condition"))
+        if self.comp(body) == 0 and self.comp(cond) == 0:
+            return 0.0
+        trips = hlo_cost.trip_count(self.module, inst, parent)
+        switch = self._switch(body, trips)
+        if switch is None:
+            return trips * self.comp(body) + (trips + 1) * self.comp(cond)
+        branches = [self.comp(b) for b in hlo_cost.callees(switch)]
+        self.branches = branches
+        ticks = sum(max(branches[a] for a in row) for row in self.actions)
+        return trips * self.comp(body, skip=switch.name) + (trips + 1) * self.comp(cond) + ticks
+
+    def _switch(self, body: str, trips: int):
+        """The per-tick `lax.switch` of the schedule: a conditional directly in a loop body that
+        runs once per tick, with one branch per action."""
+        if self.actions is None or trips != self.actions.shape[0]:
+            return None
+        n = int(self.actions.max()) + 1
+        for inst in self.module.computations[body].instructions.values():
+            if inst.opcode == "conditional" and len(list(hlo_cost.callees(inst))) == n:
+                return inst
+        return None
+
+
+def lockstep_flops(hlo_text: str, sched: Schedule) -> dict[str, Any]:
+    """What a lock-step pipeline step costs one device, from its compiled HLO.
+
+    All stages advance together, so a tick lasts as long as the slowest stage's work in it: for a
+    switching schedule (1f1b, zb) each tick is charged the largest FLOPs of the branches its stages
+    take (the branch FLOPs read from the conditional's branch computations, nested loops times
+    their trip counts); gpipe and interleaved run one tick body on every stage. Work outside the
+    tick loop (embedding, head, optimizer) counts once. Only `dot` FLOPs are counted.
+
+    Returns:
+      `lockstep_flops` per device per step, and `branch_flops` (FLOPs of each switch branch,
+      idle first) for a switching schedule.
+    """
+    walk = _LockStep(hlo_cost.parse_module(hlo_text), executed_actions(sched))
+    total = walk.comp(walk.module.entry)
+    out: dict[str, Any] = {"lockstep_flops": total}
+    if walk.branches is not None:
+        out["branch_flops"] = walk.branches
+    elif walk.actions is not None:
+        raise ValueError(f"{sched.name}: no per-tick switch found in the compiled program")
+    return out
+
+
+def branch_counts(hlo_text: str, sched: Schedule, opcode: str) -> list[float]:
+    """How many `opcode` instructions (e.g. "all-reduce") each branch of a switching schedule's
+    per-tick switch executes (nested loops times their trip counts), idle branch first."""
+    count = lambda inst, c: 1.0 if inst.opcode in (opcode, f"{opcode}-start") else 0.0
+    walk = _LockStep(hlo_cost.parse_module(hlo_text), executed_actions(sched), count)
+    walk.comp(walk.module.entry)
+    if walk.branches is None:
+        raise ValueError(f"{sched.name}: no per-tick switch found in the compiled program")
+    return walk.branches
+
+
+def useful_flops(stages: Stages, params: Any, batch: Mapping[str, Any], dtype: Any = None) -> float:
+    """Dot FLOPs of the same model's loss and gradient on one device without a pipeline or remat
+    (embedding, the stacked layers in a scan, head and loss), from its lowered HLO: the work an
+    ideal pipeline would split evenly over the devices.
+
+    Args:
+      params, batch: shapes (anything with `.shape` and `.dtype`), global.
+      dtype: the compute dtype (`train.compute_dtype`), None to keep the parameters' dtypes.
+    """
+    plain = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+
+    def loss(params, batch):
+        if dtype is not None:
+            params = microbatch.cast_floating(params, dtype)
+        embed, layers, head = stages.split(params)
+        x = stages.embed(embed, batch["inputs"])
+        x = api.scan_layers(stages.block, layers, x)
+        return stages.head_loss(head, x, batch["targets"])
+
+    text = jax.jit(jax.value_and_grad(loss)).lower(plain(params), plain(batch)).as_text("hlo")
+    walk = _LockStep(hlo_cost.parse_module(text), None)
+    return walk.comp(walk.module.entry)
+
+
+def cost(hlo_text: str, sched: Schedule, useful: float, devices: int) -> dict[str, Any]:
+    """The layout record's pipeline cost: lock-step FLOPs per device per step (`lockstep_flops`),
+    the ideal (`ideal_flops` = useful FLOPs / devices) and their ratio (`lockstep_vs_ideal`, 1.0
+    for a pipeline without bubble, recompute or imbalance)."""
+    out = lockstep_flops(hlo_text, sched)
+    out["ideal_flops"] = useful / devices
+    out["lockstep_vs_ideal"] = out["lockstep_flops"] / out["ideal_flops"]
+    return out
+
+
+def step_cost(engine, compiled) -> dict[str, Any]:
+    """`cost` of a compiled train step of `engine` (a `train.Engine` with a schedule), for the
+    layout record; the useful FLOPs come from the step's own argument shapes."""
+    (state, batch), _ = compiled.args_info
+    useful = useful_flops(engine.stages, state["params"], batch, engine.config.train.compute_dtype)
+    return cost(compiled.as_text(), engine.schedule, useful, engine.mesh.size)
+
+
+def make_loss(
+    config, mesh: Mesh, stages: Stages, param_axes: Any, batch_axes: dict[str, tuple]
+) -> Callable:
+    """The pipelined forward for evaluation: `loss(params, batch) -> (mean loss, {})`.
+
+    Every schedule evaluates with the looped forward ticks (gpipe's, or interleaved's with its
+    virtual stages) over `pipeline.microbatches`: each device keeps its own layers, so evaluating
+    needs no more parameter memory than training (the plain model would gather the whole layer
+    stack onto every device). Same arguments as `make_gradients`; the batch is split like a
+    training batch.
+    """
+    return _looped_loss(_pipe(config, mesh, stages, param_axes, batch_axes, data_manual=False))

@@ -319,6 +319,8 @@ class Layout:
     grad_accum: int = 1
     microbatches: int = 1  # pipeline microbatches (only read when pipeline > 1)
     remat: str = "none"
+    expert: int = 1
+    context: int = 1
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -326,7 +328,7 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipeline
+        return self.data * self.fsdp * self.tensor * self.pipeline * self.expert * self.context
 
     @property
     def name(self) -> str:
@@ -586,6 +588,40 @@ def _term_time(term: CommTerm, local: dict[str, int], hw: Hardware) -> float:
 #   full:          x (D)                                 | —                    | —
 # Flash attention (`model.attention="cudnn"`) keeps no scores. GPU and TPU fuse GELU's elementwise
 # pieces, so there `none` keeps fewer [b,T,F] copies: the figure is conservative off CPU.
+def _context_expert_terms(add, config, sizes: dict[str, int], tokens: int, dt: int, reps: int):
+    """Context and expert parallelism's collectives per step. `tokens`: one microbatch's tokens on
+    a device's data shard (before the context split); `dt`: bytes per value on the wire; `reps`:
+    layer executions per step. What the compiled step holds (tests/test_context.py,
+    tests/test_moe.py): ring attention sends one stacked K/V block per hop, c − 1 hops forward and
+    as many back; all_gather gathers K/V forward and reduce-scatters their gradient back; an MoE
+    layer sends its [E, C, D] buffer out and back with two all-to-alls, and two more backward."""
+    m = config.model
+    c, ep = sizes["context"], sizes["expert"]
+    n = tokens // c  # tokens on one device
+    kv_width = (m.num_kv_heads or m.num_heads) * (m.head_dim or m.d_model // m.num_heads)
+    kv = n * 2 * kv_width * dt  # the local K and V, stacked
+    ctx = ("context",)
+    if c > 1 and m.context_attention == "ring":
+        add(
+            "cp: ring K/V hops, fwd + bwd", "collective-permute", ctx, kv, 2 * (c - 1) * reps, False
+        )
+    elif c > 1:
+        add("cp: K/V all-gather, fwd", "all-gather", ctx, kv * c, reps, False)
+        add("cp: K/V grads reduce-scatter, bwd", "reduce-scatter", ctx, kv * c, reps, False)
+    if ep > 1 and m.num_experts:
+        E, k, f = m.num_experts, m.experts_per_token, m.moe_capacity_factor
+        C = n if f <= 0 else max(1, min(n, math.ceil(f * n * k / E)))
+        buf = E * C * m.d_model * dt  # [E, C, D]
+        add(
+            "ep: dispatch / combine all-to-alls, fwd + bwd",
+            "all-to-all",
+            ("expert",),
+            buf,
+            4 * reps,
+            False,
+        )
+
+
 def _saved_per_token(remat: str, D: int, F: int, NT: int) -> tuple[float, float, float]:
     if remat == "none":
         return 6 * D, 4 * D + 6 * F, 2 * NT
@@ -711,6 +747,365 @@ def _compute_time(config, model: ModelInfo, hw: Hardware, remat: str, tokens: in
     return matmul_s + attn_s + moved * tokens / hw.hbm_bandwidth
 
 
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What one device runs per step under a layout: the sizes every cost term is built from."""
+
+    config: Any
+    model: ModelInfo
+    layout: Layout
+    hw: Hardware
+    sh: _Shards
+    sizes: dict[str, int]
+    remat: str
+    cdt: int  # compute dtype bytes
+    A: int  # gradient-accumulation microbatches
+    p: int  # pipeline stages
+    rows: int  # examples per device per step
+    rows_mb: int  # examples per device per microbatch
+    tp: int  # tensor-parallel group size
+    m: int  # pipeline microbatches
+    v: int  # interleaved virtual stages
+    Lp: int  # layers on one device
+    ticks: int  # gpipe / interleaved ticks
+    chunk_rows: int  # rows of one pipeline microbatch
+    reps: int  # layer executions per step on one device
+    edge_rows: int  # rows the embedding / head run on
+    one_f_one_b: bool  # 1f1b or zb: a switch per tick
+    ticks_1f1b: int
+    # pipeline.fsdp_gather_once: the stage's layers are gathered over fsdp once per step (per
+    # accumulation chunk) before the stages, and their gradients summed over fsdp once after.
+    once: bool
+
+    def wire_dt(self, nbytes: int) -> int:
+        return nbytes if self.hw.bf16_collectives else max(nbytes, 4)
+
+    def act(self, rows: int) -> int:
+        """Bytes of one [rows, T, D] activation on the wire."""
+        return rows * self.model.seq_len * self.model.d_model * self.wire_dt(self.cdt)
+
+    def in_stage(self, x) -> bool:
+        return x.stacked or (self.one_f_one_b and x.path != "embed")
+
+
+def _step(config, layout: Layout, model: ModelInfo, hw: Hardware) -> _Step:
+    # Without a pipeline every layer runs once per microbatch on rows_mb rows. With one, the stage
+    # runs its Lp layers at every tick of the schedule (idle ticks too: SPMD) on a pipeline
+    # microbatch, and embedding / head / loss run outside it on the batch split over the stages.
+    sizes, p, A = dict(layout.mesh), layout.pipeline, layout.grad_accum
+    sh = _shards(model, layout)
+    rows = int(config.train.batch_size) // math.prod(sizes[a] for a in sh.batch_axes)
+    rows_mb = rows // A
+    m = layout.microbatches if p > 1 else 1
+    v = int(config.pipeline.virtual_stages) if config.pipeline.schedule == "interleaved" else 1
+    Lp = model.num_layers // p
+    ticks = m * v + p - 1
+    # 1F1B (jaxdist.pipeline._one_f_one_b): 2 (m + p - 1) ticks, each a switch over idle /
+    # forward / backward (and the last stage's forward and backward with head and loss) whose
+    # collectives are charged as the costliest branch's (as jaxdist.hlo_cost counts conditionals):
+    # the last stage's backward, which applies the stashed vjp (no forward recomputed) to the
+    # head's and then the stage's residuals.
+    # zb (jaxdist.pipeline._zero_bubble) is costed as 1F1B on its own table's ticks: the same
+    # switch, its backward split in two branches whose collectives are the backward's.
+    ticks_1f1b = 2 * (m + p - 1)
+    if p > 1 and config.pipeline.schedule == "zb":
+        from jaxdist import pipeline
+
+        ticks_1f1b = pipeline.build_schedule("zb", p, m).ticks
+    return _Step(
+        config=config,
+        model=model,
+        layout=layout,
+        hw=hw,
+        sh=sh,
+        sizes=sizes,
+        remat=layout.remat,
+        cdt=np.dtype(config.train.compute_dtype).itemsize,
+        A=A,
+        p=p,
+        rows=rows,
+        rows_mb=rows_mb,
+        tp=math.prod(sizes[a] for a in sh.tensor_axes),
+        m=m,
+        v=v,
+        Lp=Lp,
+        ticks=ticks,
+        chunk_rows=rows_mb // m,
+        reps=(Lp // v * ticks if p > 1 else Lp) * A,
+        edge_rows=rows_mb // p if p > 1 and rows_mb % p == 0 else rows_mb,
+        one_f_one_b=p > 1 and config.pipeline.schedule in ("1f1b", "zb"),
+        ticks_1f1b=ticks_1f1b,
+        once=p > 1 and bool(config.pipeline.get("fsdp_gather_once", False)) and sizes["fsdp"] > 1,
+    )
+
+
+class _Terms:
+    """The collective terms of a step, each added once with its group resolved from the mesh."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes, self.terms = sizes, []
+
+    def add(self, name, kind, axes, payload, count, hidden) -> None:
+        group = math.prod(self.sizes[a] for a in axes)
+        if group > 1 and count > 0 and payload > 0:
+            self.terms.append(
+                CommTerm(name, kind, tuple(axes), group, float(payload), int(count), hidden)
+            )
+
+
+def _tensor_terms(s: _Step, out: _Terms) -> None:
+    """Megatron's all-reduces: embedding output, per-layer fwd/bwd, head and cross-entropy."""
+    if s.tp <= 1:
+        return
+    tpa = s.sh.tensor_axes
+    act_chunk = s.act(s.chunk_rows)
+    out.add(
+        "tp: embedding lookup output (vocab-parallel)",
+        "all-reduce",
+        tpa,
+        s.act(s.edge_rows),
+        s.A,
+        False,
+    )
+    # Layer executions whose all-reduces run: 1F1B charges every tick's backward branch, whose
+    # stashed vjp runs the backward's all-reduces only.
+    layer_runs = s.Lp * s.ticks_1f1b * s.A if s.one_f_one_b else s.reps
+    names = ["QKV, up-projection input grads, bwd"]
+    if not s.one_f_one_b:
+        names.insert(0, "attention, MLP outputs (row-parallel), fwd")
+    for name in names:
+        out.add(f"tp: {name}", "all-reduce", tpa, act_chunk, 2 * layer_runs, False)
+    if s.remat == "full" and not s.one_f_one_b:
+        out.add("tp: attention output recomputed, bwd", "all-reduce", tpa, act_chunk, s.reps, False)
+    if s.one_f_one_b:  # the head runs per microbatch in the last stage, every tick
+        head_rows, head_count, ce_terms = s.chunk_rows, s.ticks_1f1b * s.A, 2  # one-hot target
+    else:
+        head_rows, head_count, ce_terms = s.edge_rows, s.A, 3  # max, sum of exp, target logit
+    out.add("tp: head input grad, bwd", "all-reduce", tpa, s.act(head_rows), head_count, False)
+    ce = ce_terms * head_rows * s.model.seq_len * 4  # [b, T] float32 each
+    if not s.one_f_one_b:  # (in 1F1B the forward branch's, not the costliest)
+        out.add("tp: cross-entropy over vocab shards", "all-reduce", tpa, ce, head_count, False)
+
+
+def _fsdp_terms(s: _Step, out: _Terms) -> None:
+    """FSDP all-gathers: each layer's weights per execution (twice with remat), the rest once."""
+    regather = 2 if s.remat != "none" else 1
+    # Under 1F1B with FSDP, a tick's backward branch uses the gathered weights its forward stashed;
+    # with remat it recomputes each layer, gathering its weights again: once per tick.
+    for x, gathered, n_cp in zip(s.model.params, s.sh.gathered, s.sh.computed):
+        if gathered:
+            payload = (n_cp // s.Lp if x.stacked else n_cp) * s.wire_dt(s.cdt)
+            if s.once and s.in_stage(x):  # (1F1B's head enters its stages gathered, too)
+                payload, count = n_cp * s.wire_dt(s.cdt), s.A
+            elif s.one_f_one_b and s.in_stage(x):
+                count = s.ticks_1f1b * s.A * s.Lp * (regather - 1) if x.stacked else 0
+            elif x.stacked:
+                count = s.reps * regather
+            else:
+                count = 1
+            out.add(f"fsdp: all-gather {x.path}", "all-gather", gathered, payload, count, True)
+
+
+def _grad_sync_terms(s: _Step, out: _Terms, ratio: float) -> None:
+    """The gradient reduction over the batch axes (compressed by `ratio` over data).
+
+    Every gradient byte (compute shard) per microbatch, layer by layer inside the layer loop; with
+    a pipeline the stage's stacked grads once per microbatch, and the embedding / head grads over
+    data × pipeline (their batch is split over the stages too).
+    """
+    grad_dt, batch_axes, computed, A = s.wire_dt(s.cdt), s.sh.batch_axes, s.sh.computed, s.A
+    layer_grads = sum(n // s.Lp * grad_dt for x, n in zip(s.model.params, computed) if x.stacked)
+    other_grads = sum(n * grad_dt for x, n in zip(s.model.params, computed) if not x.stacked) + 4
+    if s.p > 1:
+        layer_grads, layer_count = layer_grads * s.Lp, A
+    else:
+        layer_count = s.Lp * A
+    other_axes = batch_axes + (("pipeline",) if s.p > 1 and s.edge_rows < s.rows_mb else ())
+    fs_axes = tuple(a for a in batch_axes if a == "fsdp")
+    syncs = [
+        ("grads: layers", layer_grads, layer_count, batch_axes),
+        ("grads: embedding, final norm, head", other_grads, A, other_axes),
+    ]
+    if s.one_f_one_b and fs_axes and s.sizes["fsdp"] > 1 and not s.once:
+        # FSDP inside 1F1B stages: fsdp is an automatic axis there, so XLA reduces the stage's layer
+        # and head gradients over it in every tick's backward branch; the fsdp shard is then summed
+        # once over data (the head's over data × pipeline), the embedding's outside the stages.
+        f = s.sizes["fsdp"]
+        rest = tuple(a for a in batch_axes if a not in fs_axes)
+        head_grads = sum(
+            n * grad_dt for x, n in zip(s.model.params, computed) if s.in_stage(x) and not x.stacked
+        )
+        embed_grads = other_grads - 4 - head_grads
+        per_tick = "reduce-scatter" if s.hw.native_reduce_scatter else "all-reduce"
+        for name, payload in (("layers", layer_grads), ("final norm, head", head_grads)):
+            out.add(
+                f"grads: {name}, every 1F1B tick",
+                per_tick,
+                fs_axes,
+                payload,
+                s.ticks_1f1b * A,
+                True,
+            )
+        syncs = [
+            ("grads: layers, fsdp shard", layer_grads / f, A, rest),
+            ("grads: final norm, head, fsdp shard", head_grads / f + 4, A, rest + ("pipeline",)),
+            ("grads: embedding", embed_grads, A, batch_axes + ("pipeline",)),
+        ]
+    if s.once:  # psum inside the stages' shard_map (manual over data and fsdp): an all-reduce
+        syncs[0] = ("grads: layers, once per step (fsdp_gather_once)", *syncs[0][1:])
+    for name, payload, count, axes in syncs:
+        if (
+            s.hw.native_reduce_scatter
+            and set(fs_axes) & set(axes)
+            and not (s.once and name == syncs[0][0])
+        ):
+            f = math.prod(s.sizes[a] for a in fs_axes)
+            rest = tuple(a for a in axes if a not in fs_axes)
+            out.add(
+                f"{name} (reduce-scatter over fsdp)",
+                "reduce-scatter",
+                fs_axes,
+                payload,
+                count,
+                True,
+            )
+            out.add(
+                f"{name} (all-reduce of the shard)",
+                "all-reduce",
+                rest,
+                payload / f * ratio,
+                count,
+                True,
+            )
+        else:
+            out.add(f"{name} (all-reduce)", "all-reduce", axes, payload * ratio, count, True)
+
+
+def _pipeline_terms(s: _Step, out: _Terms) -> None:
+    """Stage-to-stage permutes and the batch moved into / out of the stages."""
+    if s.p <= 1:
+        return
+    pa, A = ("pipeline",), s.A
+    act, act_chunk = s.act(s.rows_mb), s.act(s.chunk_rows)
+    if s.one_f_one_b:  # an activation forward and a gradient back at every tick
+        out.add(
+            "pp: stage activations and gradients, every 1F1B tick",
+            "collective-permute",
+            pa,
+            act_chunk,
+            2 * s.ticks_1f1b * A,
+            False,
+        )
+    else:
+        out.add(
+            "pp: stage activations, fwd + bwd",
+            "collective-permute",
+            pa,
+            act_chunk,
+            2 * s.ticks * A,
+            False,
+        )
+        # the last stage's outputs go back to the batch split over the stages for the head
+        out.add("pp: batch into / out of the stages", "collective-permute", pa, act, A, False)
+        out.add("pp: batch split over stages (all-to-all)", "all-to-all", pa, act, 2 * A, False)
+    out.add("pp: batch split over stages (gather)", "all-gather", pa, act, A, False)
+    out.add("pp: stage-0 input grad summed over stages", "all-reduce", pa, act, A, False)
+
+
+def _activations(s: _Step) -> tuple[float, int, int, float, float]:
+    """(saved + working activation bytes, rows of the working set, rows of the logits,
+    extra float32 copies of the stage's layer grads, copies of the layer weights saved)."""
+    # XLA:CPU computes bf16 in float32: activations there are float32 whatever the compute dtype.
+    m, T, D = s.model, s.model.seq_len, s.model.d_model
+    adt = s.cdt if s.hw.bf16_activations else 4
+    NT = m.num_heads * T if s.config.model.attention != "cudnn" else 0
+    rep, split, scores = _saved_per_token(s.remat, D, m.mlp_dim, NT)
+    # one row of one layer, bytes. With mesh.context a device holds T/c tokens; each still scores
+    # against all T keys.
+    Tl = T // s.sizes["context"]
+    row_bytes = lambda r, sp, sc: Tl * ((r + sp / s.tp) * adt + sc / s.tp * 4)
+    full_row = row_bytes(*_saved_per_token("none", D, m.mlp_dim, NT))
+    # A stage's layer scan of one layer is no loop for XLA (trip count 1): nothing is stacked twice.
+    Lc = s.Lp // s.v  # layers one tick runs
+    stage_grads = 0  # a second float32 copy of the stage's layer grads (1F1B's per-tick vjp)
+    weight_copies = 1  # copies of the layers' weights the backward saved, remat none
+    if s.p == 1:
+        saved = s.rows_mb * s.Lp * row_bytes(rep, split, scores)
+        work_rows, logit_rows = s.rows_mb, s.rows_mb
+    elif s.one_f_one_b:
+        # Input and gradient buffers of p slots, the embedded microbatches and their gradient, and
+        # the stash: p slots of one microbatch's residuals (what the policy keeps), plus about four
+        # more live around the tick's switch (the slot read, the branch's new residuals, the
+        # conditional's result, the masked store), from the compiled layouts of tests/test_plan*.
+        buffers = (2 * s.p + 2 * s.m) * s.chunk_rows * T * D * adt
+        saved = buffers + (s.p + 4) * s.chunk_rows * s.Lp * row_bytes(rep, split, scores)
+        work_rows, logit_rows = s.chunk_rows, s.chunk_rows
+        stage_grads = 1 if Lc > 1 else 0
+    else:
+        # Autodiff through the ticks keeps every tick's residuals and (remat none) its weights, idle
+        # ticks included (SPMD), plus the stacks of the tick it is in.
+        saved = (s.ticks + (Lc > 1)) * s.chunk_rows * Lc * row_bytes(rep, split, scores)
+        work_rows, logit_rows = s.chunk_rows, s.rows_mb
+        weight_copies = s.ticks / s.v
+    working = _WORKING_SET[s.remat] * work_rows * full_row
+    return saved + working, work_rows, logit_rows, stage_grads, weight_copies
+
+
+def _memory(s: _Step) -> dict[str, float]:
+    """Per-device bytes: arguments (params, optimizer, batch) and the temp peak.
+
+    temp is the peak of the backward layer loop: the residuals saved for it, the working set of
+    one layer's backward (with what the policy recomputes), the stacked gradient buffers, the
+    weights it saved (remat none) or re-gathers, plus what stays live around it (logits, casts).
+    """
+    stored, computed, cdt, Lp = s.sh.stored, s.sh.computed, s.cdt, s.Lp
+    activations, _, logit_rows, stage_grads, weight_copies = _activations(s)
+    fsdp_gathered = [bool(g) for g in s.sh.gathered]
+    params = s.model.params
+    layer_compute = sum(
+        n // Lp for x, n, g in zip(params, computed, fsdp_gathered) if x.stacked and g
+    )
+    stacked_compute = sum(n for x, n in zip(params, computed) if x.stacked)
+    grads_b = sum(n * 4 for n in stored) + layer_compute * 4 + stage_grads * stacked_compute * 4
+    # Compute-sharded layer weights the backward loop holds: all layers' without remat (the scan
+    # saves them), one re-gathered layer with it. The gathered embedding and head are dead by then
+    # (the head's backward runs before the loop, the embedding's needs no weights) unless gradient
+    # accumulation hoists their gather out of its loop.
+    weights_b = 0
+    for x, n_cp, g in zip(params, computed, fsdp_gathered):
+        if x.stacked and s.once and g:  # the whole stage, gathered for the step
+            weights_b += n_cp * cdt * (1 + (s.remat == "none" and weight_copies > 1))
+        elif x.stacked and s.remat == "none":
+            weights_b += n_cp * cdt * weight_copies
+        elif x.stacked and g:
+            weights_b += n_cp // Lp * cdt
+        elif g and (s.A > 1 or (s.one_f_one_b and s.in_stage(x))):
+            weights_b += n_cp * cdt
+            if s.one_f_one_b:  # the head's gradient sums over the ticks at its gathered shape
+                grads_b += n_cp * 4
+    logits_b = (
+        logit_rows * (s.model.seq_len // s.sizes["context"]) * (s.model.vocab_size // s.tp) * 4
+    )
+    cast_b = sum(n * cdt for n in stored) if cdt < 4 else 0
+    other = weights_b + logits_b + cast_b
+    temp = grads_b + activations + other
+    batch_b = 2 * s.rows * s.model.seq_len * 4  # inputs + targets, int32
+    scalars_b = 4 + 8 + 4  # step, rng, skipped
+    arguments = s.sh.params_bytes + s.sh.opt_bytes + batch_b + scalars_b
+    return {
+        "params": float(s.sh.params_bytes),
+        "opt_state": float(s.sh.opt_bytes),
+        "batch": float(batch_b),
+        "state_scalars": float(scalars_b),
+        "arguments": float(arguments),
+        "grads": float(grads_b),
+        "activations": float(activations),
+        "other_temp": float(other),
+        "temp": float(temp),
+        "total": float(arguments + temp),
+    }
+
+
 def predict(
     config,
     layout: Layout | None = None,
@@ -737,274 +1132,37 @@ def predict(
             config, num_devices or math.prod(max(1, config.mesh[a]) for a in config_lib.MESH_AXES)
         )
     model = model or model_info(config)
-    sizes = dict(layout.mesh)
-    L, D, F, V, T = model.num_layers, model.d_model, model.mlp_dim, model.vocab_size, model.seq_len
-    B, A, p = int(config.train.batch_size), layout.grad_accum, layout.pipeline
-    remat = layout.remat
-    cdt = np.dtype(config.train.compute_dtype).itemsize
-    wire_dt = lambda nbytes: nbytes if hw.bf16_collectives else max(nbytes, 4)
-
-    sh = _shards(model, layout)
-    stored, computed = sh.stored, sh.computed
-    params_b, opt_b, batch_axes, tensor_axes = (
-        sh.params_bytes,
-        sh.opt_bytes,
-        sh.batch_axes,
-        sh.tensor_axes,
+    s = _step(config, layout, model, hw)
+    out = _Terms(s.sizes)
+    _tensor_terms(s, out)
+    _fsdp_terms(s, out)
+    _grad_sync_terms(s, out, compression_ratio)
+    _pipeline_terms(s, out)
+    _context_expert_terms(
+        out.add, config, s.sizes, s.rows_mb * model.seq_len, s.wire_dt(s.cdt), s.reps
     )
-    R = math.prod(sizes[a] for a in batch_axes)
-    rows = B // R  # examples per device per step
-    batch_b = 2 * rows * T * 4  # inputs + targets, int32
-    scalars_b = 4 + 8 + 4  # step, rng, skipped
+    memory = _memory(s)
 
-    tp = math.prod(sizes[a] for a in tensor_axes)
-    rows_mb = rows // A  # examples per device per microbatch
-    m = layout.microbatches if p > 1 else 1
-    v = int(config.pipeline.virtual_stages) if config.pipeline.schedule == "interleaved" else 1
-    Lp = L // p  # layers on one device
-
-    # -- collectives ------------------------------------------------------------------------------
-    terms: list[CommTerm] = []
-
-    def add(name, kind, axes, payload, count, hidden):
-        group = math.prod(sizes[a] for a in axes)
-        if group > 1 and count > 0 and payload > 0:
-            terms.append(
-                CommTerm(name, kind, tuple(axes), group, float(payload), int(count), hidden)
-            )
-
-    # Without a pipeline every layer runs once per microbatch on rows_mb rows. With one, the stage
-    # runs its Lp layers at every tick of the schedule (idle ticks too: SPMD) on a pipeline
-    # microbatch, and embedding / head / loss run outside it on the batch split over the stages.
-    ticks = m * v + p - 1
-    chunk_rows = rows_mb // m
-    # layer executions per step on one device (interleaved: a tick runs one of v chunks)
-    reps = (Lp // v * ticks if p > 1 else Lp) * A
-    edge_rows = rows_mb // p if p > 1 and rows_mb % p == 0 else rows_mb
-    act = rows_mb * T * D * wire_dt(cdt)  # [b, T, D] of one microbatch
-    act_chunk = chunk_rows * T * D * wire_dt(cdt)
-    act_edge = edge_rows * T * D * wire_dt(cdt)
-    # 1F1B (jaxdist.pipeline._one_f_one_b): 2 (m + p - 1) ticks, each a switch over idle /
-    # forward / backward whose collectives are charged as the backward branch's (the costliest
-    # branch, as jaxdist.hlo_cost counts conditionals): it recomputes the stage's forward, and the
-    # head and loss run inside the stage, per microbatch, on the last stage.
-    one_f_one_b = p > 1 and config.pipeline.schedule == "1f1b"
-    ticks_1f1b = 2 * (m + p - 1)
-    if tp > 1:
-        tpa = tensor_axes
-        add("tp: embedding lookup output (vocab-parallel)", "all-reduce", tpa, act_edge, A, False)
-        # Layer executions whose all-reduces run: 1F1B charges every tick's backward branch.
-        layer_runs = Lp * ticks_1f1b * A if one_f_one_b else reps
-        fwd = "fwd recomputed in 1F1B's bwd" if one_f_one_b else "fwd"
-        for name in (
-            f"attention, MLP outputs (row-parallel), {fwd}",
-            "QKV, up-projection input grads, bwd",
-        ):
-            add(f"tp: {name}", "all-reduce", tpa, act_chunk, 2 * layer_runs, False)
-        if remat == "full" and not one_f_one_b:
-            add("tp: attention output recomputed, bwd", "all-reduce", tpa, act_chunk, reps, False)
-        if one_f_one_b:  # the head runs per microbatch in the last stage, every tick
-            head_rows, head_count, ce_terms = chunk_rows, ticks_1f1b * A, 2  # one-hot target
-        else:
-            head_rows, head_count, ce_terms = edge_rows, A, 3  # max, sum of exp, target logit
-        head_act = head_rows * T * D * wire_dt(cdt)
-        add("tp: head input grad, bwd", "all-reduce", tpa, head_act, head_count, False)
-        ce = ce_terms * head_rows * T * 4  # [b, T] float32 each
-        add("tp: cross-entropy over vocab shards", "all-reduce", tpa, ce, head_count, False)
-
-    regather = 2 if remat != "none" else 1
-    grad_dt = wire_dt(cdt)
-    # Under 1F1B with FSDP, a tick's backward branch gathers the stage's layers and the head (final
-    # norm and projection run in the last stage) itself: once per tick.
-    in_stage = lambda x: x.stacked or (one_f_one_b and x.path != "embed")
-    for x, gathered, n_cp in zip(model.params, sh.gathered, computed):
-        if gathered:
-            payload = (n_cp // Lp if x.stacked else n_cp) * wire_dt(cdt)
-            if one_f_one_b and in_stage(x):
-                count = ticks_1f1b * A * (Lp * regather if x.stacked else 1)
-            elif x.stacked:
-                count = reps * regather
-            else:
-                count = 1
-            add(f"fsdp: all-gather {x.path}", "all-gather", gathered, payload, count, True)
-
-    # Gradient sync: every gradient byte (compute shard) per microbatch, layer by layer inside the
-    # layer loop; with a pipeline the stage's stacked grads once per microbatch, and the embedding /
-    # head grads over data × pipeline (their batch is split over the stages too).
-    ratio = compression_ratio
-    layer_grads = sum(n // Lp * grad_dt for x, n in zip(model.params, computed) if x.stacked)
-    other_grads = sum(n * grad_dt for x, n in zip(model.params, computed) if not x.stacked) + 4
-    if p > 1:
-        layer_grads, layer_count = layer_grads * Lp, A
-    else:
-        layer_count = Lp * A
-    other_axes = batch_axes + (("pipeline",) if p > 1 and edge_rows < rows_mb else ())
-    fs_axes = tuple(a for a in batch_axes if a == "fsdp")
-    syncs = [
-        ("grads: layers", layer_grads, layer_count, batch_axes),
-        ("grads: embedding, final norm, head", other_grads, A, other_axes),
-    ]
-    if one_f_one_b and fs_axes and sizes["fsdp"] > 1:
-        # FSDP inside 1F1B stages: fsdp is an automatic axis there, so XLA reduces the stage's layer
-        # and head gradients over it in every tick's backward branch; the fsdp shard is then summed
-        # once over data (the head's over data × pipeline), the embedding's outside the stages.
-        f = sizes["fsdp"]
-        rest = tuple(a for a in batch_axes if a not in fs_axes)
-        head_grads = sum(
-            n * grad_dt for x, n in zip(model.params, computed) if in_stage(x) and not x.stacked
-        )
-        embed_grads = other_grads - 4 - head_grads
-        per_tick = "reduce-scatter" if hw.native_reduce_scatter else "all-reduce"
-        for name, payload in (("layers", layer_grads), ("final norm, head", head_grads)):
-            add(f"grads: {name}, every 1F1B tick", per_tick, fs_axes, payload, ticks_1f1b * A, True)
-        syncs = [
-            ("grads: layers, fsdp shard", layer_grads / f, A, rest),
-            ("grads: final norm, head, fsdp shard", head_grads / f + 4, A, rest + ("pipeline",)),
-            ("grads: embedding", embed_grads, A, batch_axes + ("pipeline",)),
-        ]
-    for name, payload, count, axes in syncs:
-        if hw.native_reduce_scatter and set(fs_axes) & set(axes):
-            f = math.prod(sizes[a] for a in fs_axes)
-            rest = tuple(a for a in axes if a not in fs_axes)
-            add(
-                f"{name} (reduce-scatter over fsdp)",
-                "reduce-scatter",
-                fs_axes,
-                payload,
-                count,
-                True,
-            )
-            add(
-                f"{name} (all-reduce of the shard)",
-                "all-reduce",
-                rest,
-                payload / f * ratio,
-                count,
-                True,
-            )
-        else:
-            add(f"{name} (all-reduce)", "all-reduce", axes, payload * ratio, count, True)
-
-    if p > 1:
-        pa = ("pipeline",)
-        if one_f_one_b:  # an activation forward and a gradient back at every tick
-            add(
-                "pp: stage activations and gradients, every 1F1B tick",
-                "collective-permute",
-                pa,
-                act_chunk,
-                2 * ticks_1f1b * A,
-                False,
-            )
-        else:
-            add(
-                "pp: stage activations, fwd + bwd",
-                "collective-permute",
-                pa,
-                act_chunk,
-                2 * ticks * A,
-                False,
-            )
-            # the last stage's outputs go back to the batch split over the stages for the head
-            add("pp: batch into / out of the stages", "collective-permute", pa, act, A, False)
-            add("pp: batch split over stages (all-to-all)", "all-to-all", pa, act, 2 * A, False)
-        add("pp: batch split over stages (gather)", "all-gather", pa, act, A, False)
-        add("pp: stage-0 input grad summed over stages", "all-reduce", pa, act, A, False)
-
-    # -- memory -----------------------------------------------------------------------------------
-    # temp is the peak of the backward layer loop: the residuals saved for it, the working set of
-    # one layer's backward (with what the policy recomputes), the stacked gradient buffers, the
-    # weights it saved (remat none) or re-gathers, plus what stays live around it (logits, casts).
-    # XLA:CPU computes bf16 in float32: activations there are float32 whatever the compute dtype.
-    adt = cdt if hw.bf16_activations else 4
-    NT = model.num_heads * T if config.model.attention != "cudnn" else 0
-    rep, split, scores = _saved_per_token(remat, D, F, NT)
-    # one row of one layer, bytes
-    row_bytes = lambda r, s, sc: T * ((r + s / tp) * adt + sc / tp * 4)
-    full_row = row_bytes(*_saved_per_token("none", D, F, NT))
-    # A stage's layer scan of one layer is no loop for XLA (trip count 1): nothing is stacked twice.
-    Lc = Lp // v  # layers one tick runs
-    stage_grads = 0  # a second float32 copy of the stage's layer grads (1F1B's per-tick vjp)
-    weight_copies = 1  # copies of the layers' weights the backward saved, remat none
-    if p == 1:
-        saved = rows_mb * Lp * row_bytes(rep, split, scores)
-        work_rows, logit_rows = rows_mb, rows_mb
-    elif one_f_one_b:
-        # Stash and gradient buffers of p slots, the embedded microbatches and their gradient; a
-        # tick's backward branch re-runs the stage forward on one microbatch (jax.vjp) and keeps
-        # that microbatch's residuals only, next to the gradients it adds to the running sum; the
-        # head runs there per microbatch.
-        buffers = (2 * p + 2 * m) * chunk_rows * T * D * adt
-        saved = buffers + chunk_rows * Lp * row_bytes(rep, split, scores)
-        work_rows, logit_rows = chunk_rows, chunk_rows
-        stage_grads = 1 if Lc > 1 else 0
-    else:
-        # Autodiff through the ticks keeps every tick's residuals and (remat none) its weights, idle
-        # ticks included (SPMD), plus the stacks of the tick it is in.
-        saved = (ticks + (Lc > 1)) * chunk_rows * Lc * row_bytes(rep, split, scores)
-        work_rows, logit_rows = chunk_rows, rows_mb
-        weight_copies = ticks / v
-    working = _WORKING_SET[remat] * work_rows * full_row
-    activations = saved + working
-    fsdp_gathered = [bool(g) for g in sh.gathered]
-    layer_compute = sum(
-        n // Lp for x, n, g in zip(model.params, computed, fsdp_gathered) if x.stacked and g
-    )
-    stacked_compute = sum(n for x, n in zip(model.params, computed) if x.stacked)
-    grads_b = sum(n * 4 for n in stored) + layer_compute * 4 + stage_grads * stacked_compute * 4
-    # Compute-sharded layer weights the backward loop holds: all layers' without remat (the scan
-    # saves them), one re-gathered layer with it. The gathered embedding and head are dead by then
-    # (the head's backward runs before the loop, the embedding's needs no weights) unless gradient
-    # accumulation hoists their gather out of its loop.
-    weights_b = 0
-    for x, n_cp, g in zip(model.params, computed, fsdp_gathered):
-        if x.stacked and remat == "none":
-            weights_b += n_cp * cdt * weight_copies
-        elif x.stacked and g:
-            weights_b += n_cp // Lp * cdt
-        elif g and (A > 1 or (one_f_one_b and in_stage(x))):
-            weights_b += n_cp * cdt
-            if one_f_one_b:  # the head's gradient sums over the ticks at its gathered shape
-                grads_b += n_cp * 4
-    logits_b = logit_rows * T * (V // tp) * 4
-    cast_b = sum(n * cdt for n in stored) if cdt < 4 else 0
-    other = weights_b + logits_b + cast_b
-    temp = grads_b + activations + other
-    arguments = params_b + opt_b + batch_b + scalars_b
-    memory = {
-        "params": float(params_b),
-        "opt_state": float(opt_b),
-        "batch": float(batch_b),
-        "state_scalars": float(scalars_b),
-        "arguments": float(arguments),
-        "grads": float(grads_b),
-        "activations": float(activations),
-        "other_temp": float(other),
-        "temp": float(temp),
-        "total": float(arguments + temp),
-    }
-
-    # -- time -------------------------------------------------------------------------------------
-    tokens = B * T
+    tokens = int(config.train.batch_size) * model.seq_len
     model_flops = model.flops_per_token() * tokens
     n = layout.devices
-    compute_s = _compute_time(config, model, hw, remat, tokens) / n
-    bubble = (p - 1) / (m * v + p - 1) if p > 1 else 0.0
+    compute_s = _compute_time(config, model, hw, s.remat, tokens) / n
+    bubble = (s.p - 1) / (s.m * s.v + s.p - 1) if s.p > 1 else 0.0
+    if s.p > 1 and config.pipeline.schedule == "zb":  # idle entries of its table
+        bubble = 1 - 3 * s.m / s.ticks_1f1b
     compute_s /= 1 - bubble
     local, hosts = _hosts(layout, hw)
-    times = [(t, _term_time(t, local, hw)) for t in terms]
+    times = [(t, _term_time(t, local, hw)) for t in out.terms]
     comm_s = sum(x for _, x in times)
     exposed = sum(x for t, x in times if not t.hidden)
     hideable = sum(x for t, x in times if t.hidden)
     exposed += max(0.0, hideable - hw.overlap * compute_s)
     step_s = compute_s + exposed
-    mfu = model_flops / (step_s * n * hw.peak_flops)
-    fits = memory["total"] <= hw.usable_fraction * hw.memory_bytes
     return Prediction(
         layout=layout,
         hardware=hw.name,
         memory=memory,
-        terms=terms,
+        terms=out.terms,
         compute_s=compute_s,
         comm_s=comm_s,
         exposed_comm_s=exposed,
@@ -1012,8 +1170,8 @@ def predict(
         step_s=step_s,
         tokens_per_step=tokens,
         model_flops_per_step=model_flops,
-        mfu=mfu,
-        fits=fits,
+        mfu=model_flops / (step_s * n * hw.peak_flops),
+        fits=memory["total"] <= hw.usable_fraction * hw.memory_bytes,
         hosts=hosts,
     )
 
@@ -1292,6 +1450,22 @@ def device_memory_bytes() -> tuple[float, str] | None:
     return (float(limit), f"{devices[0].device_kind} memory") if limit else None
 
 
+def layout_prediction(config, engine) -> dict[str, Any]:
+    """The planner's per-device memory for the `layout` record (`predicted_bytes_per_device`).
+
+    Only the GPT is modelled. Local SGD keeps an outer state plus a copy of the model and
+    optimizer per replica, which the planner does not model: no prediction then either.
+    """
+    if config.model.name != "gpt" or "local" in engine.abstract_state:
+        return {}
+    predicted = predict(config, num_devices=engine.mesh.size).memory
+    return {
+        "predicted_bytes_per_device": {
+            k: int(predicted[k]) for k in ("params", "opt_state", "temp")
+        }
+    }
+
+
 def refuse_if_far_over_memory(config, num_devices: int, factor: float = REFUSE_FACTOR) -> None:
     """ConfigError when the predicted per-device peak is over `factor` × the device's memory.
 
@@ -1319,3 +1493,129 @@ def refuse_if_far_over_memory(config, num_devices: int, factor: float = REFUSE_F
         f"model.seq_len={m.seq_len}), train.batch_size={config.train.batch_size} smaller, or "
         "shard over more devices (mesh.fsdp, mesh.tensor)"
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradient all-reduce algorithms (grad_sync.algorithm, jaxdist/allreduce.py): α-β costs per tier
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmCost:
+    """One algorithm reducing S bytes over N devices, as the compiled HLO runs it.
+
+    Attributes:
+      steps: sequential collective ops (the latency terms; `hlo_cost.collective_phases` steps).
+      busiest_bytes: bytes sent + received by the device that moves the most (the parameter
+        server's hot spot), as `hlo_cost.collective_phases` reads it from the HLO.
+      time_s: α-β time: per step the latency α of the tier the step crosses plus its payload over
+        that tier's bandwidth β (a ring step waits on its slowest hop; a server takes its pushes
+        one after another through its own link; an all-to-all / all-gather is N-1 direct
+        messages, each paying α).
+    """
+
+    algorithm: str
+    n: int
+    hosts: int
+    steps: int
+    busiest_bytes: float
+    time_s: float
+
+
+def _tier(hw: Hardware, cross: bool) -> tuple[float, float]:
+    """(α seconds, β bytes/s) of one step inside a host (False) or across hosts (True)."""
+    return (
+        (hw.inter_latency, hw.inter_bandwidth) if cross else (hw.intra_latency, hw.intra_bandwidth)
+    )
+
+
+def algorithm_cost(
+    algorithm: str, size_bytes: float, n: int, hw: Hardware, local: int = 0
+) -> AlgorithmCost:
+    """Predicted steps, hot-spot bytes and time of one all-reduce of `size_bytes` over `n` devices.
+
+    `local` of the `n` share a host (0: as many as fit, `hw.devices_per_host`), consecutive in
+    the axis, H = N / local hosts, as `hierarchical` and the mesh lay them out. Raises ConfigError
+    where the algorithm cannot run.
+    """
+    s, local = float(size_bytes), local or min(n, hw.devices_per_host)
+    hosts = max(1, n // local)
+    log = math.ceil(math.log2(n)) if n > 1 else 0
+    a_in, b_in = _tier(hw, False)
+    a_x, b_x = _tier(hw, hosts > 1)
+    ring_busy = 2 * 2 * (n - 1) / n * s
+    if algorithm == "xla":  # NCCL-like: ring inside hosts, tree latency across (_term_time)
+        t = 2 * (local - 1) / local * s / b_in + 2 * (local - 1) * a_in
+        if hosts > 1:
+            t += 2 * (hosts - 1) / hosts * s / local / hw.inter_bandwidth
+            t += 2 * math.ceil(math.log2(hosts)) * hw.inter_latency
+        return AlgorithmCost(algorithm, n, hosts, 1, ring_busy, t)
+    if algorithm == "ring":
+        return AlgorithmCost(
+            algorithm, n, hosts, 2 * (n - 1), ring_busy, 2 * (n - 1) * (a_x + s / n / b_x)
+        )
+    if algorithm in ("halving_doubling", "tree"):
+        if algorithm == "halving_doubling" and n & (n - 1):
+            raise ConfigError(f"halving_doubling needs a power-of-two device count, got {n}")
+        t = 0.0
+        for k in range(log):  # distance 2^k: partners in one host while 2^k < L
+            a, b = _tier(hw, 2**k >= local)
+            payload = s / 2 ** (log - k) if algorithm == "halving_doubling" else s
+            t += 2 * (a + payload / b)
+        busy = ring_busy if algorithm == "halving_doubling" else 2 * log * s
+        return AlgorithmCost(algorithm, n, hosts, 2 * log, busy, t)
+    if algorithm == "hierarchical":
+        if hosts < 2:
+            raise ConfigError(f"hierarchical needs more than one host; {n} devices fit in one")
+        t = 2 * (local - 1) * (a_in + s / local / b_in)
+        t += 2 * (hosts - 1) * (hw.inter_latency + s / n / hw.inter_bandwidth)
+        busy = 2 * (2 * (local - 1) / local * s + 2 * (hosts - 1) / hosts * s / local)
+        return AlgorithmCost(algorithm, n, hosts, 2 * (local - 1) + 2 * (hosts - 1), busy, t)
+    if algorithm == "ps":  # the server's link carries every push and every pull
+        t = 2 * ((local - 1) * (a_in + s / b_in) + (n - local) * (a_x + s / b_x))
+        return AlgorithmCost(algorithm, n, hosts, 2 * (n - 1), 2 * (n - 1) * s, t)
+    if algorithm == "sharded_ps":  # all-to-all + all-gather: N-1 direct messages of S/N each
+        per_peer = s / n
+        t = 2 * ((local - 1) * (a_in + per_peer / b_in) + (n - local) * (a_x + per_peer / b_x))
+        return AlgorithmCost(algorithm, n, hosts, 2, ring_busy, t)
+    raise ConfigError(f"algorithm={algorithm!r} has no cost model")
+
+
+def recommend_algorithm(
+    size_bytes: float, n: int, hw: Hardware, local: int = 0
+) -> list[AlgorithmCost]:
+    """Every algorithm that can run on `n` devices, fastest first (the first is the pick)."""
+    from jaxdist import allreduce
+
+    costs = []
+    for name in allreduce.ALGORITHMS:
+        try:
+            costs.append(algorithm_cost(name, size_bytes, n, hw, local))
+        except ConfigError:
+            continue
+    return sorted(costs, key=lambda c: c.time_s)
+
+
+def algorithm_table(best: Prediction, model: ModelInfo, hw: Hardware) -> tuple[str, list[dict]]:
+    """The data axis's gradient all-reduce for a layout: every algorithm's predicted cost, the pick
+    first. The gradient per device is the float32 parameters over fsdp × tensor × pipeline (each
+    device reduces its own shard over `data`); those axes keep XLA's own collectives."""
+    lay = best.layout
+    n = lay.data
+    size = model.num_params * 4 / (lay.fsdp * lay.tensor * lay.pipeline)
+    if n <= 1:
+        return "grad_sync.algorithm: mesh.data = 1, nothing to reduce over data (keep 'xla')", []
+    local = _hosts(lay, hw)[0]["data"]
+    costs = recommend_algorithm(size, n, hw, local)
+    rows = [dataclasses.asdict(c) for c in costs]
+    lines = [
+        f"gradient all-reduce over data (N={n}, {local} per host, {size / 2**20:.1f} MiB per "
+        f"device, {hw.name}): "
+        f"recommended grad_sync.algorithm={costs[0].algorithm}; fsdp/tensor/pipeline: xla",
+        f"  {'algorithm':<17}{'steps':>7}{'busiest MiB':>13}{'time ms':>10}",
+    ]
+    for c in costs:
+        lines.append(
+            f"  {c.algorithm:<17}{c.steps:>7}{c.busiest_bytes / 2**20:>13.1f}{1e3 * c.time_s:>10.3f}"
+        )
+    return "\n".join(lines), rows

@@ -16,14 +16,16 @@ array wins; used axes are skipped, so one mesh axis never shards two dimensions 
 
 | logical | storage            | compute            | why                                          |
 |---------|--------------------|--------------------|----------------------------------------------|
-| batch   | (data, fsdp)       | (data, fsdp)       | every replica and FSDP shard takes examples  |
+| batch   | (data, fsdp, expert) | (data, fsdp, expert) | replicas, FSDP and expert shards take examples |
 | vocab   | tensor             | tensor             | embedding / head split by vocabulary         |
 | heads   | tensor             | tensor             | attention heads split (Megatron)             |
 | mlp     | tensor             | tensor             | MLP hidden units split (Megatron)            |
 | embed   | fsdp               | —                  | ZeRO-3 storage; gathered for compute         |
 | layers  | pipeline           | pipeline           | stacked layers split into pipeline stages    |
 | stage   | pipeline           | pipeline           | pipeline activations buffer                  |
-| kv, length, conv | —         | —                  | never split                                  |
+| length  | context            | context            | sequence (context) parallelism               |
+| experts | expert             | expert             | MoE experts split (expert parallelism)       |
+| kv, conv | —                 | —                  | never split                                  |
 """
 
 from __future__ import annotations
@@ -43,15 +45,16 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 LogicalAxes = tuple[str | None, ...]
 
 STORAGE_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("mlp", "tensor"),
     ("embed", "fsdp"),
     ("layers", "pipeline"),
     ("stage", "pipeline"),
+    ("experts", "expert"),
+    ("length", "context"),
     ("kv", None),
-    ("length", None),
 )
 
 COMPUTE_RULES: Rules = tuple(
@@ -160,6 +163,18 @@ def activation_rules(mesh: Mesh, rules: Rules = COMPUTE_RULES):
         yield
     finally:
         _context.value = prev
+
+
+def axis_size(axis: str) -> int:
+    """Size of mesh axis `axis` while tracing inside `activation_rules` (1 outside, or absent)."""
+    ctx = getattr(_context, "value", None)
+    return 1 if ctx is None else int(ctx[0].shape.get(axis, 1))
+
+
+def active_mesh() -> Mesh | None:
+    """The mesh of the enclosing `activation_rules` (None outside)."""
+    ctx = getattr(_context, "value", None)
+    return None if ctx is None else ctx[0]
 
 
 def constrain(x: jax.Array, names: LogicalAxes) -> jax.Array:

@@ -34,6 +34,7 @@ class TrainState(TypedDict, total=False):
     skipped: jax.Array  # int32[] steps dropped by train.on_nonfinite="skip"
     grad_sync: Any  # compressed gradient sync: per-replica residuals, [R, ...] over `data`
     local: Any  # local SGD: {"params", "opt_state"} of every replica, [R, ...] over `data`
+    in_flight: Any  # grad_sync.staleness = tau: the last tau reduced gradients, [tau, ...]
 
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:

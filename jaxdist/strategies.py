@@ -7,12 +7,15 @@
   pipelined    the model's stages over `mesh.pipeline` (jaxdist/pipeline.py), accumulated the same way.
   compressed   per-replica gradients (one of the three above) reduced over `data` by the compressor
                `grad_sync.compression` names (jaxdist/compression.py, collectives.sync_grads).
+  allreduce    the same per-replica path, reduced exactly by `grad_sync.algorithm` (ring, tree,
+               parameter server, ...: jaxdist/allreduce.py) instead of XLA's own all-reduce.
   local_sgd    `grad_sync.local_steps` inner steps per replica, then an outer step on the average
                (jaxdist/collectives.py, local SGD / DiLoCo).
 
-The first four are gradient functions behind one signature, `GradFn`:
+The first five are gradient functions behind one signature, `GradFn`:
 `(params, batch, extra) -> (loss, aux, grads, extra)`, where `extra` holds the state entries the
-strategy owns; `from_gradients` adds the optimizer step. Local SGD runs its optimizer per replica
+strategy owns; `from_gradients` adds the optimizer step (and `grad_sync.staleness`, the delay of
+jaxdist/staleness.py). Local SGD runs its optimizer per replica
 inside its own step, so it provides `step` directly. Every strategy's step returns a `Proposal`,
 and `train.apply_update` (one non-finite guard, one set of metrics) turns it into the next state.
 """
@@ -21,14 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from jaxdist import collectives, compression, microbatch, pipeline, sharding
+from jaxdist import allreduce, collectives, compression, microbatch, pipeline, sharding, staleness
 from jaxdist.errors import ConfigError
 from jaxdist.state import Entry, TrainState
 from models.api import Stages
@@ -83,9 +89,14 @@ def from_gradients(
     tx: optax.GradientTransformation,
     entries: Mapping[str, Entry] | None = None,
     schedule: Any = None,
+    delay: staleness.Delay | None = None,
 ) -> Strategy:
-    """A strategy whose step is `gradients` followed by one step of the optimizer `tx`."""
+    """A strategy whose step is `gradients` followed by one step of the optimizer `tx`; with
+    `delay` (grad_sync.staleness > 0) the step applies the gradient of `delay.tau` steps ago."""
     entries = dict(entries or {})
+    if delay is not None:
+        gradients, tx = delay.wrap(gradients), delay.tx(tx)
+        entries[staleness.KEY] = delay.entry
 
     def step(state: TrainState, batch: Batch) -> Proposal:
         params = state["params"]
@@ -152,21 +163,32 @@ def _replica_gradients(setup: Setup, *, data_manual: bool) -> tuple[microbatch.G
     )
 
 
+def _delay(setup: Setup) -> staleness.Delay | None:
+    tau = setup.config.grad_sync.staleness
+    return staleness.build(tau, setup.abstract_params, setup.param_shardings, setup.mesh)
+
+
 def _stateless(gradients: microbatch.GradFn) -> GradFn:
     return lambda params, batch, extra: (*gradients(params, batch), extra)
 
 
 def plain(setup: Setup) -> Strategy:
-    return from_gradients("plain", _stateless(_accumulated_gradients(setup)), setup.tx)
+    return from_gradients(
+        "plain", _stateless(_accumulated_gradients(setup)), setup.tx, delay=_delay(setup)
+    )
 
 
 def accumulated(setup: Setup) -> Strategy:
-    return from_gradients("accumulated", _stateless(_accumulated_gradients(setup)), setup.tx)
+    return from_gradients(
+        "accumulated", _stateless(_accumulated_gradients(setup)), setup.tx, delay=_delay(setup)
+    )
 
 
 def pipelined(setup: Setup) -> Strategy:
     gradients, schedule = _replica_gradients(setup, data_manual=False)
-    return from_gradients("pipelined", _stateless(gradients), setup.tx, schedule=schedule)
+    return from_gradients(
+        "pipelined", _stateless(gradients), setup.tx, schedule=schedule, delay=_delay(setup)
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,7 +256,57 @@ def compressed(setup: Setup) -> Strategy:
         aux = {"grad_sync_residual_norm": compression.residual_norm(sync_state)}
         return loss, aux, grads, {"grad_sync": sync_state}
 
-    return from_gradients("compressed", gradients, tx, {"grad_sync": entry}, schedule)
+    return from_gradients(
+        "compressed", gradients, tx, {"grad_sync": entry}, schedule, delay=_delay(setup)
+    )
+
+
+def reduced(setup: Setup) -> Strategy:
+    """Per-replica gradients (as `compressed`), summed exactly by `grad_sync.algorithm`
+    (jaxdist/allreduce.py) on each device's own shard of its replica's gradient."""
+    c, mesh = setup.config, setup.mesh
+    base, schedule = _replica_gradients(setup, data_manual=True)
+
+    def local_grads(params, local_batch):
+        loss, _, grads = base(params, local_batch)  # aux metrics: not reduced here
+        return loss, grads
+
+    grads_of = collectives._replica_grads(local_grads, mesh, DATA_AXES, _per_replica(mesh))
+    if c.grad_sync.compression == "bf16":  # ring with bf16 per hop (allreduce.check)
+        return _per_hop(setup, grads_of, schedule)
+    shard_axes = tuple(a for a in ("fsdp", "tensor", "pipeline") if mesh.shape[a] > 1)
+    mean_of = allreduce.reducer(
+        mesh, "data", shard_axes, setup.param_specs, c.grad_sync.algorithm, int(c.mesh.dcn_data)
+    )
+
+    def gradients(params, batch, extra):
+        loss, grads = grads_of(params, batch)
+        return loss, {}, mean_of(grads), extra
+
+    return from_gradients("allreduce", gradients, setup.tx, schedule=schedule, delay=_delay(setup))
+
+
+def _per_hop(setup: Setup, grads_of, schedule) -> Strategy:
+    """bf16 at every ring hop (`ring`) or across hosts only (`hierarchical`, compress_over=dcn);
+    state["grad_sync"]: each replica's residual [R, E]."""
+    mesh, r = setup.mesh, setup.mesh.shape["data"]
+    size = sum(math.prod(p.shape) for p in jax.tree.leaves(setup.abstract_params))
+    hosts = int(setup.config.mesh.dcn_data) if setup.config.grad_sync.compress_over == "dcn" else 1
+    e = allreduce.per_hop_size(size, r, hosts)
+    abstract = jax.ShapeDtypeStruct((r, e), jnp.float32)
+    entry = Entry.from_specs(
+        abstract, P("data"), mesh, lambda params: jnp.zeros((r, e), jnp.float32)
+    )
+    reduce = allreduce.per_hop_reducer(mesh, "data", hosts)
+
+    def gradients(params, batch, extra):
+        loss, grads = grads_of(params, batch)
+        mean, err = reduce(grads, extra["grad_sync"])
+        return loss, {}, mean, {"grad_sync": err}
+
+    return from_gradients(
+        "allreduce", gradients, setup.tx, {"grad_sync": entry}, schedule, delay=_delay(setup)
+    )
 
 
 def local_sgd(setup: Setup) -> Strategy:
@@ -289,6 +361,7 @@ STRATEGIES: dict[str, Callable[[Setup], Strategy]] = {
     "accumulated": accumulated,
     "pipelined": pipelined,
     "compressed": compressed,
+    "allreduce": reduced,
     "local_sgd": local_sgd,
 }
 
@@ -297,6 +370,8 @@ def choose(config, mesh_shape: Mapping[str, int]) -> str:
     """The `STRATEGIES` name a config runs on a mesh of these axis sizes."""
     if mesh_shape["data"] > 1 and config.grad_sync.local_steps > 1:
         return "local_sgd"
+    if mesh_shape["data"] > 1 and config.grad_sync.algorithm != "xla":
+        return "allreduce"
     if mesh_shape["data"] > 1 and config.grad_sync.compression != "none":
         return "compressed"
     if mesh_shape["pipeline"] > 1:
@@ -356,6 +431,8 @@ def check(config, mesh_shape: Mapping[str, int]) -> None:
             raise ConfigError("grad_sync.outer_momentum must be in [0, 1)")
     elif g.compression != "none":
         _check_explicit("grad_sync.compression", g.compression, "compression='none'", mesh_shape)
+    elif g.get("algorithm", "xla") != "xla" and mesh_shape["data"] > 1:
+        _check_explicit("grad_sync.algorithm", g.algorithm, "algorithm='xla'", mesh_shape)
 
 
 def _check_explicit(field: str, value: Any, off: str, mesh_shape: Mapping[str, int]) -> None:

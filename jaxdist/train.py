@@ -53,6 +53,10 @@ class Engine:
     eval_step: Callable[[State, Batch], dict]
     schedule: Any = None  # pipeline.Schedule when mesh.pipeline > 1: the tables the step runs
     strategy: str = "plain"  # the jaxdist.strategies.STRATEGIES name the train step runs
+    # Stored row -> layer of the stacked layers (pipeline.layer_order), None when in [L] order:
+    # the state is stored reordered, checkpoints and exports keep the [L] order.
+    layer_order: np.ndarray | None = None
+    _reorder_state: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def num_params(self) -> int:
@@ -68,6 +72,30 @@ class Engine:
     def stages(self) -> Stages | None:
         """The model's pipeline pieces, None for a family that cannot be pipelined."""
         return self.family.stages(self.config.model) if self.family.stages else None
+
+    def to_user(self, tree: Any, shardings: Any = None) -> Any:
+        """A state tree (or a subtree with its `shardings`) with its stacked layers in the user's
+        [L] order: what checkpoints and exports hold. The identity unless `layer_order`."""
+        return self._reorder(tree, shardings, to_user=True)
+
+    def to_storage(self, tree: Any, shardings: Any = None) -> Any:
+        """The inverse of `to_user`: [L] order to the stored order the steps run on."""
+        return self._reorder(tree, shardings, to_user=False)
+
+    def _reorder(self, tree: Any, shardings: Any, *, to_user: bool) -> Any:
+        if self.layer_order is None:
+            return tree
+        from jaxdist import pipeline
+
+        whole = shardings is None
+        if whole and to_user in self._reorder_state:  # compiled once per direction
+            return self._reorder_state[to_user](tree)
+        shardings = self.state_shardings if whole else shardings
+        fn = lambda t: pipeline.reorder_layers(t, shardings, self.layer_order, to_user=to_user)
+        fn = jax.jit(fn, out_shardings=shardings)
+        if whole:
+            self._reorder_state[to_user] = fn
+        return fn(tree)
 
     def merge(self, params: Any) -> nnx.Module:
         return self.model.merge(params)
@@ -157,10 +185,8 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         proposal = strategy.step(state, batch)
         return apply_update(state, proposal, skip_nonfinite=skip, lr_schedule=lr_schedule)
 
-    def eval_step(state: TrainState, batch: Batch) -> dict:
-        loss, aux = loss_fn(state["params"], batch)
-        return {"loss": loss, **aux}
-
+    eval_step = _eval_step(setup, model, loss_fn)
+    init, order = _init(setup, spec, mesh_shape)
     repl = sharding.replicated(mesh)
     in_shardings = (spec.shardings, batch_shardings)
     return Engine(
@@ -175,7 +201,7 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         batch_axes=batch_axes,
         tx=tx,
         lr_schedule=lr_schedule,
-        init_fn=jax.jit(spec.init, out_shardings=spec.shardings),
+        init_fn=jax.jit(init, out_shardings=spec.shardings),
         train_step=jax.jit(
             train_step,
             in_shardings=in_shardings,
@@ -185,7 +211,43 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         eval_step=jax.jit(eval_step, in_shardings=in_shardings, out_shardings=repl),
         schedule=strategy.schedule,
         strategy=strategy.name,
+        layer_order=order,
     )
+
+
+def _eval_step(setup: strategies.Setup, model, loss_fn) -> Callable:
+    """(state, batch) -> {"loss", ...}; through the pipeline when there is one (the plain model
+    would gather every layer onto every device)."""
+    eval_loss = loss_fn
+    if setup.stages is not None:
+        from jaxdist import pipeline
+
+        eval_loss = pipeline.make_loss(
+            setup.config, setup.mesh, setup.stages, model.axes, setup.batch_axes
+        )
+
+    def eval_step(state: TrainState, batch: Batch) -> dict:
+        loss, aux = eval_loss(state["params"], batch)
+        return {"loss": loss, **aux}
+
+    return eval_step
+
+
+def _init(setup: strategies.Setup, spec, mesh_shape: dict[str, int]):
+    """(init(key, params=None) -> state, the pipeline's stored layer order or None)."""
+    if setup.stages is None:
+        return spec.init, None
+    from jaxdist import pipeline
+
+    order = pipeline.layer_order(setup.config, mesh_shape)
+
+    def init(key: jax.Array, params: Any = None) -> TrainState:
+        state = spec.init(key, params)  # the stacked layers in [L] order, then as stored
+        if order is None:
+            return state
+        return pipeline.reorder_layers(state, spec.shardings, order, to_user=False)
+
+    return init, order
 
 
 def param_spec_table(engine: Engine) -> list[tuple[str, tuple, PartitionSpec]]:

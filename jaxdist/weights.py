@@ -158,6 +158,31 @@ def load_params(src: Source, abstract: Any) -> Any:
     return out
 
 
+def load_onto_mesh(src: Source, data_ds: Any, *, data: int, tensor: int):
+    """(family, model, mesh, params): `src`'s model on a data × tensor mesh of the first
+    data·tensor devices, its weights read straight into their shardings (evaluation, sampling).
+
+    `data_ds` is the dataset the family is built for (None when it needs none, as generation).
+    """
+    import models
+    from jaxdist import mesh as mesh_lib
+    from jaxdist import sharding
+    from models import api
+
+    m = src.config.model
+    family = models.get(m.name)
+    mesh_cfg = {"data": data, "tensor": tensor, "fsdp": 1, "pipeline": 1}
+    mesh_cfg.update({f"dcn_{a}": 1 for a in list(mesh_cfg)})
+    models.check(m, mesh_cfg)
+    mesh = mesh_lib.make_mesh(mesh_cfg, jax.devices()[: data * tensor])
+    model = api.abstract_model(family.make(m, data_ds))
+    shardings = sharding.tree_shardings(model.axes, model.params, mesh)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.params, shardings
+    )
+    return family, model, mesh, load_params(src, abstract)
+
+
 def host_params(src: Source) -> dict[str, Any]:
     """The parameters of `src` as whole numpy arrays (for export), a nested dict."""
     if src.kind == "hf":

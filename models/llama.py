@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxdist import sharding
 from jaxdist.errors import ConfigError
 from jaxdist.sharding import constrain
-from models import api, gpt
+from models import api, attention, gpt, moe
 
 # Logical axes of one layer's parameters (without the leading `layers` axis). Key/value heads are
 # split over `tensor` like the query heads: query head n reads key/value head n // G, which lands
@@ -45,8 +46,18 @@ BLOCK_AXES = {
     "w_up": ("embed", "mlp"),  # [D, F]
     "w_down": ("mlp", "embed"),  # [F, D]
 }
+MLP_NAMES = ("w_gate", "w_up", "w_down")  # dense, or the shared expert beside MoE experts
 ACT = ("batch", "length", "embed")
 HEADS = ("batch", "length", "heads", "kv")
+
+
+def layer_axes(cfg) -> dict[str, tuple[str | None, ...]]:
+    """One layer's parameters and their logical axes: the dense MLP replaced by `moe.AXES` when
+    `model.num_experts` > 0 (kept beside them as the shared expert with `moe_shared_expert`)."""
+    if not cfg.num_experts:
+        return dict(BLOCK_AXES)
+    out = {n: a for n, a in BLOCK_AXES.items() if n not in MLP_NAMES or cfg.moe_shared_expert}
+    return out | moe.AXES
 
 
 def dims(cfg) -> dict[str, int]:
@@ -75,19 +86,27 @@ class Layers(nnx.Module):
         L, D, N, K, H, F = d["L"], d["D"], d["N"], d["K"], d["H"], d["F"]
         normal = lambda shape, std: std * jax.random.normal(rngs.params(), (L, *shape))
         out_std = 0.02 / math.sqrt(2 * L)  # residual projections scaled by depth (GPT-2)
-        axes = lambda name: ("layers", *BLOCK_AXES[name])
+        self._names = layer_axes(cfg)
+        axes = lambda name: ("layers", *self._names[name])
         self.attn_norm = _param(jnp.ones((L, D)), axes("attn_norm"))
         self.wq = _param(normal((D, N, H), 0.02), axes("wq"))
         self.wk = _param(normal((D, K, H), 0.02), axes("wk"))
         self.wv = _param(normal((D, K, H), 0.02), axes("wv"))
         self.wo = _param(normal((N, H, D), out_std), axes("wo"))
         self.mlp_norm = _param(jnp.ones((L, D)), axes("mlp_norm"))
-        self.w_gate = _param(normal((D, F), 0.02), axes("w_gate"))
-        self.w_up = _param(normal((D, F), 0.02), axes("w_up"))
-        self.w_down = _param(normal((F, D), out_std), axes("w_down"))
+        if "w_gate" in self._names:
+            self.w_gate = _param(normal((D, F), 0.02), axes("w_gate"))
+            self.w_up = _param(normal((D, F), 0.02), axes("w_up"))
+            self.w_down = _param(normal((F, D), out_std), axes("w_down"))
+        if cfg.num_experts:
+            E = cfg.num_experts
+            self.router = _param(normal((D, E), 0.02), axes("router"))
+            self.e_gate = _param(normal((E, D, F), 0.02), axes("e_gate"))
+            self.e_up = _param(normal((E, D, F), 0.02), axes("e_up"))
+            self.e_down = _param(normal((E, F, D), out_std), axes("e_down"))
 
     def stacked(self) -> dict[str, jax.Array]:
-        return {n: getattr(self, n)[...] for n in BLOCK_AXES}
+        return {n: getattr(self, n)[...] for n in self._names}
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -145,27 +164,72 @@ def _qkv(lp, x, positions, cfg, c):
     return q, k, v
 
 
-def _mlp(lp, x, cfg, c):
-    """x + SwiGLU(RMSNorm(x)) on [B, T, D]."""
-    h = rms_norm(x, c("mlp_norm"), cfg.norm_eps)
+def _mlp(lp, x, cfg, c, normed=None):
+    """x + SwiGLU(RMSNorm(x)) on [B, T, D] (`normed`: RMSNorm(x) already computed)."""
+    h = rms_norm(x, c("mlp_norm"), cfg.norm_eps) if normed is None else normed
     g = constrain(jnp.einsum("btd,df->btf", h, c("w_gate")), ("batch", "length", "mlp"))
     u = constrain(jnp.einsum("btd,df->btf", h, c("w_up")), ("batch", "length", "mlp"))
     out = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, c("w_down"))
     return x + constrain(out, ACT)
 
 
-def block(lp: dict[str, jax.Array], x: jax.Array, *, cfg) -> jax.Array:
-    """One pre-norm Llama layer on x [B, T, D]; `lp` holds one layer's parameters."""
-    c = lambda name: constrain(lp[name], BLOCK_AXES[name])  # gathered over fsdp for compute
+def _attend(q, k, v, positions: np.ndarray | None, cfg) -> jax.Array:
+    """Causal grouped-query attention [B, T, N, H]; over `mesh.context` when it is > 1."""
+    if sharding.axis_size(attention.AXIS) > 1:
+        pos = np.arange(q.shape[1]) if positions is None else positions
+        return attention.context_attention(q, k, v, pos, cfg.context_attention)
+    impl = gpt.attention_implementation(cfg.attention, q.dtype, q.shape[-1])
+    # Grouped-query attention: K < N key/value heads, query head n reads head n // (N / K).
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+
+def _attention_part(lp, x, cfg, positions, c) -> jax.Array:
+    """x + attention(RMSNorm(x)) on [B, T, D]."""
     with jax.named_scope("attention"):
-        q, k, v = _qkv(lp, x, jnp.arange(x.shape[1]), cfg, c)
-        impl = gpt.attention_implementation(cfg.attention, q.dtype, q.shape[-1])
-        # Grouped-query attention: K < N key/value heads, query head n reads head n // (N / K).
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-        o = constrain(o, HEADS)
-        x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ACT)
+        pos = jnp.arange(x.shape[1]) if positions is None else jnp.asarray(positions)
+        q, k, v = _qkv(lp, x, pos, cfg, c)
+        o = constrain(_attend(q, k, v, positions, cfg), HEADS)
+        return x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ACT)
+
+
+def block(
+    lp: dict[str, jax.Array], x: jax.Array, *, cfg, positions: np.ndarray | None = None
+) -> jax.Array:
+    """One pre-norm Llama layer on x [B, T, D]; `lp` holds one layer's parameters. `positions`
+    [T]: each storage slot's position (the zig-zag order of ring attention), default arange."""
+    c = lambda name: constrain(lp[name], BLOCK_AXES[name])  # gathered over fsdp for compute
+    x = _attention_part(lp, x, cfg, positions, c)
     with jax.named_scope("mlp"):
         return _mlp(lp, x, cfg, c)
+
+
+def _moe_mlp(lp, x, cfg, c) -> tuple[jax.Array, dict]:
+    """x + experts(RMSNorm(x)) (+ the shared expert) on [B, T, D], and the layer's router stats."""
+    h = rms_norm(x, c("mlp_norm"), cfg.norm_eps)
+    w, idx, stats = moe.route(h, c("router"), cfg.experts_per_token)
+    y, dropped = moe.experts(
+        h, w, idx, c("e_gate"), c("e_up"), c("e_down"), factor=cfg.moe_capacity_factor
+    )
+    stats["moe_dropped"] = dropped.astype(jnp.float32) / idx.size
+    if cfg.moe_shared_expert:
+        y = y + _mlp(lp, jnp.zeros_like(x), cfg, c, normed=h)
+    return x + constrain(y, ACT), stats
+
+
+def moe_block(lp: dict[str, jax.Array], carry, *, cfg, positions: np.ndarray | None = None):
+    """One MoE layer on carry = (x [B, T, D], router stats summed over the layers so far)."""
+    x, acc = carry
+    c = lambda name: constrain(lp[name], {**BLOCK_AXES, **moe.AXES}[name])
+    x = _attention_part(lp, x, cfg, positions, c)
+    with jax.named_scope("moe"):
+        x, stats = _moe_mlp(lp, x, cfg, c)
+    return x, jax.tree.map(jnp.add, acc, stats)
+
+
+def moe_stats_zero(cfg) -> dict[str, jax.Array]:
+    z = jnp.zeros((), jnp.float32)
+    E = cfg.num_experts
+    return {"moe_lb_loss": z, "moe_z_loss": z, "moe_load": jnp.zeros((E,)), "moe_dropped": z}
 
 
 def embed_tokens(p: dict[str, jax.Array], tokens: jax.Array, *, embed_grad: str = "scatter"):
@@ -209,18 +273,60 @@ class Llama(nnx.Module):
             p["head"] = self.head[...]
         return p
 
+    def _hidden(self, tokens: jax.Array, positions, remat: str) -> tuple[jax.Array, dict]:
+        """Final hidden states [B, T, D] and the MoE router stats averaged over layers ({})."""
+        x = embed_tokens({"embed": self.embed[...]}, tokens, embed_grad=self.cfg.embed_grad)
+        moe_layers = bool(self.cfg.num_experts)
+        fn = moe_block if moe_layers else block
+        layer = functools.partial(fn, cfg=self.cfg, positions=positions)
+        carry = (x, moe_stats_zero(self.cfg)) if moe_layers else x
+        out = api.scan_layers(
+            layer, self.layers.stacked(), carry, remat=remat, unroll=self.cfg.scan_unroll
+        )
+        if not moe_layers:
+            return out, {}
+        x, stats = out
+        return x, jax.tree.map(lambda s: s / self.cfg.num_layers, stats)
+
+    def _order(self, length: int) -> np.ndarray | None:
+        """The storage order of the sequence under context parallelism (None: natural)."""
+        c = sharding.axis_size(attention.AXIS)
+        return attention.sequence_order(length, c, self.cfg.context_attention)
+
     def __call__(self, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
         """Logits [B, T, V] of tokens [B, T]."""
-        x = embed_tokens({"embed": self.embed[...]}, tokens, embed_grad=self.cfg.embed_grad)
-        layer = functools.partial(block, cfg=self.cfg)
-        x = api.scan_layers(
-            layer, self.layers.stacked(), x, remat=remat, unroll=self.cfg.scan_unroll
-        )
-        return logits(self.head_params(), x, eps=self.cfg.norm_eps)
+        order = self._order(tokens.shape[1])
+        if order is None:
+            x, _ = self._hidden(tokens, None, remat)
+            return logits(self.head_params(), x, eps=self.cfg.norm_eps)
+        x, _ = self._hidden(constrain(tokens[:, order], ("batch", "length")), order, remat)
+        out = logits(self.head_params(), x, eps=self.cfg.norm_eps)
+        return constrain(out[:, np.argsort(order)], ("batch", "length", "vocab"))
 
     def loss(self, batch: dict[str, jax.Array], *, remat: str = "none") -> tuple[jax.Array, dict]:
-        """Mean next-token cross-entropy (float32) over the batch."""
-        return api.token_cross_entropy(self(batch["inputs"], remat=remat), batch["targets"]), {}
+        """Mean next-token cross-entropy (float32) over the batch. Under ring context attention
+        the tokens and targets are stored zig-zag (a permutation: the mean is unchanged)."""
+        inputs, targets = batch["inputs"], batch["targets"]
+        order = self._order(inputs.shape[1])
+        if order is not None:
+            inputs = constrain(inputs[:, order], ("batch", "length"))
+            targets = constrain(targets[:, order], ("batch", "length"))
+        x, stats = self._hidden(inputs, order, remat)
+        loss = api.token_cross_entropy(
+            logits(self.head_params(), x, eps=self.cfg.norm_eps), targets
+        )
+        if not stats:
+            return loss, {}
+        return moe_loss(loss, stats, self.cfg)
+
+
+def moe_loss(loss: jax.Array, stats: dict, m) -> tuple[jax.Array, dict]:
+    """Cross-entropy plus the weighted router losses; the metrics: those losses, the dropped
+    fraction and each expert's share of the assignments (`moe_load_<e>`), averaged over layers."""
+    loss = loss + m.moe_aux_loss_weight * stats["moe_lb_loss"]
+    loss = loss + m.moe_z_loss_weight * stats["moe_z_loss"]
+    load = stats.pop("moe_load")
+    return loss, stats | {f"moe_load_{e}": load[e] for e in range(m.num_experts)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -268,7 +374,7 @@ def forward_cached(
 
     def layer(x, lp_and_cache):
         lp, ck, cv = lp_and_cache
-        c = lambda name: constrain(lp[name], BLOCK_AXES[name])
+        c = lambda name: constrain(lp[name], {**BLOCK_AXES, **moe.AXES}[name])
         q, k, v = _qkv(lp, x, positions, cfg, c)
         ck = constrain(_write_rows(ck, k, start), CACHE_AXES[1:])
         cv = constrain(_write_rows(cv, v, start), CACHE_AXES[1:])
@@ -279,7 +385,8 @@ def forward_cached(
         o = jnp.einsum("bkgts,bskh->btkgh", w, cv.astype(jnp.float32))
         o = o.reshape(B, T, d["N"], d["H"]).astype(x.dtype)
         x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ACT)
-        return _mlp(lp, x, cfg, c), (ck, cv)
+        x = _moe_mlp(lp, x, cfg, c)[0] if cfg.num_experts else _mlp(lp, x, cfg, c)
+        return x, (ck, cv)
 
     x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache["k"], cache["v"]))
     head = {k_: params[k_] for k_ in ("final_norm", "head", "embed") if k_ in params}
@@ -295,10 +402,14 @@ def forward_cached(
 
 def flops_per_token(cfg, params: dict[str, Any]) -> float:
     """6·N (N without the embedding lookup; a tied table still counts once, for the head) +
-    12·L·(N·H)·T for attention."""
+    12·L·(N·H)·T for attention. With experts N counts the active parameters only: k of the E
+    experts' weights (the router and a shared expert in full)."""
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     if not cfg.tie_embeddings:
         n -= math.prod(params["embed"].shape)
+    if cfg.num_experts:
+        idle = 1 - cfg.experts_per_token / cfg.num_experts
+        n -= idle * sum(math.prod(params["layers"][w].shape) for w in ("e_gate", "e_up", "e_down"))
     d = dims(cfg)
     return api.decoder_flops_per_token(n, d["L"], d["N"] * d["H"], cfg.seq_len)
 
@@ -344,6 +455,8 @@ def check(m, mesh: Mapping[str, int]) -> None:
         f"model.d_model={m.d_model} must be divisible by mesh.fsdp={mesh['fsdp']} "
         "(parameters are sharded over fsdp along embed)",
     )
+    _check_context(m, mesh)
+    _check_experts(m, mesh)
     _need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
     _need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be > 0")
     _need(
@@ -358,6 +471,40 @@ def check(m, mesh: Mapping[str, int]) -> None:
         isinstance(m.scan_unroll, int) and m.scan_unroll >= 1,
         f"model.scan_unroll={m.scan_unroll!r} must be an integer >= 1 (1 = a rolled layer loop; "
         f"model.num_layers={m.num_layers}: no loop)",
+    )
+
+
+def _check_context(m, mesh: Mapping[str, int]) -> None:
+    """Sequence split over `mesh.context`: into c slices, or 2c zig-zag chunks for `ring`."""
+    c = mesh.get("context", 1)
+    if c <= 1:
+        return
+    parts = 2 * c if m.context_attention == "ring" else c
+    why = "2·mesh.context zig-zag chunks" if m.context_attention == "ring" else "mesh.context"
+    _need(
+        m.seq_len % parts == 0,
+        f"model.seq_len={m.seq_len} must be divisible by {parts} ({why}, "
+        f"model.context_attention={m.context_attention!r})",
+    )
+
+
+def _check_experts(m, mesh: Mapping[str, int]) -> None:
+    """MoE fields and `mesh.expert`: experts split evenly, top-k within the experts."""
+    E, k, ep = m.num_experts, m.experts_per_token, mesh.get("expert", 1)
+    _need(isinstance(E, int) and E >= 0, f"model.num_experts={E!r} must be an integer >= 0")
+    if not E:
+        _need(ep == 1, f"mesh.expert={ep} needs model.num_experts > 0 (a dense model has none)")
+        return
+    _need(
+        isinstance(k, int) and 1 <= k <= E,
+        f"model.experts_per_token={k!r} must be an integer in [1, model.num_experts={E}]",
+    )
+    _need(E % ep == 0, f"model.num_experts={E} must be divisible by mesh.expert={ep}")
+    cf = m.moe_capacity_factor
+    _need(cf >= 0, f"model.moe_capacity_factor={cf} must be >= 0 (0 = dropless)")
+    _need(
+        mesh.get("pipeline", 1) == 1,
+        f"model.num_experts={E} does not run with mesh.pipeline={mesh.get('pipeline')} yet",
     )
 
 
@@ -459,6 +606,7 @@ def config_from_hf(hf: Mapping[str, Any], m, where: str) -> None:
 
 def config_to_hf(m, dtype: str) -> dict[str, Any]:
     """A `LlamaForCausalLM` config.json for config.model `m`, read by transformers 4.x and 5."""
+    _need(not m.num_experts, f"model.num_experts={m.num_experts}: no Hugging Face Llama export")
     d = dims(m)
     out = {
         "architectures": ["LlamaForCausalLM"],

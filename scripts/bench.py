@@ -19,6 +19,12 @@ Studies:
             --max_steps=0 compiles only: bytes and ratios for models too big to train here.
   compile   lower+compile time of the train step for 4 and 48 layers (layers are scanned, so it
             should stay flat: target ≤ 1.5×).
+  aggregation  per grad_sync.algorithm: HLO bytes of the busiest device, sequential steps and step
+            time; the planner's all-reduce time 8 → 4096 devices; steps to --target_loss for each
+            grad_sync.staleness in --taus (scripts/aggregation_study.py, docs/AGGREGATION.md).
+  context, moe  context and expert parallelism (scripts/bench_parallel.py): temp memory and step
+            time vs sequence length for mesh.context 1/2/4/8; step time vs number of experts at
+            equal active parameters, dropless vs capacity.
 
 Timing: every step is synchronised with `block_until_ready`; medians with the 10th–90th percentile
 spread. The device's peak FLOP/s is looked up by device kind; no MFU is reported on CPU.
@@ -34,6 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import bench_parallel  # noqa: E402
 import benchlib  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from benchlib import build as _build  # noqa: E402
@@ -48,8 +55,14 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py", "Model/mesh config.", lock_config=True
 )
 _STUDY = flags.DEFINE_enum(
-    "study", "overhead", ["overhead", "compile", "batch", "compression"], "Which benchmark."
+    "study",
+    "overhead",
+    ["overhead", "compile", "batch", "compression", "aggregation"],
+    ["overhead", "compile", "batch", "compression", "context", "moe"],
+    "Which benchmark.",
 )
+_LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "--study=context: lengths T.")
+_EXPERTS = flags.DEFINE_list("experts", ["4", "8", "16"], "--study=moe: numbers of experts.")
 _BATCHES = flags.DEFINE_list(
     "batch_sizes", ["16", "32", "64", "128", "256", "512"], "--study=batch: global batches."
 )
@@ -72,6 +85,17 @@ _LAMB_LR = flags.DEFINE_float(
 )
 _EVAL_EVERY = flags.DEFINE_integer(
     "eval_every", 10, "--study=batch: steps between validation checks."
+)
+_PARTS = flags.DEFINE_list(
+    "parts",
+    ["algorithms", "staleness"],
+    "--study=aggregation: which parts to run (algorithms, staleness, per_hop).",
+)
+_TAUS = flags.DEFINE_list(
+    "taus", ["0", "1", "2", "4"], "--study=aggregation: grad_sync.staleness values to train."
+)
+_PLANNER_CONFIG = flags.DEFINE_string(
+    "planner_config", "configs/gpt_1b.py", "--study=aggregation: model the planner rows cost."
 )
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps first.")
@@ -418,6 +442,23 @@ def study_compression(config) -> dict:
     return out
 
 
+def study_aggregation(config) -> dict:
+    import aggregation_study
+
+    return aggregation_study.run(
+        config,
+        parts=_PARTS.value,
+        steps=_STEPS.value,
+        warmup=_WARMUP.value,
+        taus=[int(t) for t in _TAUS.value],
+        target=_TARGET.value,
+        max_steps=_MAX_STEPS.value,
+        eval_every=_EVAL_EVERY.value,
+        planner_config=_PLANNER_CONFIG.value,
+        out_path=_OUT.value,
+    )
+
+
 def main(argv):
     del argv
     if not flags.FLAGS["verbosity"].present:
@@ -433,6 +474,13 @@ def main(argv):
         "compile": study_compile,
         "batch": study_batch,
         "compression": study_compression,
+        "aggregation": study_aggregation,
+        "context": lambda c: bench_parallel.study_context(
+            c, [int(t) for t in _LENGTHS.value], _STEPS.value, _WARMUP.value
+        ),
+        "moe": lambda c: bench_parallel.study_moe(
+            c, [int(e) for e in _EXPERTS.value], _STEPS.value, _WARMUP.value
+        ),
     }
     result = studies[_STUDY.value](config)
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)

@@ -1,10 +1,15 @@
-"""Pipeline schedules side by side: per-device temp memory, bubble fraction and step time.
+"""Pipeline schedules side by side: lock-step cost, per-device temp memory, collectives, step time.
 
     python scripts/bench_pipeline.py                       # p=4, m in 4 8 16 32, all schedules
     python scripts/bench_pipeline.py --ms=4,8 --schedules=1f1b --out=runs/bench/pipe.json
 
 The microbatch size is fixed, so the global batch grows with m. On a CPU-only machine it simulates
 the devices it needs. Prints a markdown table and writes the rows as JSON.
+
+The lock-step cost is read from the compiled step (`jaxdist.pipeline.cost`): the sum over ticks of
+the slowest stage's dot FLOPs, plus the work outside the tick loop, against the ideal (the
+unpipelined model's FLOPs / devices). It is what a real pipeline's time follows, unlike the step
+time on simulated CPU devices, which measures the total work of all stages on shared cores.
 """
 
 from __future__ import annotations
@@ -23,13 +28,18 @@ from absl import app, flags  # noqa: E402
 
 _P = flags.DEFINE_integer("p", 4, "Pipeline stages (mesh.pipeline).")
 _DATA = flags.DEFINE_integer("data", 1, "Data-parallel replicas (mesh.data).")
+_FSDP = flags.DEFINE_integer("fsdp", 1, "FSDP shards (mesh.fsdp).")
+_ONCE = flags.DEFINE_bool(
+    "fsdp_gather_once", False, "pipeline.fsdp_gather_once: FSDP weights gathered once per step."
+)
 _MS = flags.DEFINE_list("ms", ["4", "8", "16", "32"], "Microbatch counts.")
 _SCHEDULES = flags.DEFINE_list("schedules", None, "Schedules (default: every pipeline.SCHEDULES).")
 _V = flags.DEFINE_integer("virtual_stages", 2, "Virtual stages for interleaved.")
 _MB = flags.DEFINE_integer("microbatch_size", 1, "Examples per microbatch per replica.")
 _LAYERS = flags.DEFINE_integer("num_layers", 8, "GPT layers.")
-_D = flags.DEFINE_integer("d_model", 64, "GPT width.")
-_T = flags.DEFINE_integer("seq_len", 32, "Sequence length.")
+_D = flags.DEFINE_integer("d_model", 128, "GPT width.")
+_T = flags.DEFINE_integer("seq_len", 128, "Sequence length.")
+_REMAT = flags.DEFINE_string("remat", "none", "train.remat.")
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per row (median).")
 _OUT = flags.DEFINE_string("out", "runs/bench/pipeline.json", "JSON results file.")
 
@@ -42,41 +52,49 @@ def pipeline_table(
     virtual_stages: int = 2,
     microbatch_size: int = 1,
     num_layers: int = 8,
-    d_model: int = 64,
-    seq_len: int = 32,
+    d_model: int = 128,
+    seq_len: int = 128,
     steps: int = 3,
     data: int = 1,
+    remat: str = "none",
+    fsdp: int = 1,
+    fsdp_gather_once: bool = False,
 ) -> list[dict[str, Any]]:
     """Compiles and times the train step of a small GPT for every (schedule, m) on p stages.
 
     The microbatch size is fixed, so the global batch grows with m: 1f1b's temp memory should stay
-    flat while gpipe's grows. Needs p · data devices (simulated CPU devices are fine). `schedules`:
+    flat while gpipe's grows. Needs p · data · fsdp devices (simulated CPU devices are fine). `schedules`:
     names from `jaxdist.pipeline.SCHEDULES`, all of them when None.
 
     Returns:
       One dict per (schedule, m): `temp_bytes` per device (compiled memory analysis),
-      `bubble_fraction` (schedule tables), `step_time_s` (median of `steps` timed steps after one
-      warm-up), `ticks`, `batch_size`, `tokens_per_s`.
+      `bubble_fraction` (schedule tables), the lock-step cost (`lockstep_flops`, `ideal_flops`,
+      `lockstep_vs_ideal`, `branch_flops` for switching schedules; `jaxdist.pipeline.cost`),
+      `collective_bytes` (kind -> bytes per device per step) and `all_reduces` (all-reduce
+      executions per step) from the HLO, `step_time_s` (median of `steps` timed steps after one
+      warm-up; none when `steps` is 0), `ticks`, `batch_size`, `tokens_per_s`.
     """
     import jax
 
     from jaxdist import config as config_lib
     from jaxdist import data as data_lib
     from jaxdist import mesh as mesh_lib
-    from jaxdist import pipeline, train
+    from jaxdist import metrics, pipeline, train
 
-    devices = jax.devices()[: p * data]
+    devices = jax.devices()[: p * data * fsdp]
     rows = []
     for name in schedules or pipeline.SCHEDULES:
         for m in ms:
             c = config_lib.base_config()
             for axis in config_lib.MESH_AXES:
                 c.mesh[axis] = 1
-            c.mesh.pipeline, c.mesh.data = p, data
+            c.mesh.pipeline, c.mesh.data, c.mesh.fsdp = p, data, fsdp
             c.model.update(num_layers=num_layers, d_model=d_model, num_heads=4, seq_len=seq_len)
-            c.train.batch_size = m * microbatch_size * data
+            c.train.batch_size = m * microbatch_size * data * fsdp
+            c.train.remat = remat
             c.data.max_bytes = 400_000
             c.pipeline.update(schedule=name, microbatches=m, virtual_stages=virtual_stages)
+            c.pipeline.fsdp_gather_once = fsdp_gather_once
             config_lib.validate(c, len(devices))
             mesh = mesh_lib.make_mesh(c.mesh, devices=devices)
             ds = data_lib.load(c.data, seq_len=seq_len, vocab_size=c.model.vocab_size)
@@ -88,15 +106,16 @@ def pipeline_table(
             batch = batches.get(0)
             state = eng.init()
             compiled = eng.train_step.lower(state, batch).compile()
-            state, metrics = compiled(state, batch)  # warm-up
-            jax.block_until_ready(metrics)
+            text = compiled.as_text()
             times = []
-            for _ in range(steps):
+            for k in range(steps + 1 if steps else 0):
                 t0 = time.perf_counter()
-                state, metrics = compiled(state, batch)
-                jax.block_until_ready(metrics)
-                times.append(time.perf_counter() - t0)
-            step = statistics.median(times)
+                state, out = compiled(state, batch)
+                jax.block_until_ready(out)
+                if k:  # the first is a warm-up
+                    times.append(time.perf_counter() - t0)
+            step = statistics.median(times) if times else float("nan")
+            ops = metrics.collective_ops(text)
             rows.append(
                 {
                     "schedule": name,
@@ -106,7 +125,13 @@ def pipeline_table(
                     "batch_size": c.train.batch_size,
                     "ticks": eng.schedule.ticks,
                     "bubble_fraction": eng.schedule.bubble_fraction,
+                    "remat": remat,
+                    "fsdp": fsdp,
+                    "fsdp_gather_once": fsdp_gather_once,
                     "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                    **pipeline.step_cost(eng, compiled),
+                    "collective_bytes": metrics.collective_bytes(text),
+                    "all_reduces": sum(o.count for o in ops if o.kind == "all-reduce"),
                     "step_time_s": step,
                     "tokens_per_s": c.train.batch_size * seq_len / step,
                 }
@@ -115,20 +140,29 @@ def pipeline_table(
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of `pipeline_table` rows, with each schedule's memory relative to its m = p."""
-    base = {}
+    """Markdown table of `pipeline_table` rows: each schedule's memory relative to its first m, its
+    lock-step cost relative to the ideal and to gpipe's at the same m (when gpipe was run)."""
+    base, gpipe = {}, {}
     for r in rows:
         base.setdefault(r["schedule"], r["temp_bytes"])
+        if r["schedule"] == "gpipe":
+            gpipe[r["microbatches"]] = r["lockstep_flops"]
     lines = [
-        "| schedule | m | batch | ticks | bubble | temp / device | vs first m | step time | tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| schedule | m | ticks | bubble | lock-step / ideal | vs gpipe | temp / device | vs first m "
+        "| wire / step | all-reduces | step time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        vs_gpipe = (
+            r["lockstep_flops"] / gpipe[r["microbatches"]] if r["microbatches"] in gpipe else None
+        )
         lines.append(
             f"| {r['schedule']}{' v=' + str(r['virtual_stages']) if r['virtual_stages'] > 1 else ''}"
-            f" | {r['microbatches']} | {r['batch_size']} | {r['ticks']} | {r['bubble_fraction']:.3f}"
+            f" | {r['microbatches']} | {r['ticks']} | {r['bubble_fraction']:.3f}"
+            f" | {r['lockstep_vs_ideal']:.2f} | {'' if vs_gpipe is None else f'{vs_gpipe:.2f}×'}"
             f" | {r['temp_bytes'] / 2**20:.2f} MiB | {r['temp_bytes'] / base[r['schedule']]:.2f}×"
-            f" | {r['step_time_s'] * 1e3:.0f} ms | {r['tokens_per_s']:,.0f} |"
+            f" | {sum(r['collective_bytes'].values()) / 2**20:.2f} MiB | {r['all_reduces']}"
+            f" | {r['step_time_s'] * 1e3:.0f} ms |"
         )
     return "\n".join(lines)
 
@@ -138,7 +172,7 @@ def main(argv):
     from jaxdist import mesh as mesh_lib
 
     if not mesh_lib.accelerator_present():
-        mesh_lib.configure_cpu_devices(max(8, _P.value * _DATA.value))
+        mesh_lib.configure_cpu_devices(max(8, _P.value * _DATA.value * _FSDP.value))
     rows = pipeline_table(
         _P.value,
         [int(m) for m in _MS.value],
@@ -150,6 +184,9 @@ def main(argv):
         seq_len=_T.value,
         steps=_STEPS.value,
         data=_DATA.value,
+        remat=_REMAT.value,
+        fsdp=_FSDP.value,
+        fsdp_gather_once=_ONCE.value,
     )
     print(format_table(rows))
     os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)

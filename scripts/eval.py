@@ -34,40 +34,18 @@ def run(args: argparse.Namespace) -> dict:
 
     import models
     from jaxdist import data, sharding, weights
-    from models import api
 
     src = weights.resolve(args.checkpoint, args.step)
     config = src.config
     m = config.model
+    seq_len = _checked(args, src, jax.device_count())
     config.data.source = args.data
-    seq_len = args.seq_len or min(m.seq_len, 1024)
-    if seq_len > m.seq_len:
-        raise ConfigError(f"--seq_len={seq_len} is longer than model.seq_len={m.seq_len}")
     m.seq_len = seq_len
-    n = args.data_parallel * args.tensor
-    if n > jax.device_count():
-        raise ConfigError(f"--data_parallel×--tensor = {n}, but {jax.device_count()} devices")
-    if args.batch_size % args.data_parallel:
-        raise ConfigError(f"--batch_size={args.batch_size} must divide by --data_parallel")
-    text = args.data != "digits" and not data.is_token_source(args.data)
-    if text and src.file("tokenizer.json"):
-        raise ConfigError(
-            f"--data={args.data} is text, which jaxdist reads as bytes, but {args.checkpoint} has "
-            "its own tokenizer; tokenize it first: python scripts/tokenize.py"
-        )
     ds = data.load(config.data, seq_len=seq_len, vocab_size=m.vocab_size)
-    family = models.get(m.name)
-    family.check_data(config, ds)
-    mesh_cfg = {"data": args.data_parallel, "tensor": args.tensor, "fsdp": 1, "pipeline": 1}
-    mesh_cfg.update({f"dcn_{a}": 1 for a in list(mesh_cfg)})
-    models.check(m, mesh_cfg)
-    mesh = mesh_lib.make_mesh(mesh_cfg, jax.devices()[:n])
-    model = api.abstract_model(family.make(m, ds))
-    shardings = sharding.tree_shardings(model.axes, model.params, mesh)
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.params, shardings
+    models.get(m.name).check_data(config, ds)
+    family, model, mesh, params = weights.load_onto_mesh(
+        src, ds, data=args.data_parallel, tensor=args.tensor
     )
-    params = weights.load_params(src, abstract)
     axes = family.batch_axes(m, ds)
     batch_shardings = {
         k: jax.sharding.NamedSharding(
@@ -102,12 +80,34 @@ def run(args: argparse.Namespace) -> dict:
         f"{args.checkpoint} (step {src.step}) on {args.data}: loss {loss:.4f}, perplexity "
         f"{result['perplexity']:.3f} over {result['tokens']} tokens"
     )
-    if args.out:
+    if args.out:  # whole or not at all
         tmp = f"{args.out}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(result, f, indent=2)
         os.replace(tmp, args.out)
     return result
+
+
+def _checked(args: argparse.Namespace, src, device_count: int) -> int:
+    """The sequence length to evaluate at; ConfigError for flags the run cannot honour."""
+    from jaxdist import data
+
+    m = src.config.model
+    seq_len = args.seq_len or min(m.seq_len, 1024)
+    if seq_len > m.seq_len:
+        raise ConfigError(f"--seq_len={seq_len} is longer than model.seq_len={m.seq_len}")
+    n = args.data_parallel * args.tensor
+    if n > device_count:
+        raise ConfigError(f"--data_parallel×--tensor = {n}, but {device_count} devices")
+    if args.batch_size % args.data_parallel:
+        raise ConfigError(f"--batch_size={args.batch_size} must divide by --data_parallel")
+    text = args.data != "digits" and not data.is_token_source(args.data)
+    if text and src.file("tokenizer.json"):
+        raise ConfigError(
+            f"--data={args.data} is text, which jaxdist reads as bytes, but {args.checkpoint} has "
+            "its own tokenizer; tokenize it first: python scripts/tokenize.py"
+        )
+    return seq_len
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@
         [--top=10] [--out=plan.json] [--plot=scaling.png] [--config.train.batch_size=256]
 
 Prints the ranked layouts (mesh, microbatching, remat, memory per device, whether it fits, predicted
-step time, tokens/s, MFU) and the recommended one with the flags that run it; `--out` writes them as
+step time, tokens/s, MFU) and the recommended one with the flags that run it, then the data axis's
+gradient all-reduce algorithms (`grad_sync.algorithm`) costed for that layout, fastest first; `--out` writes them as
 JSON, `--plot` a weak-scaling efficiency plot from 8 to 4096 devices (one line per built-in
 accelerator profile). Nothing is compiled: see docs/PLANNER.md for the cost model and its measured
 accuracy. Hardware profiles: h100_nvlink_ib, h200_nvlink_ib, cloud_ethernet, tpu_v5p_pod, cpu_here.
@@ -83,8 +84,13 @@ def main(argv):
     if top is not None and len(result.predictions) > top:
         print(f"... {len(result.predictions) - top} more (--top=0 shows all)")
     print(result.summary())
+    algorithms = []
+    if result.recommended is not None:
+        text, algorithms = plan_lib.algorithm_table(result.recommended, model, hw)
+        print(text)
 
     payload = result.to_json(top=top)
+    payload["grad_sync_algorithms"] = algorithms
     payload["all"] = [
         {
             "name": p.layout.name,

@@ -31,8 +31,7 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     import models
-    from jaxdist import generate, sharding, tokenizer, weights
-    from models import api
+    from jaxdist import generate, tokenizer, weights
 
     if not args.prompt:
         raise ConfigError("give at least one --prompt=TEXT")
@@ -64,16 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--data×--tensor = {n} devices, but {jax.device_count()} are present")
     if len(prompts) % args.data:
         raise ConfigError(f"{len(prompts)} prompts do not split over --data={args.data}")
-    mesh_cfg = {"data": args.data, "tensor": args.tensor, "fsdp": 1, "pipeline": 1}
-    mesh_cfg.update({f"dcn_{a}": 1 for a in list(mesh_cfg)})
-    models.check(m, mesh_cfg)
-    mesh = mesh_lib.make_mesh(mesh_cfg, jax.devices()[:n])
-    model = api.abstract_model(family.make(m, None))
-    shardings = sharding.tree_shardings(model.axes, model.params, mesh)
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.params, shardings
-    )
-    params = weights.load_params(src, abstract)
+    _, _, mesh, params = weights.load_onto_mesh(src, None, data=args.data, tensor=args.tensor)
     dtype = jnp.dtype(config.train.compute_dtype)
     params = jax.tree.map(lambda p: p.astype(dtype), params)
     eos = m.eos_token_id if m.eos_token_id >= 0 else tok.eos_id

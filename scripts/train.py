@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
 
-from jaxdist.errors import ConfigError  # noqa: E402
+from jaxdist.errors import ConfigError, NonFiniteError  # noqa: E402
 
 DEFAULT_CONFIG = "configs/default.py"
 # Gloo (JAX's CPU collectives across processes) prints "[Gloo] Rank 0 is connected to 1 peer ranks.
@@ -98,10 +98,15 @@ def main(argv):
     if restore_stdout is not None:  # after initialize's exit hook, so it runs before that one
         atexit.register(restore_stdout)
     mesh.configure_cpu_devices(config.runtime.cpu_devices)
-    from jaxdist import loop
+    from jaxdist import loop, plan
 
     try:
-        loop.run(config, flags.FLAGS.workdir)
+        loop.run(
+            config,
+            flags.FLAGS.workdir,
+            checks=[plan.refuse_if_far_over_memory],
+            layout_extras=[plan.layout_prediction],
+        )
     except loop.Preempted as stopped:  # the checkpoint is committed; the loop said so
         sys.exit(stopped.exit_code)
 
@@ -110,7 +115,7 @@ def entry():
     try:
         _define_flags(sys.argv)
         app.run(main)
-    except ConfigError as e:
+    except (ConfigError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

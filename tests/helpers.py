@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -66,7 +70,7 @@ def train_steps(c, steps: int):
     for i in range(steps):
         state, m = eng.train_step(state, batches.get(i))
         losses.append(float(m["loss"]))
-    return np.array(losses), jax.device_get(state["params"])
+    return np.array(losses), jax.device_get(eng.to_user(state)["params"])  # in [L] order
 
 
 def compile_step(c):
@@ -77,3 +81,20 @@ def compile_step(c):
     return eng, eng.train_step.lower(
         eng.abstract_state, eng.abstract_batch(shapes, dtypes)
     ).compile()
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_script(script: str, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python SCRIPT FLAGS` from the repository root on CPU; fails the test unless it exits 0."""
+    proc = subprocess.run(
+        [sys.executable, script, *flags],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+from tests.helpers import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -22,16 +23,7 @@ TINY = [
 
 def run_bench(*flags: str) -> subprocess.CompletedProcess:
     """scripts/bench.py on the tiny GPT with `flags`; fails the test unless it exits 0."""
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench.py", *TINY, *flags],
-        cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc
+    return run_script("scripts/bench.py", *TINY, *flags)
 
 
 def test_overhead_study_end_to_end(tmp_path):
@@ -67,3 +59,36 @@ def test_compression_study_end_to_end(tmp_path):
     for r in runs.values():
         assert np.isfinite(r["final_loss"]) and r["step_time_s"] > 0
     assert runs["sign(1-bit)"]["baseline"] == "none+sgd"
+
+
+def test_aggregation_study_end_to_end(tmp_path):
+    out = tmp_path / "aggregation.json"
+    proc = run_bench(
+        f"--out={out}",
+        "--study=aggregation",
+        "--config.mesh.data=8",
+        "--config.mesh.fsdp=1",
+        "--config.mesh.tensor=1",
+        "--steps=1",
+        "--warmup=0",
+        "--taus=0,1",
+        "--max_steps=4",
+        "--eval_every=2",
+        "--parts=algorithms,staleness,per_hop",
+    )
+    result = json.loads(out.read_text())
+    rows = {r["algorithm"]: r for r in result["measured"]}
+    assert "skipped" in rows["hierarchical"]  # one process: no hosts to be hierarchical over
+    s = rows["ring"]["grad_bytes"]
+    assert rows["ring"]["data_steps"] == 14 and rows["ps"]["data_steps"] == 14
+    assert rows["ps"]["data_busiest_bytes"] == 4 * rows["ring"]["data_busiest_bytes"]
+    assert rows["tree"]["data_busiest_bytes"] == 6 * s
+    assert {r["hardware"] for r in result["predicted"]["rows"]} == {
+        "h100_nvlink_ib",
+        "cloud_ethernet",
+    }
+    runs = result["staleness"]["runs"]
+    assert [r["staleness"] for r in runs] == [0, 1] and all(len(r["curve"]) == 2 for r in runs)
+    assert "planner: one all-reduce" in proc.stdout
+    hops = {r["method"]: r["busiest_device_bytes_per_step"] for r in result["per_hop"]["runs"]}
+    assert hops["ring + bf16 per hop"] == pytest.approx(hops["none"] / 2, rel=1e-3)

@@ -70,3 +70,48 @@ def test_npz_images_epoch_order(tmp_path):
 def test_process_rows_cover_the_batch_once():
     s = shardings()["inputs"]
     assert data.process_row_range(s, (16, 8)) == (0, 16)  # one process holds every row
+
+
+def _mixture_cfg(tmp_path, weights=(3.0, 1.0)):
+    """Two token files with disjoint ids: a row's source is read off its first token."""
+    np.arange(0, 100, dtype=np.uint16).repeat(40).tofile(tmp_path / "a.bin")
+    np.arange(100, 200, dtype=np.uint16).repeat(40).tofile(tmp_path / "b.bin")
+    c = data_cfg("stdlib")
+    c.sources = (str(tmp_path / "a.bin"), str(tmp_path / "b.bin"))
+    c.weights = weights
+    return c
+
+
+def test_a_mixture_draws_rows_by_weight_deterministically(tmp_path):
+    ds = data.load(_mixture_cfg(tmp_path), seq_len=16, vocab_size=256)
+    assert len(ds.parts) == 2 and ds.weights.tolist() == [0.75, 0.25]
+    b = data.Batches(ds, batch_size=64, seq_len=16, seed=3, shardings=shardings())
+    rows = np.concatenate([b.get_host(step)["inputs"] for step in range(40)])  # [2560, 16]
+    from_a = rows[:, 0] < 100
+    # Every row is one source's contiguous window, never a splice of the two.
+    assert ((rows < 100).all(axis=1) == from_a).all()
+    assert abs(from_a.mean() - 0.75) < 0.03, from_a.mean()  # 2560 rows: 3σ ≈ 0.026
+    again = data.Batches(ds, batch_size=64, seq_len=16, seed=3, shardings=shardings())
+    np.testing.assert_array_equal(again.get_host(7)["inputs"], b.get_host(7)["inputs"])
+    # The global batch, built from each process's rows, is the host batch.
+    np.testing.assert_array_equal(np.asarray(b.get(5)["targets"]), b.get_host(5)["targets"])
+    val = np.concatenate([b.get_host(s, "val")["inputs"] for s in range(10)])
+    assert 0 < (val[:, 0] < 100).mean() < 1  # validation mixes both held-out splits too
+
+
+@pytest.mark.parametrize(
+    "sources, weights, message",
+    [
+        (("a.bin", "b.bin"), (1.0,), "data.weights has 1 entries for 2 data.sources"),
+        (("a.bin", "b.bin"), (1.0, 0.0), "data.weights=[1.0, 0.0]: each must be > 0"),
+        (("a.bin", "missing.bin"), (), "data.sources entry '{root}/missing.bin': no such file"),
+        ((), (1.0,), "data.weights is set without data.sources"),
+    ],
+)
+def test_bad_mixtures_are_refused_in_one_line(tmp_path, sources, weights, message):
+    _mixture_cfg(tmp_path)
+    c = config_lib.base_config()
+    c.data.sources = tuple(str(tmp_path / s) for s in sources)
+    c.data.weights = weights
+    with pytest.raises(ConfigError, match=message.format(root=tmp_path).replace("[", r"\[")):
+        config_lib.validate(c, 8)

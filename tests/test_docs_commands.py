@@ -118,9 +118,78 @@ SHORTENED = {
         "--config.train.steps=4 --config.checkpoint.every=4",
         "20 fine-tuning steps; 4 make the run folder the export reads",
     ),
-    "python scripts/bench_pipeline.py": (
-        "--ms=4 --schedules=1f1b --steps=1",
+    "python scripts/bench.py --study=context --config=configs/llama_tiny.py --lengths=256,1024 "
+    "--steps=3 --warmup=1 --out=runs/bench/context.json": (
+        "--lengths=32 --steps=1 --warmup=0",
+        "16 compiles and timed runs up to T=1024 take ~15 minutes on 2 cores; T=32 runs the same code",
+    ),
+    "python scripts/bench.py --study=moe --config=configs/llama_tiny.py --steps=5 --warmup=2 "
+    "--out=runs/bench/moe.json": (
+        "--experts=4 --steps=1 --warmup=0",
+        "6 compiles take minutes on 2 cores; the 4-expert rows run the same code",
+    ),
+    "python scripts/bench.py --study=aggregation --parts=algorithms --config.mesh.data=8 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --out=runs/bench/aggregation.json": (
+        _TINY_BENCH_MODEL,
+        "six algorithms compiled and timed for 20 steps on the default GPT; a tiny GPT for 2 steps "
+        "runs the same code",
+    ),
+    "python scripts/bench.py --study=aggregation --parts=staleness --taus=0,1,2,4 --max_steps=300 "
+    "--eval_every=10 --target_loss=2.5 --out=runs/bench/staleness.json": (
+        _TINY_BENCH_MODEL + " --taus=0,1 --max_steps=2 --eval_every=2",
+        "four training runs of 300 steps take many minutes on 2 cores",
+    ),
+    "python scripts/bench.py --study=aggregation --parts=staleness --taus=0,1,4 --max_steps=300 "
+    "--eval_every=10 --target_loss=2.5 --config.train.learning_rate=1e-3 "
+    "--out=runs/bench/staleness_lr1e-3.json": (
+        _TINY_BENCH_MODEL + " --taus=0,1 --max_steps=2 --eval_every=2",
+        "three training runs of 300 steps take many minutes on 2 cores",
+    ),
+    "python scripts/bench.py --study=aggregation --parts=per_hop --config.mesh.data=8 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --max_steps=300 --out=runs/bench/per_hop.json": (
+        _TINY_BENCH_MODEL + " --max_steps=2",
+        "three training runs of 300 steps take many minutes on 2 cores",
+    ),
+    "python scripts/train.py --config.mesh.data=8 --config.mesh.fsdp=1 --config.mesh.tensor=1 "
+    "--config.grad_sync.algorithm=ps --workdir=runs/ps": (
+        "--config.train.steps=2",
+        "the default job's 300 steps",
+    ),
+    "python scripts/launch.py --num_processes=2 --devices_per_process=4 -- python scripts/train.py "
+    "--config.mesh.data=4 --config.mesh.fsdp=1 --config.mesh.tensor=2 --config.mesh.dcn_data=2 "
+    "--config.grad_sync.algorithm=hierarchical --workdir=runs/hierarchical": (
+        "--config.train.steps=2",
+        "the default job's 300 steps, in 2 processes",
+    ),
+    "python scripts/bench_pipeline.py --ms=8 --steps=0 --fsdp=2 --schedules=gpipe,1f1b,zb": (
+        "--schedules=1f1b",
+        "3 compiles on 8 devices; one row runs the same code",
+    ),
+    "python scripts/bench_pipeline.py --ms=8 --steps=0 --fsdp=2 --schedules=gpipe,1f1b,zb "
+    "--fsdp_gather_once": (
+        "--schedules=1f1b",
+        "3 compiles on 8 devices; one row runs the same code",
+    ),
+    "python scripts/bench_data.py --study=loader": (
+        "--steps=2",
+        "30 timed batches of two sources; 2 run the same code",
+    ),
+    "python scripts/bench_data.py --study=tokenize --corpus_mb=50": (
+        "--corpus_mb=0.5 --vocab=512 --repeats=1",
+        "50 MB tokenized three times takes minutes on 2 cores; 0.5 MB runs the same code",
+    ),
+    "python scripts/bench_data.py --study=decode --config=configs/llama_tiny.py": (
+        "--new_tokens=4 --repeats=1",
+        "3 repeats of 32 decode steps at two batch sizes; one short repeat runs the same code",
+    ),
+    "python scripts/bench_pipeline.py --ms=4,8,32 --steps=0": (
+        "--ms=4 --schedules=1f1b",
         "12 schedule × microbatch compiles; one row runs the same code",
+    ),
+    "python scripts/bench_pipeline.py --ms=4,8,32 --steps=0 --schedules=gpipe,1f1b,zb "
+    "--remat=full": (
+        "--ms=4 --schedules=zb",
+        "9 schedule × microbatch compiles; one row runs the same code",
     ),
 }
 _SETUP = "sets up an environment (a venv, packages from the network); this test runs in one"

@@ -10,7 +10,8 @@ One workdir goes through them in order, with `scripts/launch.py --num_processes=
    then SIGSTOP of worker 1 → the watchdog names process 1 (not the healthy 0) and restarts
    again; the third attempt reaches the final step and exits 0.
 
-Then the launcher's restart logic with a stand-in worker, and a one-process run whose disk
+Then an elastic restart of the real train.py on the process that remains (8 → 4 devices), the
+launcher's restart logic with a stand-in worker, and a one-process run whose disk
 fills up (a small tmpfs in a user namespace). Every wait has a deadline; the launcher runs in its own session and is killed with its children
 if a test gives up.
 """
@@ -315,3 +316,40 @@ def test_disk_full_stops_with_one_line_and_keeps_the_earlier_checkpoints(tmp_pat
     assert (out / "verify.out").read_text().startswith("ok: step 4"), (
         out / "verify.out"
     ).read_text()
+
+
+def test_elastic_restart_continues_on_the_remaining_process(tmp_path):
+    """`--elastic` with the real train.py: worker 1 is killed; the job restarts on process 0 alone
+    (4 devices instead of 8), `mesh.data=-1` absorbs the change, and the resharded restore
+    continues from the last checkpoint to the final step."""
+    workdir = tmp_path / f"elastic-{os.getpid()}-{time.monotonic_ns()}"  # unique in /proc
+    mesh = ("--config.mesh.data=-1", "--config.mesh.fsdp=2", "--config.mesh.tensor=1")
+    cmd = train_cmd(
+        workdir, "--config.train.steps=30", "--config.checkpoint.every=2", *mesh, processes=2
+    )
+    cut = cmd.index("--")
+    cmd = [*cmd[:cut], "--max_restarts=1", "--elastic", *cmd[cut:]]
+    job = Job(cmd, tmp_path, "elastic")
+    try:
+        job.wait_until(
+            "step 4 and a checkpoint", lambda: last_step(workdir) >= 4 and committed(workdir)
+        )
+        os.kill(worker(workdir, 1), signal.SIGKILL)
+        job.wait_until(
+            "the restart", lambda: "restart 1 of 1" in job.err_path.read_text(), EXIT_DEADLINE_S
+        )
+        saved_at_restart = max(committed(workdir))
+        rc = job.wait(STEP_DEADLINE_S)
+    finally:
+        job.kill()
+    out = job.text()
+    assert rc == 0, out[-4000:]
+    assert "on 1 process(es) (those that remain) (restart 1 of 1)" in out, out[-4000:]
+    layouts = [r for r in records(workdir) if r.get("kind") == "layout"]
+    assert [r["devices"] for r in layouts] == [8, 4], layouts
+    assert [r["mesh"]["data"] for r in layouts] == [4, 2]
+    assert f"resumed from {workdir / 'checkpoints'} at step " in out
+    resumed = int(re.search(r"resumed from \S+ at step (\d+)", out).group(1))
+    assert resumed >= saved_at_restart - 2  # the newest checkpoint (one may commit after the kill)
+    assert "[0] done: step 30," in out, out[-4000:]
+    assert committed(workdir)[-1] == 30

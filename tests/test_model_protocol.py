@@ -51,7 +51,7 @@ def test_registry_takes_a_family_from_outside_models(toy):
     assert config_lib.validate(_toy_config(toy, pipeline=2), 2)["pipeline"] == 2
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb"])
 def test_toy_model_pipelined_matches_single_device(toy, schedule):
     """A model that is not the GPT, its parameters named nothing like the GPT's, through the
     pipeline (p = 2, 4 microbatches) for 4 float32 steps: the same losses, gradient norms and

@@ -13,7 +13,7 @@ from jaxdist import loop, metrics, pipeline, sharding, train
 from jaxdist.errors import ConfigError
 from tests.helpers import compile_step, engine_for, tiny_gpt_config
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
 def _config(layers: int, mesh: dict, schedule: str = "gpipe", m: int = 1, **train_fields):
@@ -47,10 +47,12 @@ def _pipelined_gradients(c):
     eng, batches = engine_for(c)
     assert eng.schedule is not None  # train.build took the pipelined path
     _, _, host_params, _ = _reference(c.model.num_layers)
-    params = jax.device_put(host_params, eng.state_shardings["params"])
+    shardings = eng.state_shardings["params"]
+    # The steps run on the stored layer order (interleaved: looped), the reference is in [L] order.
+    params = eng.to_storage(jax.device_put(host_params, shardings), shardings)
     fn, sched = pipeline.make_gradients(c, eng.mesh, eng.stages, eng.param_axes, eng.batch_axes)
     loss, _, grads = jax.jit(fn)(params, batches.get(0))
-    return float(loss), jax.device_get(grads), sched
+    return float(loss), jax.device_get(eng.to_user(grads, shardings)), sched
 
 
 def _assert_matches_reference(c):
@@ -71,7 +73,7 @@ def test_pipeline2_matches_single_device(schedule, m):
     _assert_matches_reference(_config(4, dict(pipeline=2), schedule, m))
 
 
-@pytest.mark.parametrize("schedule, m", [("1f1b", 16), ("interleaved", 4)])
+@pytest.mark.parametrize("schedule, m", [("1f1b", 16), ("interleaved", 4), ("zb", 8)])
 def test_pipeline4_matches_single_device(schedule, m):
     _assert_matches_reference(_config(8, dict(pipeline=4), schedule, m))
 
@@ -83,10 +85,44 @@ def test_pipeline4_matches_single_device(schedule, m):
         ("gpipe", dict(pipeline=2, fsdp=4), 4, dict(remat="full")),
         ("1f1b", dict(pipeline=2, data=2, tensor=2), 4, dict(grad_accum=2)),
         ("interleaved", dict(pipeline=2, data=2, fsdp=2), 2, dict(grad_accum=2, remat="dots")),
+        ("zb", dict(pipeline=2, data=2, tensor=2), 4, dict(grad_accum=2)),
+        ("zb", dict(pipeline=2, fsdp=4), 4, dict(remat="full")),
+        ("zb", dict(pipeline=2, data=2, fsdp=2), 2, dict(remat="dots")),
     ],
 )
 def test_pipeline_composed_matches_single_device(schedule, mesh, m, fields):
     _assert_matches_reference(_config(4, mesh, schedule, m, **fields))
+
+
+@pytest.mark.parametrize(
+    "schedule, mesh",
+    [
+        ("1f1b", dict(pipeline=2, fsdp=4)),
+        ("gpipe", dict(pipeline=2, data=2, fsdp=2)),
+        ("zb", dict(pipeline=2, fsdp=2, tensor=2)),
+    ],
+)
+def test_fsdp_gather_once_matches_single_device(schedule, mesh):
+    c = _config(4, mesh, schedule, 4)
+    c.pipeline.fsdp_gather_once = True
+    _assert_matches_reference(c)
+
+
+def test_fsdp_gather_once_collectives_run_once():
+    """pipeline.fsdp_gather_once (1f1b, pipeline=2 × fsdp=4): every all-gather and all-reduce runs
+    once per step, none per tick, and the step sends under a third of the bytes it sends with
+    per-tick gathers and gradient reductions."""
+    ops, total = {}, {}
+    for once in (False, True):
+        c = _config(4, dict(pipeline=2, fsdp=4), "1f1b", 4)
+        c.pipeline.fsdp_gather_once = once
+        _, compiled = compile_step(c)
+        ops[once] = metrics.collective_ops(compiled.as_text())
+        total[once] = sum(o.wire_bytes for o in ops[once])
+    per_tick = [o for o in ops[True] if o.kind in ("all-gather", "all-reduce") and o.count > 1]
+    assert not per_tick, per_tick
+    assert any(o.kind == "all-reduce" and o.count > 1 for o in ops[False])  # the test can fail
+    assert total[True] <= 0.3 * total[False], total
 
 
 def test_pipeline_data_fsdp_tensor_mixed_precision():
@@ -122,7 +158,7 @@ def _run_steps(c, steps: int):
         state, m = eng.train_step(state, batches.get(i))
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
-    return np.array(losses), np.array(norms), jax.device_get(state["params"])
+    return np.array(losses), np.array(norms), jax.device_get(eng.to_user(state)["params"])
 
 
 @pytest.mark.parametrize(
@@ -131,7 +167,7 @@ def _run_steps(c, steps: int):
 )  # fmt: skip
 def test_bubble_fraction_matches_formula(p, m, v):
     for name in SCHEDULES:
-        if name == "interleaved" and m % p:
+        if name == "interleaved" and m % p or name == "zb":  # zb: test_zb_table
             continue
         sched = pipeline.build_schedule(name, p, m, v)
         v_eff = v if name == "interleaved" else 1
@@ -161,6 +197,39 @@ def test_1f1b_dependencies_respected():
         assert when[(B, 3, i)] > when[(F, 3, i)]
         for s in range(3):
             assert when[(B, s, i)] > when[(B, s + 1, i)]
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (3, 5), (4, 4), (4, 8), (4, 32), (8, 8)])
+def test_zb_table(p, m):
+    """zb: every stage runs each microbatch's F, B and W once, in dependency order; no more than
+    p - s + 1 microbatches between F and W on stage s; fewer idle entries than 1F1B; the executor's
+    slots never overwrite a live one."""
+    sched = pipeline.build_schedule("zb", p, m)
+    F, B, W = pipeline.FWD, pipeline.BWD, pipeline.WGT
+    when = {}
+    for t in range(sched.ticks):
+        for s in range(p):
+            a = int(sched.action[t, s])
+            if a != pipeline.IDLE:
+                key = (a, s, int(sched.micro[t, s]))
+                assert key not in when, key
+                when[key] = t
+    assert len(when) == 3 * p * m
+    for i in range(m):
+        for s in range(p):
+            assert when[(W, s, i)] > when[(B, s, i)] > when[(F, s, i)]
+            if s:
+                assert when[(F, s, i)] > when[(F, s - 1, i)]
+            if s < p - 1:
+                assert when[(B, s, i)] > when[(B, s + 1, i)]
+    for s in range(p):
+        for t in range(sched.ticks):
+            live = [i for i in range(m) if when[(F, s, i)] <= t < when[(W, s, i)]]
+            assert len(live) <= p - s + pipeline.ZB_EXTRA_IN_FLIGHT
+    idle_1f1b = np.sum(pipeline.build_schedule("1f1b", p, m).action == pipeline.IDLE)
+    if p > 1 and m > 1:
+        assert np.sum(sched.action == pipeline.IDLE) < idle_1f1b
+    pipeline.zero_bubble_exec_tables(sched)
 
 
 def _temp_bytes(schedule: str, p: int, m: int, per_microbatch: int = 2) -> int:

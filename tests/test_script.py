@@ -43,6 +43,9 @@ def test_default_job_lowers_loss_and_evaluates(tmp_path):
     assert layout["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "pipeline": 1}
     assert layout["bytes_per_device"]["temp"] > 0
     assert layout["collective_bytes_per_step"]["all-reduce"] > 0
+    # The planner's prediction, added by the script's layout hook (the loop does not import it).
+    predicted = layout["predicted_bytes_per_device"]
+    assert predicted["params"] == pytest.approx(layout["bytes_per_device"]["params"], rel=0.05)
     steps = [r for r in records[1:] if "loss" in r]
     assert [r["step"] for r in steps] == [20, 40, 60]
     for r in steps:
@@ -64,6 +67,7 @@ def test_default_job_lowers_loss_and_evaluates(tmp_path):
     for ln in logged:
         assert " │ loss " in ln and " ms/step │ " in ln and " tok/s" in ln, ln
     assert " │ ETA " in logged[0] and " │ eval loss " in logged[-1], logged
+    assert sum(ln.startswith("planner │ predicted params ") for ln in out) == 1, out
     done = [i for i, ln in enumerate(out) if ln.startswith("done: step 60, train loss ")]
     assert len(done) == 1 and ", eval loss " in out[done[0]], out
     tail = "\n".join(out[done[0] + 1 :])

@@ -1,0 +1,155 @@
+"""Causal attention over a sequence split along the `context` mesh axis (context parallelism).
+
+Each device holds T/c of the sequence (c = mesh.context). Two ways to read the keys and values the
+local queries need, chosen by `model.context_attention`:
+
+* `ring`: the K/V block is passed around the `context` axis with `ppermute` (c − 1 hops, one
+  stacked K/V array per hop); each hop's transfer does not depend on the previous block's
+  computation, so the two can overlap. Scores are folded in with an online softmax (running max
+  and sum, flash-style), so no device holds more than a [T/c, T/c] score block. Causal masking
+  would leave the device holding the sequence's start idle, so the sequence is stored zig-zag:
+  2c chunks, device i holds chunks i and 2c−1−i (`sequence_order`): every device has the same
+  number of unmasked scores, and every hop after the first computes half a block
+  (`_zigzag_hop`), so each device does (c + 1)/2c of the full-block work.
+* `all_gather`: K/V gathered over `context` in one collective; local queries against all keys
+  ([T/c, T] scores per device). Simpler, fine for moderate lengths.
+
+Both run inside a `jax.shard_map` manual over `context` and the batch axes (data, fsdp, expert);
+heads stay automatic (split over `tensor` by the enclosing sharding). The backward is autodiff
+(the transpose of a `ppermute` is the reverse `ppermute`). Masks come from positions, never
+from block indices, so the same code serves any storage order.
+
+Shapes: B batch, T length, K key/value heads, G query heads per K/V head, H head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import sharding
+
+AXIS = "context"
+BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes of logical `batch` (jaxdist/sharding.py)
+_MASKED = -1e30  # finite: a fully masked row (never the case causally) stays NaN-free
+
+
+def sequence_order(length: int, context: int, mode: str) -> np.ndarray | None:
+    """Storage order of the T positions (positions[i] = the token at storage slot i), or None
+    for the natural order. `ring` with context > 1: zig-zag, device i's T/c slots hold chunk i
+    then chunk 2c−1−i of 2c equal chunks."""
+    if context <= 1 or mode != "ring":
+        return None
+    chunks = np.arange(length).reshape(2 * context, length // (2 * context))
+    return np.concatenate([np.concatenate([chunks[i], chunks[-1 - i]]) for i in range(context)])
+
+
+def _fold(carry, q, k, v, q_pos, k_pos, scale):
+    """Online-softmax update of (o [B,Tq,K,G,H], m, l [B,K,G,Tq]) with one K/V block [B,Tk,K,H]."""
+    s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(q_pos[:, None] >= k_pos[None, :], s, _MASKED)
+    m_blk = jnp.max(s, axis=-1)
+    if carry is None:
+        m = m_blk
+        p = jnp.exp(s - m[..., None])
+        o = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
+        return o, m, jnp.sum(p, axis=-1)
+    o, m_old, l_old = carry
+    m = jnp.maximum(m_old, m_blk)
+    p = jnp.exp(s - m[..., None])
+    corr = jnp.exp(m_old - m)  # [B, K, G, Tq]
+    o = o * jnp.moveaxis(corr, -1, 1)[..., None] + jnp.einsum(
+        "bkgts,bskh->btkgh", p, v.astype(jnp.float32)
+    )
+    return o, m, l_old * corr + jnp.sum(p, axis=-1)
+
+
+def _finish(carry, shape, dtype):
+    o, _, l_sum = carry
+    return (o / jnp.moveaxis(l_sum, -1, 1)[..., None]).reshape(shape).astype(dtype)
+
+
+def _local_ring(q, k, v, *, table: np.ndarray, c: int):
+    """One device's causal attention: its q [B,T/c,N,H] against every device's k, v [B,T/c,K,H],
+    which arrive one ring hop at a time. `table` [c, T/c]: the positions each device holds."""
+    B, Tl, N, H = q.shape
+    K = k.shape[2]
+    me = jax.lax.axis_index(AXIS)
+    table = jnp.asarray(table)
+    qg = q.reshape(B, Tl, K, N // K, H)
+    kv = jnp.stack([k, v])  # [2, B, T/c, K, H]: one permute per hop
+    ring = [(j, (j + 1) % c) for j in range(c)]
+    scale = 1 / math.sqrt(H)
+    carry = _fold(None, qg, k, v, table[me], table[me], scale)  # own block: the diagonal
+    for step in range(1, c):
+        kv = jax.lax.ppermute(kv, AXIS, ring)  # issued before this hop's block runs
+        src = (me - step) % c  # the device this K/V block started on
+        carry = _zigzag_hop(carry, qg, kv, table[me], table[src], src < me, scale)
+    return _finish(carry, q.shape, q.dtype)
+
+
+def _zigzag_hop(carry, qg, kv, q_pos, k_pos, earlier, scale):
+    """One ring hop under the zig-zag layout, half the block's work. Device i holds chunks
+    (i, 2c−1−i); the block from device j holds (j, 2c−1−j). j < i: every local query sees chunk j
+    and none sees chunk 2c−1−j, so all queries × the first half of the keys. j > i: the early
+    local chunk sees nothing and the late one sees both, so the second half of the queries × all
+    keys. Masks still come from positions."""
+    half = qg.shape[1] // 2
+
+    def early_keys(carry):
+        return _fold(carry, qg, kv[0, :, :half], kv[1, :, :half], q_pos, k_pos[:half], scale)
+
+    def late_queries(carry):
+        o, m, l_sum = carry
+        part = (o[:, half:], m[..., half:], l_sum[..., half:])
+        o2, m2, l2 = _fold(part, qg[:, half:], kv[0], kv[1], q_pos[half:], k_pos, scale)
+        return (
+            jnp.concatenate([o[:, :half], o2], axis=1),
+            jnp.concatenate([m[..., :half], m2], axis=-1),
+            jnp.concatenate([l_sum[..., :half], l2], axis=-1),
+        )
+
+    return jax.lax.cond(earlier, early_keys, late_queries, carry)
+
+
+def _local_gathered(q, k, v, *, table: np.ndarray, c: int):
+    """One device's causal attention with K/V all-gathered over `context`."""
+    B, Tl, N, H = q.shape
+    K = k.shape[2]
+    me = jax.lax.axis_index(AXIS)
+    kv = jax.lax.all_gather(jnp.stack([k, v]), AXIS, axis=2, tiled=True)  # [2, B, T, K, H]
+    qg = q.reshape(B, Tl, K, N // K, H)
+    carry = _fold(
+        None, qg, kv[0], kv[1], jnp.asarray(table)[me], table.reshape(-1), 1 / math.sqrt(H)
+    )
+    return _finish(carry, q.shape, q.dtype)
+
+
+def context_attention(q, k, v, positions: np.ndarray, mode: str) -> jax.Array:
+    """Causal grouped-query attention of q [B,T,N,H] over k, v [B,T,K,H], T split over `context`.
+
+    Args:
+      positions: [T] the position of each storage slot (`sequence_order`, or arange).
+      mode: "ring" or "all_gather".
+
+    Returns: [B, T, N, H] in q's dtype, sharded like q.
+    """
+    mesh = sharding.active_mesh()
+    c = int(mesh.shape[AXIS])
+    table = np.asarray(positions).reshape(c, -1)
+    local = _local_ring if mode == "ring" else _local_gathered
+    # Manual over the batch axes too: left automatic, XLA gathers the batch around all_gather.
+    batch = tuple(a for a in BATCH_AXES if a in mesh.shape)
+    spec = P(batch, AXIS)
+    fn = jax.shard_map(
+        lambda q, k, v: local(q, k, v, table=table, c=c),
+        mesh=mesh,
+        in_specs=(spec, spec, spec),
+        out_specs=spec,
+        axis_names={AXIS, *batch},
+    )
+    return fn(q, k, v)

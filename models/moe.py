@@ -1,0 +1,153 @@
+"""Mixture-of-experts SwiGLU layers (the Llama family's `model.num_experts > 0`), expert parallel.
+
+Routing (`route`) runs on the whole, automatically sharded token array in float32: router logits
+[B, T, E], softmax, top-k (`model.experts_per_token`); with k > 1 the k weights are renormalised
+to sum to 1 (Mixtral), with k = 1 the raw probability is kept so the router still gets a gradient
+from the loss (Switch). Two auxiliary losses, averaged over layers and added to the loss with
+their config weights:
+
+* load balancing (Switch / GShard): E · Σ_e f_e · P_e, f_e the fraction of the n·k assignments
+  that go to expert e, P_e the mean router probability of e; 1 when perfectly balanced.
+* router z-loss (ST-MoE): mean over tokens of logsumexp(logits)², keeping logits small.
+
+Dispatch (`experts`) runs in a `jax.shard_map` manual over the axes that split tokens (data,
+fsdp, expert, context), so every device sorts only its own n tokens:
+
+* dropless (`model.moe_capacity_factor=0`), experts on one device: assignments sorted by expert,
+  three `jax.lax.ragged_dot` grouped matmuls over the sorted rows, unsorted back.
+* capacity (factor > 0): each expert takes at most C = ceil(factor · n · k / E) assignments from
+  each device's n tokens, in token order; the rest are dropped (their output is 0, the residual
+  carries the token). Buffers [E, C, D].
+* expert parallel (`mesh.expert` = ep > 1): each device holds E/ep experts; the [E, C, D] buffer
+  goes out with one `all_to_all` over `expert` and the results come back with a second. Dropless
+  runs this padded path with C = n (no expert can take more than n assignments from n tokens:
+  the top-k experts of a token are distinct), so nothing is ever dropped; `ragged_all_to_all`
+  would send only the used rows.
+
+Shapes: B batch, T length, D d_model, E experts, F expert width, n tokens on one device, k top-k,
+C capacity, ep = mesh.expert.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import sharding
+
+AXIS = "expert"
+TOKEN_AXES = ("data", "fsdp", "expert")  # the mesh axes of logical `batch` (jaxdist/sharding.py)
+# Logical axes of one layer's MoE parameters (without the leading `layers` axis).
+AXES = {
+    "router": ("embed", None),  # [D, E]
+    "e_gate": ("experts", "embed", "mlp"),  # [E, D, F]
+    "e_up": ("experts", "embed", "mlp"),  # [E, D, F]
+    "e_down": ("experts", "mlp", "embed"),  # [E, F, D]
+}
+
+
+def route(h: jax.Array, router: jax.Array, k: int) -> tuple[jax.Array, jax.Array, dict]:
+    """Top-k routing of h [B, T, D]: (weights [B, T, k] float32, experts [B, T, k] int32, stats).
+
+    stats: `moe_lb_loss`, `moe_z_loss` (scalars) and `moe_load` [E], the fraction of the
+    assignments each expert got."""
+    logits = jnp.einsum("btd,de->bte", h.astype(jnp.float32), router.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    w, idx = jax.lax.top_k(probs, k)
+    if k > 1:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    E = router.shape[-1]
+    load = jnp.mean(jax.nn.one_hot(idx, E, dtype=jnp.float32), axis=(0, 1, 2))  # [E], sums to 1
+    stats = {
+        "moe_lb_loss": E * jnp.sum(jax.lax.stop_gradient(load) * jnp.mean(probs, axis=(0, 1))),
+        "moe_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "moe_load": jax.lax.stop_gradient(load),
+    }
+    return w, idx, stats
+
+
+def capacity(n: int, k: int, num_experts: int, factor: float) -> int:
+    """Slots per expert for n tokens on one device; factor 0 (dropless) → n, which never drops."""
+    if factor <= 0:
+        return n
+    return max(1, min(n, math.ceil(factor * n * k / num_experts)))
+
+
+def _swiglu(x, wg, wu, wd):
+    """Expert SwiGLU on buffers x [..., E, C, D] with weights [E, D, F], [E, D, F], [E, F, D]."""
+    g = jnp.einsum("...ecd,edf->...ecf", x, wg)
+    u = jnp.einsum("...ecd,edf->...ecf", x, wu)
+    return jnp.einsum("...ecf,efd->...ecd", jax.nn.silu(g) * u, wd)
+
+
+def _dropless_local(x, flat, wg, wu, wd, k):
+    """All experts here: assignments sorted by expert, grouped matmuls. x [n, D] → [n·k, D]."""
+    E = wg.shape[0]
+    order = jnp.argsort(flat, stable=True)
+    xs = x[order // k]  # [n·k, D], rows grouped by expert
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    g = jax.lax.ragged_dot(xs, wg, sizes)
+    u = jax.lax.ragged_dot(xs, wu, sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(g) * u, wd, sizes)
+    return out[jnp.argsort(order)], jnp.zeros((), jnp.int32)
+
+
+def _padded(x, flat, wg, wu, wd, k, C, ep):
+    """Capacity buffers [E, C, D], all_to_all over `expert` when ep > 1. x [n, D] → [n·k, D]."""
+    E = wg.shape[0] * ep
+    oh = jax.nn.one_hot(flat, E, dtype=jnp.int32)  # [n·k, E]
+    pos = jnp.sum((jnp.cumsum(oh, axis=0) - 1) * oh, axis=-1)  # rank within its expert
+    keep = pos < C
+    slot = jnp.where(keep, pos, C)  # C: out of range, dropped by the scatter and the gather
+    buf = (
+        jnp.zeros((E, C, x.shape[-1]), x.dtype)
+        .at[flat, slot]
+        .add(x[jnp.arange(flat.size) // k], mode="drop")
+    )
+    if ep > 1:
+        # [ep, E/ep, C, D]: block j goes to device j; what arrives is [source, E/ep, C, D].
+        buf = jax.lax.all_to_all(buf.reshape(ep, E // ep, *buf.shape[1:]), AXIS, 0, 0)
+        out = jax.lax.all_to_all(_swiglu(buf, wg, wu, wd), AXIS, 0, 0).reshape(E, C, -1)
+    else:
+        out = _swiglu(buf, wg, wu, wd)
+    y = out.at[flat, slot].get(mode="fill", fill_value=0)
+    return y, jnp.sum(~keep).astype(jnp.int32)
+
+
+def _local_experts(x, w, idx, wg, wu, wd, *, ep: int, factor: float, axes: tuple[str, ...]):
+    """One device's tokens x [b, t, D] through its experts; (out [b, t, D], dropped count)."""
+    b, t, D = x.shape
+    k = idx.shape[-1]
+    xf, flat = x.reshape(b * t, D), idx.reshape(-1)
+    E = wg.shape[0] * ep
+    if factor <= 0 and ep == 1:
+        y, dropped = _dropless_local(xf, flat, wg, wu, wd, k)
+    else:
+        y, dropped = _padded(xf, flat, wg, wu, wd, k, capacity(b * t, k, E, factor), ep)
+    y = jnp.sum(y.reshape(b * t, k, D) * w.reshape(b * t, k, 1).astype(y.dtype), axis=1)
+    if axes:
+        dropped = jax.lax.psum(dropped, axes)
+    return y.reshape(b, t, D), dropped
+
+
+def experts(x, w, idx, wg, wu, wd, *, factor: float) -> tuple[jax.Array, jax.Array]:
+    """The experts' weighted output for x [B, T, D] routed by (w, idx) [B, T, k]: ([B, T, D],
+    the number of dropped assignments, int32). Runs per device over the token-splitting axes."""
+    mesh = sharding.active_mesh()
+    if mesh is None:
+        return _local_experts(x, w, idx, wg, wu, wd, ep=1, factor=factor, axes=())
+    axes = tuple(a for a in (*TOKEN_AXES, "context") if a in mesh.shape)
+    ep = int(mesh.shape.get(AXIS, 1))
+    tok = P(TOKEN_AXES, "context")
+    wspec = P(AXIS)
+    fn = jax.shard_map(
+        lambda *a: _local_experts(*a, ep=ep, factor=factor, axes=axes),
+        mesh=mesh,
+        in_specs=(tok, tok, tok, wspec, wspec, wspec),
+        out_specs=(tok, P()),
+        axis_names=set(axes),
+    )
+    return fn(x, w, idx, wg, wu, wd)

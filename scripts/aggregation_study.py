@@ -1,0 +1,239 @@
+"""`scripts/bench.py --study=aggregation`: all-reduce algorithms, parameter servers and staleness.
+
+Three tables (docs/AGGREGATION.md quotes them):
+  measured   per `grad_sync.algorithm` on the config's mesh: the gradient bytes S per device, the
+             busiest device's bytes sent + received per step and the sequential collective steps
+             of the data-axis reduction (both read from the compiled HLO, `hlo_cost.
+             collective_phases`), and the median step time on these (simulated) devices.
+  predicted  the planner's α-β time of one gradient all-reduce (`plan.algorithm_cost`) of a
+             `--planner_config` model's float32 gradient, pure data parallelism, 8 → 4096 devices
+             on NVLink+InfiniBand (h100_nvlink_ib) and cloud Ethernet (cloud_ethernet).
+  staleness  steps to `--target_loss` validation loss for each `grad_sync.staleness` in `--taus`,
+             and the validation curve (plot next to the JSON).
+  per_hop    bf16 compression of the whole reduction against bf16 at every ring hop (with error
+             feedback): busiest-device bytes and validation loss after `--max_steps` steps.
+
+No flags here: bench.py passes their values in.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import benchlib
+
+PROFILES = ("h100_nvlink_ib", "cloud_ethernet")
+DEVICES = (8, 64, 512, 4096)
+
+
+def _variant(config, **grad_sync):
+    cfg = config.copy_and_resolve_references()
+    with cfg.unlocked():
+        for k, v in grad_sync.items():
+            cfg.grad_sync[k] = v
+    return cfg
+
+
+def measured(config, m, ds, steps: int, warmup: int) -> list[dict]:
+    """One row per algorithm that runs on this mesh (hierarchical needs mesh.dcn_data > 1)."""
+    import numpy as np
+
+    from jaxdist import allreduce, hlo_cost, mesh
+    from jaxdist.errors import ConfigError
+
+    rows = []
+    for name in allreduce.ALGORITHMS:
+        cfg = _variant(config, algorithm=name)
+        try:
+            engine, batches = benchlib.build(cfg, m, ds)
+        except ConfigError as e:
+            rows.append({"algorithm": name, "skipped": str(e)})
+            continue
+        batch = batches.get(0)
+        compiled = engine.train_step.lower(engine.abstract_state, batch).compile()
+        processes = [d.process_index for d in m.devices.flat]
+        phases, busiest = hlo_cost.collective_phases(
+            compiled.as_text(), mesh.mesh_shape(m), processes
+        )
+        # The gradient's phases: over `data` (with fsdp where XLA fuses the two), not the loss's
+        # 4-byte mean.
+        data = [p for p in phases if "data" in p["axes"].split("+") and p["busiest_bytes"] > 64]
+        shards = np.prod([m.shape[a] for a in ("fsdp", "tensor", "pipeline")])
+        _, times = benchlib.timed(compiled, engine.init(), batch, steps, warmup)
+        rows.append(
+            {
+                "algorithm": name,
+                "strategy": engine.strategy,
+                "grad_bytes": engine.num_params * 4 / float(shards),
+                "data_steps": sum(p["steps"] for p in data),
+                "data_busiest_bytes": sum(p["busiest_bytes"] for p in data),
+                "busiest_device_bytes_per_step": busiest,
+                "phases": phases,
+                **benchlib.stats(times),
+            }
+        )
+    return rows
+
+
+def _load_config(path: str):
+    spec = importlib.util.spec_from_file_location("planner_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def predicted(planner_config: str) -> dict:
+    """The planner's cost of every algorithm for the model's float32 gradient, 8 → 4096 devices."""
+    from jaxdist import allreduce, plan
+    from jaxdist.errors import ConfigError
+
+    model = plan.model_info(_load_config(planner_config))
+    size = model.num_params * 4.0
+    rows = []
+    for profile in PROFILES:
+        hw = plan.PROFILES[profile]
+        for n in DEVICES:
+            for name in allreduce.ALGORITHMS:
+                try:
+                    c = plan.algorithm_cost(name, size, n, hw)
+                except ConfigError:
+                    continue
+                rows.append({"hardware": profile, "devices": n, **vars(c)})
+    return {"config": planner_config, "grad_bytes": size, "rows": rows}
+
+
+def staleness(config, m, ds, taus, target: float, max_steps: int, eval_every: int) -> list[dict]:
+    """Steps to `target` validation loss per staleness tau, and each run's validation curve."""
+    import numpy as np
+
+    runs = []
+    for tau in taus:
+        cfg = _variant(config, staleness=tau)
+        engine, batches = benchlib.build(cfg, m, ds)
+        val = [batches.get(i, "val") for i in range(cfg.train.eval_batches)]
+        state, reached, curve = engine.init(), None, []
+        for step in range(1, max_steps + 1):
+            state, _ = engine.train_step(state, batches.get(step - 1))
+            if step % eval_every == 0 or step == max_steps:
+                loss = float(np.mean([float(engine.eval_step(state, v)["loss"]) for v in val]))
+                curve.append((step, loss))
+                if reached is None and loss <= target:
+                    reached = step
+        runs.append({"staleness": tau, "steps_to_target": reached, "curve": curve})
+        print(
+            f"staleness {tau}: {reached or '—'} steps to val loss {target}, "
+            f"final {curve[-1][1]:.3f}",
+            flush=True,
+        )
+    return runs
+
+
+# (label, grad_sync fields): the whole reduction compressed vs compressed at every ring hop.
+PER_HOP = [
+    ("none", {}),
+    ("bf16 (whole reduction)", {"compression": "bf16"}),
+    ("ring + bf16 per hop", {"algorithm": "ring", "compression": "bf16"}),
+]
+
+
+def per_hop(config, m, ds, max_steps: int, eval_batches: int = 4) -> list[dict]:
+    """Busiest-device bytes (HLO) and validation loss after `max_steps` for each PER_HOP row."""
+    import jax
+    import numpy as np
+
+    from jaxdist import hlo_cost, mesh
+
+    rows = []
+    for label, fields in PER_HOP:
+        engine, batches = benchlib.build(_variant(config, **fields), m, ds)
+        batch = batches.get(0)
+        compiled = engine.train_step.lower(engine.abstract_state, batch).compile()
+        _, busiest = hlo_cost.collective_phases(compiled.as_text(), mesh.mesh_shape(m))
+        state = engine.init()
+        for step in range(max_steps):
+            # Synchronised: hundreds of queued XLA:CPU steps can starve a collective's rendezvous.
+            state, _ = jax.block_until_ready(compiled(state, batches.get(step)))
+        val = [batches.get(i, "val") for i in range(eval_batches)]
+        loss = float(np.mean([float(engine.eval_step(state, v)["loss"]) for v in val]))
+        rows.append({"method": label, "busiest_device_bytes_per_step": busiest, "val_loss": loss})
+        print(f"{label:<24}{busiest / 2**20:>10.3f} MiB busiest{loss:>9.4f} val loss", flush=True)
+    return rows
+
+
+def plot_staleness(runs: list[dict], target: float, png: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in runs:
+        steps, losses = zip(*r["curve"], strict=True)
+        ax.plot(steps, losses, label=f"staleness {r['staleness']}")
+    ax.axhline(target, color="gray", linestyle=":", label=f"target {target}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    return png
+
+
+def print_tables(out: dict) -> None:
+    print(f"{'algorithm':<17}{'S MiB':>8}{'busiest MiB':>13}{'steps':>7}{'step ms':>9}")
+    for r in out["measured"]:
+        if "skipped" in r:
+            print(f"{r['algorithm']:<17}  skipped: {r['skipped']}")
+            continue
+        print(
+            f"{r['algorithm']:<17}{r['grad_bytes'] / 2**20:>8.3f}"
+            f"{r['data_busiest_bytes'] / 2**20:>13.3f}{r['data_steps']:>7}"
+            f"{1e3 * r['median_s']:>9.1f}"
+        )
+    pred = out["predicted"]
+    print(f"planner: one all-reduce of {pred['grad_bytes'] / 2**30:.2f} GiB ({pred['config']}), ms")
+    names = list(dict.fromkeys(r["algorithm"] for r in pred["rows"]))
+    print(f"{'hardware':<16}{'N':>6}" + "".join(f"{n:>17}" for n in names))
+    for profile in PROFILES:
+        for n in DEVICES:
+            cells = {
+                r["algorithm"]: r["time_s"]
+                for r in pred["rows"]
+                if r["hardware"] == profile and r["devices"] == n
+            }
+            row = "".join(f"{1e3 * cells[a]:>17.1f}" if a in cells else f"{'-':>17}" for a in names)
+            print(f"{profile:<16}{n:>6}" + row)
+
+
+def run(
+    config, *, parts, steps, warmup, taus, target, max_steps, eval_every, planner_config, out_path
+):
+    """The study's `parts` ("algorithms": measured + predicted, "staleness", "per_hop"); the JSON
+    payload."""
+    import jax
+
+    from jaxdist import data, mesh
+
+    ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    m = mesh.make_mesh(config.mesh)
+    out = {
+        "study": "aggregation",
+        "device": jax.devices()[0].device_kind,
+        "mesh": mesh.mesh_shape(m),
+    }
+    if "algorithms" in parts:
+        out["measured"] = measured(config, m, ds, steps, warmup)
+        out["predicted"] = predicted(planner_config)
+        print_tables(out)
+    if "per_hop" in parts:
+        out["per_hop"] = {"steps": max_steps, "runs": per_hop(config, m, ds, max_steps)}
+    if "staleness" in parts:
+        runs = staleness(config, m, ds, taus, target, max_steps, eval_every)
+        out["staleness"] = {"target_loss": target, "runs": runs}
+        png = os.path.splitext(out_path)[0] + "_staleness.png"
+        out["plot"] = plot_staleness(runs, target, png)
+    return out

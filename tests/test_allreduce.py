@@ -1,0 +1,328 @@
+"""grad_sync.algorithm: every exact all-reduce equals XLA's, and its compiled HLO matches its formula."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import allreduce, config, hlo_cost
+from jaxdist.errors import ConfigError
+from tests.helpers import compile_step, engine_for, tiny_gpt_config, train_steps
+
+EXACT = ("ring", "halving_doubling", "tree", "ps", "sharded_ps")
+
+
+def _reduce_on(n: int, name: str, hosts: int, x: np.ndarray) -> np.ndarray:
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    f = jax.shard_map(
+        lambda b: allreduce.all_reduce(b[0], "data", n, name, hosts)[None],
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P("data"),
+        check_vma=False,
+    )
+    return np.asarray(jax.jit(f)(jax.device_put(x, NamedSharding(mesh, P("data")))))
+
+
+@pytest.mark.parametrize(
+    "name,n,hosts",
+    [(a, 8, 1) for a in (*EXACT, "xla")]
+    + [("hierarchical", 8, 2), ("hierarchical", 8, 4), ("tree", 6, 1), ("ring", 6, 1)]
+    + [("ps", 5, 1), ("sharded_ps", 6, 1), ("hierarchical", 6, 3)],
+)
+def test_every_device_ends_with_the_sum(name, n, hosts):
+    x = np.random.RandomState(n).randn(n, 1003).astype(np.float32)  # 1003: padded to N
+    y = _reduce_on(n, name, hosts, x)
+    want = x.astype(np.float64).sum(0)
+    np.testing.assert_allclose(y, np.broadcast_to(want, y.shape), rtol=0, atol=2e-6)
+    assert (y == y[0]).all()  # bit-identical on every device: replicas stay in step
+
+
+def _cfg(name: str, **mesh):
+    c = tiny_gpt_config(**mesh)
+    c.grad_sync.algorithm = name
+    return c
+
+
+def _first_gradient(c):
+    """The reduced gradient of step 0: with staleness 1 it is what step 1 leaves in flight."""
+    c.grad_sync.staleness = 1
+    eng, batches = engine_for(c)
+    state, _ = eng.train_step(eng.init(), batches.get(0))
+    return jax.device_get(state["in_flight"])
+
+
+@pytest.fixture(scope="module")
+def xla_reference():
+    return {
+        "data8": (_first_gradient(_cfg("xla", data=8)), train_steps(_cfg("xla", data=8), 4)[0]),
+        "dft": train_steps(_cfg("xla", data=2, fsdp=2, tensor=2), 4)[0],
+    }
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_gradients_and_losses_equal_xla_on_8_devices(name, xla_reference):
+    ref_grads, ref_losses = xla_reference["data8"]
+    grads = _first_gradient(_cfg(name, data=8))
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        # Summation order differs from XLA's: relative to each tensor's largest element, since an
+        # element summed from cancelling replicas has no relative precision in any order.
+        assert np.max(np.abs(g - r)) <= 1e-6 * np.max(np.abs(r)), name
+    losses, _ = train_steps(_cfg(name, data=8), 4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_losses_equal_xla_with_fsdp_and_tensor(name, xla_reference):
+    losses, _ = train_steps(_cfg(name, data=2, fsdp=2, tensor=2), 4)
+    np.testing.assert_allclose(losses, xla_reference["dft"], rtol=1e-6)
+
+
+def _phases(c):
+    eng, compiled = compile_step(c)
+    phases, busiest = hlo_cost.collective_phases(compiled.as_text(), dict(eng.mesh.shape))
+    grad = [p for p in phases if p["axes"] == "data" and p["busiest_bytes"] > 64]
+    return eng.num_params * 4, grad, busiest
+
+
+# (kind, sequential steps, busiest device's sent + received) of the gradient reduction, S bytes.
+FORMULAS = {
+    "ring": lambda n, s: [("collective-permute", 2 * (n - 1), 2 * 2 * (n - 1) * s / n)],
+    "halving_doubling": lambda n, s: [
+        ("collective-permute", 2 * int(math.log2(n)), 2 * 2 * (n - 1) * s / n)
+    ],
+    "tree": lambda n, s: [("collective-permute", 2 * int(math.log2(n)), 2 * int(math.log2(n)) * s)],
+    "ps": lambda n, s: [("collective-permute", 2 * (n - 1), 2 * (n - 1) * s)],
+    "sharded_ps": lambda n, s: [
+        ("all-to-all", 1, 2 * (n - 1) * s / n),
+        ("all-gather", 1, 2 * (n - 1) * s / n),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(FORMULAS))
+def test_hlo_steps_and_bytes_equal_the_formula(name):
+    s, phases, busiest = _phases(_cfg(name, data=8))
+    got = [(p["kind"], p["steps"], p["busiest_bytes"]) for p in phases]
+    assert got == FORMULAS[name](8, s), (name, got)
+    # The whole step's hot spot is the gradient's, plus the loss's 4-byte mean.
+    assert busiest == pytest.approx(sum(b for _, _, b in got), abs=64)
+
+
+def test_parameter_server_is_the_hot_spot():
+    # The server moves 2(N-1)S, a ring device 2 * 2(N-1)/N * S: N/2 = 4 times more on 8 devices.
+    _, _, ps_busiest = _phases(_cfg("ps", data=8))
+    _, _, ring_busiest = _phases(_cfg("ring", data=8))
+    assert ps_busiest / ring_busiest == pytest.approx(4, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "fields,n,match",
+    [
+        ({"algorithm": "halving_doubling"}, 6, "power-of-two mesh.data, got 6"),
+        ({"algorithm": "hierarchical"}, 8, "1 < mesh.dcn_data < mesh.data=8"),
+        ({"algorithm": "bogus"}, 8, "choose one of xla, ring"),
+        ({"algorithm": "ring", "compression": "int8"}, 8, "does not combine"),
+        ({"algorithm": "ring", "local_steps": 2}, 8, "does not combine"),
+        ({"staleness": -1}, 8, "must be an integer >= 0"),
+        ({"staleness": 2, "local_steps": 2}, 8, "sends parameters"),
+    ],
+)
+def test_bad_input_is_one_line_before_compiling(fields, n, match):
+    c = tiny_gpt_config(data=n)
+    c.train.batch_size = 12 * n
+    for k, v in fields.items():
+        c.grad_sync[k] = v
+    with pytest.raises(ConfigError, match=match) as e:
+        config.validate(c, n)
+    assert "\n" not in str(e.value)
+
+
+def test_algorithm_needs_data_replicas():
+    c = tiny_gpt_config(fsdp=8)
+    c.grad_sync.algorithm = "ring"
+    with pytest.raises(ConfigError, match="mesh.data=1"):
+        config.validate(c, 8)
+
+
+def test_layout_record_carries_phases_and_the_hot_spot():
+    from jaxdist import loop
+
+    c = _cfg("ps", data=8)
+    eng, compiled = compile_step(c)
+    record = loop.layout_record(eng, compiled, c)
+    s = eng.num_params * 4
+    permutes = [p for p in record["collective_phases"] if p["kind"] == "collective-permute"]
+    assert permutes == [
+        {
+            "kind": "collective-permute",
+            "axes": "data",
+            "tier": "ici",
+            "steps": 14,
+            "bytes": 14 * s,
+            "busiest_bytes": 14 * s,
+        }
+    ]
+    assert record["busiest_device_bytes_per_step"] == pytest.approx(14 * s, abs=64)
+    assert "busiest device sends + receives" in loop.summary(record)
+
+
+@pytest.mark.parametrize("name", [*EXACT, "xla", "hierarchical"])
+def test_planner_predicts_the_hlo_steps_and_hot_spot_at_8(name):
+    """The planner's α-β model counts what the compiled program runs: its steps and the busiest
+    device's bytes equal the HLO's, on 8 devices as 2 hosts of 4 (hierarchical needs hosts)."""
+    import dataclasses
+
+    from jaxdist import plan
+
+    n, size = 8, 4 * 4096  # 4096 float32 elements
+    mesh = jax.make_mesh((n,), ("data",))
+    f = jax.shard_map(
+        lambda b: allreduce.all_reduce(b[0], "data", n, name, hosts=2)[None],
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P("data"),
+        check_vma=False,
+    )
+    x = jax.ShapeDtypeStruct((n, size // 4), np.float32, sharding=NamedSharding(mesh, P("data")))
+    text = jax.jit(f).lower(x).compile().as_text()
+    phases, busiest = hlo_cost.collective_phases(text, {"data": n})
+    hw = dataclasses.replace(plan.PROFILES["cloud_ethernet"], devices_per_host=4)
+    cost = plan.algorithm_cost(name, size, n, hw)
+    assert sum(p["steps"] for p in phases) == cost.steps
+    assert busiest == pytest.approx(cost.busiest_bytes, rel=1e-9)
+
+
+def test_planner_ranks_latency_and_bandwidth_regimes():
+    from jaxdist import plan
+
+    ib = plan.PROFILES["h100_nvlink_ib"]
+    small = plan.recommend_algorithm(4e3, 1024, ib)  # 4 KB: latency-bound
+    big = plan.recommend_algorithm(4e9, 1024, ib)  # 4 GB: bandwidth-bound
+    assert small[0].algorithm == "halving_doubling"  # 2 log2 N steps, payload halving
+    by_name = {c.algorithm: c for c in big}
+    assert by_name["ps"].time_s > 100 * by_name["ring"].time_s  # the server's link: N-1 copies
+    assert big[0].algorithm != "ps"
+
+
+def test_ring_with_bf16_per_hop_feeds_the_rounding_back():
+    """One round is off by bf16 rounding at every hop; with the residual carried, the mean of
+    many rounds of the same input converges to the exact sum (error feedback), bit-identically on
+    every device."""
+    n = 8
+    mesh = jax.make_mesh((n,), ("data",))
+    x = np.random.RandomState(1).randn(n, 1000).astype(np.float32)
+    e = allreduce.per_hop_size(1000, n)
+    f = jax.jit(
+        jax.shard_map(
+            lambda b, err: (lambda out: (out[0][None], out[1][None]))(
+                allreduce.ring_bf16(b[0], err[0], "data", [list(range(n))])
+            ),
+            mesh=mesh,
+            in_specs=(P("data"), P("data")),
+            out_specs=(P("data"), P("data")),
+            check_vma=False,
+        )
+    )
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+    want = x.astype(np.float64).sum(0)
+    err, outs = put(np.zeros((n, e), np.float32)), []
+    for _ in range(64):
+        y, err = f(put(x), err)
+        outs.append(np.asarray(y))
+    assert all((o == o[0]).all() for o in outs)
+    one = np.abs(outs[0][0] - want).max()
+    avg = np.abs(np.mean([o[0] for o in outs], axis=0) - want).max()
+    assert 1e-4 < one < 2**-7 * np.abs(x).sum(0).max()  # really rounded, within bf16 per hop
+    assert avg < one / 20  # the residuals carry what each round lost
+
+
+def test_ring_with_bf16_per_hop_halves_the_bytes():
+    s, exact, _ = _phases(_cfg("ring", data=8))
+    c = _cfg("ring", data=8)
+    c.grad_sync.compression = "bf16"
+    _, per_hop, _ = _phases(c)
+    assert [(p["kind"], p["steps"]) for p in per_hop] == [("collective-permute", 14)]
+    assert per_hop[0]["busiest_bytes"] == exact[0]["busiest_bytes"] / 2
+
+
+def test_ring_with_bf16_per_hop_refuses_sharded_parameters():
+    c = tiny_gpt_config(data=4, fsdp=2)
+    c.grad_sync.algorithm, c.grad_sync.compression = "ring", "bf16"
+    with pytest.raises(ConfigError, match="needs fsdp = tensor = pipeline = 1, got mesh.fsdp>1"):
+        config.validate(c, 8)
+
+
+def _hierarchical_phases(n: int, hosts: int, per_hop: bool, size: int = 4096):
+    """Phases of `hierarchical` over 8 devices as `hosts` hosts (processes faked for the tiers)."""
+    mesh = jax.make_mesh((n,), ("data",))
+    e = allreduce.per_hop_size(size, n, hosts)
+
+    def body(b, err):
+        if per_hop:
+            out, err = allreduce._per_hop_sum(b[0], err[0], "data", n, hosts)
+            return out[None], err[None]
+        return allreduce.all_reduce(b[0], "data", n, "hierarchical", hosts)[None], err
+
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P("data"), P("data")),
+        out_specs=(P("data"), P("data")),
+        check_vma=False,
+    )
+    sh = NamedSharding(mesh, P("data"))
+    x = jax.ShapeDtypeStruct((n, size), np.float32, sharding=sh)
+    err = jax.ShapeDtypeStruct((n, e), np.float32, sharding=sh)
+    text = jax.jit(f).lower(x, err).compile().as_text()
+    processes = [i // (n // hosts) for i in range(n)]
+    phases, _ = hlo_cost.collective_phases(text, {"data": n}, processes)
+    return {p["tier"]: (p["steps"], p["busiest_bytes"]) for p in phases}, f, sh, e
+
+
+def test_hierarchical_compresses_only_across_hosts():
+    exact, _, _, _ = _hierarchical_phases(8, 2, per_hop=False)
+    dcn_only, f, sh, e = _hierarchical_phases(8, 2, per_hop=True)
+    s = 4 * 4096
+    assert exact == {"ici": (6, 3 * s), "dcn": (2, s / 2)}  # 2(L-1) of S/L in, 2(H-1) of S/8 out
+    assert dcn_only == {"ici": (6, 3 * s), "dcn": (2, s / 4)}  # the same inside, bf16 across
+    x = np.random.RandomState(2).randn(8, 4096).astype(np.float32)
+    want = x.astype(np.float64).sum(0)
+    err = jax.device_put(np.zeros((8, e), np.float32), sh)
+    outs = []
+    for _ in range(32):
+        y, err = jax.jit(f)(jax.device_put(x, sh), err)
+        outs.append(np.asarray(y))
+    one = np.abs(outs[0][0] - want).max()
+    assert all((o == o[0]).all() for o in outs)
+    assert 1e-4 < one and np.abs(np.mean([o[0] for o in outs], 0) - want).max() < one / 10
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"algorithm": "hierarchical", "compression": "bf16"}, "set grad_sync.compress_over='dcn'"),
+        ({"algorithm": "ring", "compress_over": "dcn"}, "compress_over='dcn' compresses the"),
+        ({"compress_over": "ici"}, "choose one of all, dcn"),
+    ],
+)
+def test_compress_over_rules(fields, match):
+    c = tiny_gpt_config(data=8)
+    c.mesh.dcn_data = 2
+    c.grad_sync.algorithm = "ring"
+    for k, v in fields.items():
+        c.grad_sync[k] = v
+    with pytest.raises(ConfigError, match=match):
+        config.validate(c, 8)
+
+
+def test_compress_over_dcn_is_refused_with_xla():
+    c = tiny_gpt_config(data=8)
+    c.grad_sync.compress_over = "dcn"
+    with pytest.raises(ConfigError, match="compress_over='dcn' compresses the"):
+        config.validate(c, 8)

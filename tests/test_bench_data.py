@@ -1,0 +1,46 @@
+"""scripts/bench_data.py runs end to end, small (timings are reported, never asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.helpers import run_script
+
+
+def run(*flags: str) -> dict:
+    run_script("scripts/bench_data.py", *flags)
+    return json.loads(Path(flags[-1].split("=", 1)[1]).read_text())
+
+
+def test_tokenize_study_compares_the_same_work(tmp_path):
+    r = run(
+        "--study=tokenize",
+        "--corpus_mb=0.5",
+        "--vocab=512",
+        "--repeats=1",
+        f"--out={tmp_path / 't.json'}",
+    )
+    rows = r["rows"]
+    assert set(rows) == {
+        "token_shards_1_workers",
+        "token_shards_2_workers",
+        "tokenizers_encode_batch",
+    }
+    # The study itself refuses to compare runs that tokenized different amounts.
+    assert len({row["tokens"] for row in rows.values()}) == 1 and r["corpus_bytes"] >= 500_000
+    assert all(row["tokens_per_s"] > 0 for row in rows.values())
+
+
+def test_decode_study_times_prefill_and_decode(tmp_path):
+    r = run("--study=decode", "--new_tokens=4", "--repeats=1", f"--out={tmp_path / 'd.json'}")
+    assert set(r["rows"]) == {"batch 1", "batch 8"}
+    for row in r["rows"].values():
+        assert row["prefill_s"]["median_s"] > 0 and row["decode_tokens_per_s"] > 0
+
+
+def test_loader_study_sets_the_loader_beside_the_step(tmp_path):
+    r = run("--study=loader", "--steps=2", f"--out={tmp_path / 'l.json'}")
+    assert r["rows"]["default job train step"]["step_s"]["median_s"] > 0
+    for name in ("stdlib (in memory)", "token shards (memory-mapped)"):
+        assert r["rows"][name]["fraction_of_step"] > 0
