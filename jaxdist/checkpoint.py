@@ -46,8 +46,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.sharding import PartitionSpec as P
 
-from jaxdist import orbax_reads
+from jaxdist import compression, orbax_reads
 from jaxdist.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -754,7 +755,14 @@ class Checkpointer:
             saved = _saved_arrays(_step_dir(self.directory, step) / STATE_ITEM)
         except Exception as err:
             return None, f"metadata: {one_line_error(err)}"
-        _check_matches(saved, expected, f"checkpoint step {step} in {self.directory}")
+        resized = _replica_resized(saved, expected)
+        _check_matches(
+            {**saved, **{p: expected[p] for p in resized}},
+            expected,
+            f"checkpoint step {step} in {self.directory}",
+        )
+        if resized:  # read those as saved, replicated, then redistribute them (elastic resume)
+            abstract_state = _as_saved(abstract_state, saved, resized)
         # Orbax's handlers, not its Checkpointer: the Checkpointer ends a restore with a barrier
         # that a process whose read failed never reaches, leaving the others waiting in it. Here
         # every process returns, and `restore` agrees on the outcome with one all-gather.
@@ -772,6 +780,10 @@ class Checkpointer:
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             return None, problems[0] + more
+        if resized:
+            state = _redistribute(state, expected)
+            replicas = sorted({(_shape_of(saved[p])[0], expected[p].shape[0]) for p in resized})
+            log.warning("per-replica state redistributed from %d to %d data replicas", *replicas[0])
         return (state, {**meta, "step": step}), None
 
 
@@ -878,6 +890,55 @@ def _non_negative_int(value: Any, field: str, meaning: str) -> int:
 
 # Train-state subtrees that exist only with some grad_sync settings, with a leading replica axis.
 _PER_REPLICA = {"grad_sync": "grad_sync.compression", "local": "grad_sync.local_steps"}
+
+
+def _replica_resized(saved: Mapping[str, Any], expected: Mapping[str, Any]) -> set[str]:
+    """Paths of per-replica subtrees saved with another number of data replicas (all of them)."""
+    paths = [p for p in expected if p.split("/", 1)[0] in _PER_REPLICA and p in saved]
+    changed = {
+        p
+        for p in paths
+        if _shape_of(saved[p])[:1] != tuple(expected[p].shape)[:1]
+        and len(_shape_of(saved[p])) == len(expected[p].shape)
+        and _dtype_of(saved[p]) == np.dtype(expected[p].dtype)
+    }
+    if not changed:
+        return set()
+    roots = {p.split("/", 1)[0] for p in changed}
+    return {p for p in paths if p.split("/", 1)[0] in roots}
+
+
+def _as_saved(abstract_state: PyTree, saved: Mapping[str, Any], paths: set[str]) -> PyTree:
+    """`abstract_state` with the leaves at `paths` as saved (shape), replicated on the mesh."""
+
+    def leaf(kp, x):
+        path = path_str(kp)
+        if path not in paths:
+            return x
+        mesh = x.sharding.mesh
+        return jax.ShapeDtypeStruct(
+            _shape_of(saved[path]), x.dtype, sharding=jax.sharding.NamedSharding(mesh, P())
+        )
+
+    return jax.tree_util.tree_map_with_path(leaf, abstract_state)
+
+
+def _redistribute(state: PyTree, expected: Mapping[str, Any]) -> PyTree:
+    """The resized per-replica leaves of `state` through `compression.resize_replicas`."""
+    flat = _flatten(state)
+    resized = {p: np.asarray(x) for p, x in flat.items() if x.shape != expected[p].shape}
+    roots = {p.split("/", 1)[0] for p in resized}
+    group = {p: np.asarray(x) for p, x in flat.items() if p.split("/", 1)[0] in roots}
+    new = compression.resize_replicas(group, {p: tuple(expected[p].shape) for p in group})
+
+    def leaf(kp, x):
+        path = path_str(kp)
+        if path not in new:
+            return x
+        host, want = new[path], expected[path]
+        return jax.make_array_from_callback(want.shape, want.sharding, lambda idx: host[idx])
+
+    return jax.tree_util.tree_map_with_path(leaf, state)
 
 
 def _setting_hint(path: str) -> str | None:

@@ -135,8 +135,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_sync.outer_optimizer = "average"  # local SGD's outer step: average | nesterov (DiLoCo)
     c.grad_sync.outer_learning_rate = 0.7  # nesterov: DiLoCo's outer learning rate and momentum
     c.grad_sync.outer_momentum = 0.9
-    c.grad_sync.warmup_steps = 0  # topk: density warm-up; powersgd/sign: uncompressed first steps
-    c.grad_sync.momentum_correction = False  # topk (DGC) / sign (1-bit Adam): SGD momentum inside
+    c.grad_sync.warmup_steps = 0  # topk: density warm-up; powersgd/ef_sign: dense first steps;
+    # onebit_adam: Adam steps before the variance freezes
+    c.grad_sync.momentum_correction = False  # topk (DGC) / ef_sign: the SGD momentum inside
+    c.grad_sync.min_compression = 1.0  # powersgd: compress only where n m > this * rank (n + m)
+    c.grad_sync.warm_start = True  # powersgd: reuse last step's Q (False: a fresh Gaussian Q)
+    c.grad_sync.orthogonalization_epsilon = 0.0  # powersgd: 0 = QR; > 0 = Gram-Schmidt + eps
+    c.grad_sync.stochastic_rounding = False  # int8: unbiased random rounding instead of nearest
+    c.grad_sync.freeze_variance = False  # topk/powersgd + adamw: variance frozen after warm-up
+    c.grad_sync.topk_exchange = "all_gather"  # topk: all_gather | two_phase (bytes flat in R)
     c.grad_sync.algorithm = "xla"  # the data-parallel all-reduce (jaxdist/allreduce.py ALGORITHMS)
     c.grad_sync.staleness = 0  # tau: step t applies the reduced gradient of step t - tau
     c.grad_sync.compress_over = "all"  # "dcn": hierarchical compresses only across hosts

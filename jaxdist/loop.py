@@ -76,6 +76,16 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
     for key in ("grad_sync", "local", "in_flight"):  # compressor / local SGD / staleness state
         if key in st:
             record["bytes_per_device"][f"{key}_state"] = shard_bytes(st[key])
+    if "grad_sync" in st:  # what compression saves against an f32 ring all-reduce of the grads
+        r = engine.mesh.shape["data"]
+        f32 = shard_bytes(jax.tree.map(lambda x: x.update(dtype=jnp.float32), st["params"]))
+        dense = 2 * (r - 1) / r * f32
+        sent = sum(record["collective_bytes_per_step"].values())
+        record["grad_sync"] = {
+            "compression": config.grad_sync.compression,
+            "f32_all_reduce_bytes_per_step": dense,
+            "bytes_saved_per_step": dense - sent,
+        }
     if local_steps > 1:
         record["local_steps"] = local_steps
     if engine.schedule is not None:

@@ -23,6 +23,7 @@ and `train.apply_update` (one non-finite guard, one set of metrics) turns it int
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -111,14 +112,19 @@ def from_gradients(
 def optimizer_config(config, mesh_shape: Mapping[str, int]):
     """The `train` fields the optimizer is built from.
 
-    With `grad_sync.momentum_correction` (DGC / 1-bit Adam) the SGD momentum is applied per replica
-    inside the compressor and each replica clips its own gradient before it; the optimizer then
-    runs without momentum or clipping of its own.
+    With `grad_sync.momentum_correction` (DGC / 1-bit momentum SGD) the SGD momentum is applied per
+    replica inside the compressor and each replica clips its own gradient before it; the optimizer
+    then runs without momentum or clipping of its own. With `onebit_adam` AdamW's moments move into
+    the compressor and `compression.frozen_variance_adam`; what is left is weight decay and the
+    learning rate (momentum-free SGD with the same decay mask and schedule).
     """
-    if not (config.grad_sync.momentum_correction and mesh_shape["data"] > 1):
+    onebit = compression.preconditioner(config.grad_sync) is not None
+    if not ((config.grad_sync.momentum_correction or onebit) and mesh_shape["data"] > 1):
         return config.train
     train = config.train.copy_and_resolve_references()
     train.momentum, train.grad_clip = 0.0, 0.0
+    if onebit:  # Adam's moments live in the compressor and its preconditioner: AdamW's rest
+        train.optimizer = "sgd"  # = weight decay + learning rate (see compressed)
     return train
 
 
@@ -208,10 +214,17 @@ def compressed(setup: Setup) -> Strategy:
         setup.param_axes,
         is_leaf=sharding.is_axes,
     )
+    betas = (c.train.b1, c.train.b2)
     tx_sync = compression.from_config(
-        c.grad_sync, DATA_AXES, momentum=c.train.momentum, batch_dims=batch_dims
+        c.grad_sync, DATA_AXES, momentum=c.train.momentum, batch_dims=batch_dims, betas=betas
     )
-    clip = c.train.grad_clip if c.grad_sync.momentum_correction else 0.0  # optimizer_config
+    precondition = compression.preconditioner(c.grad_sync, betas)
+    tx = setup.tx if precondition is None else optax.chain(precondition, setup.tx)
+    # Clipping moves before the sync with the optimizer's momentum (optimizer_config). A replica's
+    # gradient over B/R examples has ~sqrt(R) times the noise of the mean: its threshold is scaled
+    # by sqrt(R) (DGC's local clipping, the threshold rescaled for a mean instead of a sum).
+    local_clip = c.grad_sync.momentum_correction or precondition is not None
+    clip = c.train.grad_clip * mesh.shape["data"] ** 0.5 if local_clip else 0.0
 
     def local_grads(params, local_batch):
         loss, _, grads = base(params, local_batch)  # aux metrics: not reduced here
@@ -240,10 +253,11 @@ def compressed(setup: Setup) -> Strategy:
 
     def gradients(params, batch, extra):
         loss, grads, sync_state = sync(params, batch, extra["grad_sync"])
-        return loss, {}, grads, {"grad_sync": sync_state}
+        aux = {"grad_sync_residual_norm": compression.residual_norm(sync_state)}
+        return loss, aux, grads, {"grad_sync": sync_state}
 
     return from_gradients(
-        "compressed", gradients, setup.tx, {"grad_sync": entry}, schedule, delay=_delay(setup)
+        "compressed", gradients, tx, {"grad_sync": entry}, schedule, delay=_delay(setup)
     )
 
 
@@ -379,6 +393,24 @@ def check(config, mesh_shape: Mapping[str, int]) -> None:
         raise ConfigError(
             f"grad_sync.outer_optimizer={g.outer_optimizer!r} is not valid; choose one of "
             + ", ".join(collectives.OUTER_OPTIMIZERS)
+        )
+    if compression.preconditioner(g) is not None:
+        what = "freeze_variance" if g.freeze_variance else f"compression={g.compression!r}"
+        if t.optimizer != "adamw":
+            raise ConfigError(
+                f"grad_sync.{what} is AdamW with a frozen variance: it needs "
+                f"train.optimizer='adamw', not {t.optimizer!r}"
+            )
+        if g.warmup_steps < 1:
+            raise ConfigError(
+                f"grad_sync.{what} needs grad_sync.warmup_steps >= 1: the full-precision Adam "
+                "steps whose variance it then freezes (e.g. 15-25% of training)"
+            )
+    if g.compression in compression.DEPRECATED:
+        logging.getLogger("jaxdist").warning(
+            "grad_sync.compression=%r is deprecated: it is %r (the same method, renamed)",
+            g.compression,
+            compression.DEPRECATED[g.compression],
         )
     if g.momentum_correction and not (t.optimizer == "sgd" and t.momentum > 0):
         raise ConfigError(

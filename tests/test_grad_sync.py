@@ -33,7 +33,7 @@ def uncompressed_bytes():
         ("int8", None, None, 3.5),
         ("topk", "topk_ratio", 0.01, 10.0),
         ("powersgd", "rank", 2, 10.0),
-        ("sign", None, None, 15.0),
+        ("ef_sign", None, None, 15.0),
     ],
 )
 def test_train_step_bytes_on_the_wire(compression, field, value, min_ratio, uncompressed_bytes):
@@ -52,8 +52,9 @@ def _final_loss(c, steps: int = 150) -> float:
 
 # Each compressor with the optimizer pairing its method was designed for, against the uncompressed
 # run with the same optimizer settings. topk is Deep Gradient Compression (momentum correction,
-# momentum-free SGD, density warm-up) and sign is 1-bit Adam's compressed momentum; both move the
-# SGD momentum into the compressor (grad_sync.momentum_correction). PowerSGD keeps AdamW and
+# momentum-free SGD, density warm-up) and ef_sign is 1-bit compressed momentum SGD; both move the
+# SGD momentum into the compressor (grad_sync.momentum_correction). onebit_adam is AdamW with 15
+# full-precision steps, then frozen variance and 1-bit momentum. PowerSGD keeps AdamW and
 # sends its first 10 steps (the LR warm-up) uncompressed, as PowerSGD's start_iter does.
 RECIPES = {
     "bf16": {},
@@ -64,7 +65,8 @@ RECIPES = {
         "grad_sync.momentum_correction": True,
         "grad_sync.warmup_steps": 20,
     },
-    "sign": {"train.optimizer": "sgd", "grad_sync.momentum_correction": True},
+    "ef_sign": {"train.optimizer": "sgd", "grad_sync.momentum_correction": True},
+    "onebit_adam": {"grad_sync.warmup_steps": 15},
 }
 SGD = {"train.optimizer": "sgd", "train.learning_rate": 0.3, "train.momentum": 0.9}
 
@@ -124,10 +126,25 @@ def test_momentum_correction_is_validated():
     c = convergence_config(
         "powersgd", **{"train.optimizer": "sgd", "grad_sync.momentum_correction": True}
     )
-    with pytest.raises(ConfigError, match="'topk' .DGC. or 'sign'"):
+    with pytest.raises(ConfigError, match="'topk' .DGC. or 'ef_sign'"):
         config_lib.validate(c, 8)
     c = convergence_config(
         "none", **{"train.optimizer": "sgd", "grad_sync.momentum_correction": True}
     )
-    with pytest.raises(ConfigError, match="'topk' .DGC. or 'sign'"):
+    with pytest.raises(ConfigError, match="'topk' .DGC. or 'ef_sign'"):
         config_lib.validate(c, 8)  # without a compressor it would be silently ignored
+
+
+def test_sign_is_the_deprecated_name_of_ef_sign(caplog):
+    from jaxdist import config as config_lib
+
+    c = convergence_config("sign", **RECIPES["ef_sign"])
+    with caplog.at_level("WARNING", logger="jaxdist"):
+        config_lib.validate(c, 8)
+    [record] = [r for r in caplog.records if "deprecated" in r.getMessage()]
+    assert "'ef_sign'" in record.getMessage() and "\n" not in record.getMessage()
+    old, new = (
+        train_steps(convergence_config(n, **RECIPES["ef_sign"]), steps=3)[0]
+        for n in ("sign", "ef_sign")
+    )
+    np.testing.assert_array_equal(old, new)
