@@ -185,7 +185,6 @@ def study_compile(config) -> dict:
 
 def study_batch(config) -> dict:
     import jax
-    import numpy as np
 
     from jaxdist import data, mesh
 
@@ -203,78 +202,86 @@ def study_batch(config) -> dict:
     print(f"{'optimizer':<10}{'batch':>7}{'lr':>10}{'steps':>8}{'examples':>10}{'final val':>11}")
     for opt in ("adamw", "lamb"):
         for b in sizes:
-            cfg = config.copy_and_resolve_references()
-            with cfg.unlocked():
-                cfg.train.optimizer = opt
-                if opt == "lamb":
-                    cfg.train.learning_rate = _LAMB_LR.value
-                cfg.train.batch_size = b
-                cfg.train.base_batch_size = base_batch
-                if cfg.train.lr_scaling == "none":
-                    cfg.train.lr_scaling = "sqrt"
-                cfg.train.steps = _MAX_STEPS.value
-                cfg.train.warmup_steps = min(cfg.train.warmup_steps, _MAX_STEPS.value // 10)
-            engine, batches = _build(cfg, m, ds)
-            val = [batches.get(i, "val") for i in range(cfg.train.eval_batches)]
-            state = engine.init()
-            reached, val_loss = None, float("nan")
-            for step in range(1, _MAX_STEPS.value + 1):
-                state, _ = engine.train_step(state, batches.get(step - 1))
-                if step % _EVAL_EVERY.value == 0:
-                    val_loss = float(
-                        np.mean([float(engine.eval_step(state, v)["loss"]) for v in val])
-                    )
-                    if val_loss <= _TARGET.value:
-                        reached = step
-                        break
-            from jaxdist import optim
-
-            run = {
-                "optimizer": opt,
-                "batch_size": b,
-                "learning_rate": optim.scaled_learning_rate(cfg.train),
-                "steps": reached,
-                "examples": reached * b if reached else None,
-                "final_val_loss": val_loss,
-            }
+            run = _batch_run(config, m, ds, opt, b, base_batch)
             out["runs"].append(run)
             print(
-                f"{opt:<10}{b:>7}{run['learning_rate']:>10.2e}{str(reached or '—'):>8}"
-                f"{str(run['examples'] or '—'):>10}{val_loss:>11.3f}",
+                f"{opt:<10}{b:>7}{run['learning_rate']:>10.2e}{str(run['steps'] or '—'):>8}"
+                f"{str(run['examples'] or '—'):>10}{run['final_val_loss']:>11.3f}",
                 flush=True,
             )
     if not any(r["steps"] for r in out["runs"]):
         print(f"no run reached {_TARGET.value}: no plot (raise --max_steps or --target_loss)")
         return out
+    _plot_batch(out)
+    return out
+
+
+def _batch_run(config, m, ds, opt: str, batch_size: int, base_batch: int) -> dict:
+    """One optimizer at one global batch: steps (and examples) to the target validation loss."""
+    import numpy as np
+
+    from jaxdist import optim
+
+    cfg = config.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.train.optimizer = opt
+        if opt == "lamb":
+            cfg.train.learning_rate = _LAMB_LR.value
+        cfg.train.batch_size = batch_size
+        cfg.train.base_batch_size = base_batch
+        if cfg.train.lr_scaling == "none":
+            cfg.train.lr_scaling = "sqrt"
+        cfg.train.steps = _MAX_STEPS.value
+        cfg.train.warmup_steps = min(cfg.train.warmup_steps, _MAX_STEPS.value // 10)
+    engine, batches = _build(cfg, m, ds)
+    val = [batches.get(i, "val") for i in range(cfg.train.eval_batches)]
+    state = engine.init()
+    reached, val_loss = None, float("nan")
+    for step in range(1, _MAX_STEPS.value + 1):
+        state, _ = engine.train_step(state, batches.get(step - 1))
+        if step % _EVAL_EVERY.value == 0:
+            val_loss = float(np.mean([float(engine.eval_step(state, v)["loss"]) for v in val]))
+            if val_loss <= _TARGET.value:
+                reached = step
+                break
+    return {
+        "optimizer": opt,
+        "batch_size": batch_size,
+        "learning_rate": optim.scaled_learning_rate(cfg.train),
+        "steps": reached,
+        "examples": reached * batch_size if reached else None,
+        "final_val_loss": val_loss,
+    }
+
+
+def _plot_batch(out: dict) -> None:
+    """Steps and examples to the target against the global batch, one line per optimizer."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for opt in ("adamw", "lamb"):
-            rs = [r for r in out["runs"] if r["optimizer"] == opt and r["steps"]]
-            axes[0].plot([r["batch_size"] for r in rs], [r["steps"] for r in rs], "o-", label=opt)
-            axes[1].plot(
-                [r["batch_size"] for r in rs], [r["examples"] for r in rs], "o-", label=opt
-            )
-        for ax, ylabel in zip(axes, ("steps to target", "examples to target")):
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("global batch")
-            ax.set_ylabel(ylabel)
-            ax.legend()
-            ax.grid(True, alpha=0.3)
-        fig.suptitle(f"validation loss ≤ {_TARGET.value} on stdlib bytes")
-        png = os.path.splitext(_OUT.value)[0] + "_batch.png"
-        fig.tight_layout()
-        fig.savefig(png, dpi=100)
-        out["plot"] = png
-        print(f"wrote {png}")
     except ImportError:
         print("matplotlib not installed: no plot (pip install -e '.[plot]')")
-    return out
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for opt in ("adamw", "lamb"):
+        rs = [r for r in out["runs"] if r["optimizer"] == opt and r["steps"]]
+        axes[0].plot([r["batch_size"] for r in rs], [r["steps"] for r in rs], "o-", label=opt)
+        axes[1].plot([r["batch_size"] for r in rs], [r["examples"] for r in rs], "o-", label=opt)
+    for ax, ylabel in zip(axes, ("steps to target", "examples to target")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("global batch")
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"validation loss ≤ {_TARGET.value} on stdlib bytes")
+    png = os.path.splitext(_OUT.value)[0] + "_batch.png"
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    out["plot"] = png
+    print(f"wrote {png}")
 
 
 # (label, grad_sync fields, train overrides, the uncompressed run it is compared with). Every row
