@@ -103,30 +103,20 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
     return record
 
 
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
 def summary(record: dict[str, Any]) -> str:
     mesh = " × ".join(f"{k}={v}" for k, v in record["mesh"].items())
     b = record["bytes_per_device"]
     coll = record["collective_bytes_per_step"]
-    wire = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in coll.items()) or "none"
+    wire = ", ".join(f"{k} {metrics.human_bytes(v)}" for k, v in coll.items()) or "none"
     lines = [
         f"jaxdist │ {record['model']} │ {record['params_total']:,} parameters │ "
         f"{record['devices']} × {record['device_kind']} in {record['processes']} process(es)",
         f"mesh    │ {mesh}",
-        f"memory  │ per device: params {_fmt_bytes(b['params'])}, optimizer {_fmt_bytes(b['opt_state'])}, "
-        f"temp {_fmt_bytes(b['temp'])}",
-        f"wire    │ per device per step: {wire} (total {_fmt_bytes(sum(coll.values()))})"
+        f"memory  │ per device: params {metrics.human_bytes(b['params'])}, optimizer {metrics.human_bytes(b['opt_state'])}, "
+        f"temp {metrics.human_bytes(b['temp'])}",
+        f"wire    │ per device per step: {wire} (total {metrics.human_bytes(sum(coll.values()))})"
         + (
-            f"; busiest device sends + receives {_fmt_bytes(record['busiest_device_bytes_per_step'])}"
+            f"; busiest device sends + receives {metrics.human_bytes(record['busiest_device_bytes_per_step'])}"
             if "busiest_device_bytes_per_step" in record
             else ""
         ),
@@ -134,14 +124,14 @@ def summary(record: dict[str, Any]) -> str:
     extra = {"grad_sync_state": "compressor state", "local_state": "local SGD replica state"}
     for key, what in extra.items():
         if key in b:
-            lines[2] += f", {what} {_fmt_bytes(b[key])}"
+            lines[2] += f", {what} {metrics.human_bytes(b[key])}"
     if "local_steps" in record:
         lines[3] += f"; parameters averaged every {record['local_steps']} steps"
     if "predicted_bytes_per_device" in record:
         p = record["predicted_bytes_per_device"]
         lines.append(
-            f"planner │ predicted params {_fmt_bytes(p['params'])}, optimizer {_fmt_bytes(p['opt_state'])}, "
-            f"temp {_fmt_bytes(p['temp'])} (jaxdist/plan.py)"
+            f"planner │ predicted params {metrics.human_bytes(p['params'])}, optimizer {metrics.human_bytes(p['opt_state'])}, "
+            f"temp {metrics.human_bytes(p['temp'])} (jaxdist/plan.py)"
         )
     if "bubble_fraction" in record:
         line = f"pipeline│ bubble fraction {record['bubble_fraction']:.3f}"

@@ -27,6 +27,17 @@ from jaxdist.hlo_cost import (
 )
 
 
+def human_bytes(n: float | None) -> str:
+    """`n` bytes for a reader: "512 B", "2.0 KiB", "1.5 GiB"; None is "n/a"."""
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
 def _to_json(value: Any) -> Any:
     """Plain JSON values: numpy/jax scalars to int/float, arrays to lists, NaN/inf to None."""
     if value is None or isinstance(value, (str, bool)):

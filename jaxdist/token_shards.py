@@ -22,7 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from jaxdist.errors import ConfigError
+from jaxdist.errors import ConfigError, run_command
 
 EOS_CANDIDATES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
 
@@ -203,12 +203,4 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val_fraction", type=float, default=0.05)
     p.add_argument("--workers", type=int, default=2)
     args = p.parse_args(argv)
-    try:
-        run(args)
-        return 0
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except ImportError as err:
-        print(f"error: {err}; install the extra: pip install -e '.[hf]'", file=sys.stderr)
-        return 2
+    return run_command(run, args, extra="hf")

@@ -92,10 +92,6 @@ def run_main(main) -> None:
     """`absl.app.run(main)`, with a `ConfigError` printed as one `error:` line and exit code 2."""
     from absl import app
 
-    from jaxdist.errors import ConfigError
+    from jaxdist.errors import run_command
 
-    try:
-        app.run(main)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(app.run, main))

@@ -25,15 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxdist import checkpoint as ckpt  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
+from jaxdist.metrics import human_bytes  # noqa: E402
 from jaxdist.orbax_reads import silence_orphaned_reads  # noqa: E402
-
-
-def _nbytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -53,7 +46,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{i.path:<{width}}  {str(i.shape):<16} {i.dtype:<9} {i.nbytes:>12}  {i.sharding}")
     total = sum(i.nbytes for i in infos)
     params = [i for i in infos if i.path.startswith("params/")]
-    print(f"total: {len(infos)} arrays, {total} bytes ({_nbytes(total)})")
+    print(f"total: {len(infos)} arrays, {total} bytes ({human_bytes(total)})")
     print(
         f"params: {len(params)} arrays, {sum(i.nbytes for i in params)} bytes, "
         f"{sum(math.prod(i.shape) for i in params)} values"
@@ -66,7 +59,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     arrays = ckpt.export_params(args.dir, args.out, args.step)
     total = sum(a.nbytes for a in arrays.values())
-    print(f"wrote {args.out}: {len(arrays)} parameter arrays, {total} bytes ({_nbytes(total)})")
+    print(f"wrote {args.out}: {len(arrays)} parameter arrays, {total} bytes ({human_bytes(total)})")
     return 0
 
 
@@ -143,7 +136,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     state_bytes = sum(x.nbytes for x in leaves)
     print(
         f"{args.config}: {engine.num_params:,} parameters; train state {len(leaves)} arrays, "
-        f"{_nbytes(state_bytes)} on {device[0].device_kind} (init {init_s:.1f} s); optimizer "
+        f"{human_bytes(state_bytes)} on {device[0].device_kind} (init {init_s:.1f} s); optimizer "
         + ("state as initialised" if args.as_initialised else "moments filled with noise")
     )
     directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="jaxdist-bench-"))
@@ -160,7 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 size = _disk_bytes(directory / str(step))
                 print(
                     f"save {i + 1}: blocking {t1 - t0:.2f} s, total {t2 - t0:.2f} s "
-                    f"(committed), {_nbytes(size)} on disk, "
+                    f"(committed), {human_bytes(size)} on disk, "
                     f"{state_bytes / (t2 - t0) / 2**20:.0f} MiB/s"
                 )
     finally:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxdist.errors import ConfigError  # noqa: E402
+from jaxdist.errors import ConfigError, run_command  # noqa: E402
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -125,14 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor", type=int, default=1, help="devices the heads are split over")
     p.add_argument("--out", default=None, help="write the result as JSON here")
     args = p.parse_args(argv)
-    try:
-        if args.batches < 1 or args.batch_size < 1:
-            raise ConfigError("--batches and --batch_size must be >= 1")
-        run(args)
-        return 0
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_command(_checked_run, args)
+
+
+def _checked_run(args: argparse.Namespace) -> None:
+    if args.batches < 1 or args.batch_size < 1:
+        raise ConfigError("--batches and --batch_size must be >= 1")
+    run(args)
 
 
 if __name__ == "__main__":

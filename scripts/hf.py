@@ -20,15 +20,8 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxdist.errors import ConfigError  # noqa: E402
-
-
-def _nbytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+from jaxdist.errors import run_command  # noqa: E402
+from jaxdist.metrics import human_bytes  # noqa: E402
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -40,7 +33,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     print(
         f"imported {args.hf_dir} → {args.out}: llama, {m.num_layers} layers, d_model {m.d_model}, "
         f"{m.num_heads} heads ({m.num_kv_heads} key/value), vocab {m.vocab_size}, "
-        f"{s['params']:,} parameters ({_nbytes(s['bytes'])} float32); tokenizer files: {tok}"
+        f"{s['params']:,} parameters ({human_bytes(s['bytes'])} float32); tokenizer files: {tok}"
     )
     return 0
 
@@ -53,7 +46,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     )
     print(
         f"exported step {s['step']} of {args.path} → {args.out}: {s['tensors']} tensors, "
-        f"{_nbytes(s['bytes'])} {args.dtype} in {', '.join(s['files'])}"
+        f"{human_bytes(s['bytes'])} {args.dtype} in {', '.join(s['files'])}"
     )
     return 0
 
@@ -80,14 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     exp.set_defaults(fn=cmd_export)
     args = parser.parse_args(argv)
-    try:
-        return args.fn(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except ImportError as err:
-        print(f"error: {err}; install the extra: pip install -e '.[hf]'", file=sys.stderr)
-        return 2
+    return run_command(args.fn, args, extra="hf")
 
 
 if __name__ == "__main__":

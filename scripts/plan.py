@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from jaxdist.errors import ConfigError  # noqa: E402
+from jaxdist.errors import ConfigError, run_command  # noqa: E402
 
 DEFAULT_CONFIG = "configs/gpt_1b.py"
 
@@ -138,13 +138,13 @@ def _makedirs(path: str) -> None:
     os.makedirs(d, exist_ok=True)
 
 
+def _start() -> None:
+    _define_flags(sys.argv)
+    app.run(main, flags_parser=_parse)
+
+
 def entry():
-    try:
-        _define_flags(sys.argv)
-        app.run(main, flags_parser=_parse)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(_start))
 
 
 if __name__ == "__main__":

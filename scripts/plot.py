@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from jaxdist.errors import ConfigError  # noqa: E402
+from jaxdist.errors import ConfigError, run_command  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "", "PNG to write (default: WORKDIR/curves.png).")
 
@@ -104,11 +104,7 @@ def _parse(argv: list[str]) -> list[str]:
 
 
 def entry():
-    try:
-        app.run(main, flags_parser=_parse)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(app.run, main, flags_parser=_parse))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxdist.errors import ConfigError  # noqa: E402
+from jaxdist.errors import ConfigError, run_command  # noqa: E402
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,14 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=int, default=1, help="devices the prompts are split over")
     p.add_argument("--tensor", type=int, default=1, help="devices the heads are split over")
     args = p.parse_args(argv)
-    try:
-        return run(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except ImportError as err:
-        print(f"error: {err}; install the extra: pip install -e '.[hf]'", file=sys.stderr)
-        return 2
+    return run_command(run, args, extra="hf")
 
 
 if __name__ == "__main__":

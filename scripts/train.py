@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
 
-from jaxdist.errors import ConfigError, NonFiniteError  # noqa: E402
+from jaxdist.errors import ConfigError, run_command  # noqa: E402
 
 DEFAULT_CONFIG = "configs/default.py"
 # Gloo (JAX's CPU collectives across processes) prints "[Gloo] Rank 0 is connected to 1 peer ranks.
@@ -111,13 +111,13 @@ def main(argv):
         sys.exit(stopped.exit_code)
 
 
+def _start() -> None:
+    _define_flags(sys.argv)
+    app.run(main)
+
+
 def entry():
-    try:
-        _define_flags(sys.argv)
-        app.run(main)
-    except (ConfigError, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_command(_start))
 
 
 if __name__ == "__main__":
