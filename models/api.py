@@ -148,6 +148,11 @@ def _no_check(*_: Any) -> None:
     return None
 
 
+def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    """A parameter that names its logical axes (`sharding.py` maps them onto the mesh)."""
+    return nnx.Param(value, logical_axes=axes)
+
+
 def module_loss(model: nnx.Module, batch: Batch, *, remat: str = "none") -> tuple[jax.Array, dict]:
     """The default `ModelFamily.loss`: the module's own `loss(batch, remat=)`."""
     return model.loss(batch, remat=remat)

@@ -37,8 +37,7 @@ BLOCK_AXES = {
 NORM_BIAS = ("attn_norm_bias", "mlp_norm_bias")
 
 
-def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
-    return nnx.Param(value, logical_axes=axes)
+_param = api.param
 
 
 class Blocks(nnx.Module):

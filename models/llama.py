@@ -74,8 +74,7 @@ def dims(cfg) -> dict[str, int]:
     }
 
 
-def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
-    return nnx.Param(value, logical_axes=axes)
+_param = api.param
 
 
 class Layers(nnx.Module):
