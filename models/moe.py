@@ -136,18 +136,21 @@ def _local_experts(x, w, idx, wg, wu, wd, *, ep: int, factor: float, axes: tuple
 def experts(x, w, idx, wg, wu, wd, *, factor: float) -> tuple[jax.Array, jax.Array]:
     """The experts' weighted output for x [B, T, D] routed by (w, idx) [B, T, k]: ([B, T, D],
     the number of dropped assignments, int32). Runs per device over the token-splitting axes."""
-    mesh = sharding.active_mesh()
-    if mesh is None:
+    if sharding.active_mesh() is None:
         return _local_experts(x, w, idx, wg, wu, wd, ep=1, factor=factor, axes=())
-    axes = tuple(a for a in (*TOKEN_AXES, "context") if a in mesh.shape)
+    # Inside per-replica gradients (compressors, local SGD) the replica axes are already split.
+    mesh, axes, mapped = sharding.nested_mesh((*TOKEN_AXES, "context"))
+    if not axes and not mapped:  # nothing splits the tokens: every device sees them all
+        return _local_experts(x, w, idx, wg, wu, wd, ep=1, factor=factor, axes=())
     ep = int(mesh.shape.get(AXIS, 1))
-    tok = P(TOKEN_AXES, "context")
-    wspec = P(AXIS)
+    tok = P(tuple(a for a in TOKEN_AXES if a in axes), "context" if "context" in axes else None)
+    wspec = P(AXIS if ep > 1 else None)
     fn = jax.shard_map(
         lambda *a: _local_experts(*a, ep=ep, factor=factor, axes=axes),
         mesh=mesh,
         in_specs=(tok, tok, tok, wspec, wspec, wspec),
         out_specs=(tok, P()),
-        axis_names=set(axes),
+        axis_names={*axes, *mapped},
+        check_vma=not mapped,  # vmap's batched values vary over `mapped`, unbatched ones not
     )
     return fn(x, w, idx, wg, wu, wd)

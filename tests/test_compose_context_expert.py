@@ -1,0 +1,54 @@
+"""`mesh.context` and `mesh.expert` with the explicit data-parallel strategies: compressors.
+
+A data replica is a group of context / expert devices: inside it, every gradient is summed exactly
+(f32) over the axes that split its tokens, and the compressor then reduces over `data` on each
+device's own shard (`strategies._shard_axes`). So a context=2 × data=4 (expert=2 × data=4) run
+must equal the same compressor on data=4 alone: same replicas, same per-replica gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from tests.helpers import train_steps
+from tests.test_llama import llama_config
+
+STEPS = 3
+
+
+def config(compression: str, moe: bool, **mesh_sizes):
+    """The tiny Llama (with 8 experts, top-2, dropless when `moe`), SGD as in llama_config."""
+    c = llama_config(**mesh_sizes)
+    c.grad_sync.compression = compression
+    if moe:
+        c.model.num_experts, c.model.experts_per_token, c.model.mlp_dim = 8, 2, 64
+    return c
+
+
+@functools.cache
+def _run(compression: str, moe: bool, sizes: tuple) -> tuple:
+    return train_steps(config(compression, moe, **dict(sizes)), STEPS)
+
+
+@pytest.mark.parametrize("compression", ["bf16", "int8", "powersgd"])
+@pytest.mark.parametrize("axis", ["context", "expert"])
+def test_compressor_with_context_or_expert(compression, axis):
+    """Losses within 1e-5 of the same compressor on data=4 (parameters too for PowerSGD, which is
+    continuous in the gradient: bf16 / int8 rounding may flip a level on a 1e-7 difference), and
+    within the 5% of one device that tests/test_compression_layouts.py allows a compressor."""
+    moe = axis == "expert"
+    ref, _ = _run("none", moe, ())
+    flat, flat_params = _run(compression, moe, (("data", 4),))
+    losses, params = _run(compression, moe, (("data", 4), (axis, 2)))
+    np.testing.assert_allclose(losses, flat, rtol=0, atol=1e-5)
+    if compression == "powersgd":
+        for (path, p), r in zip(
+            jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(flat_params), strict=True
+        ):
+            np.testing.assert_allclose(p, r, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+    assert losses[-1] < losses[0]
+    assert np.all(np.abs(losses - ref) / ref < 0.05), (losses, ref)
