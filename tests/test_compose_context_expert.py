@@ -95,3 +95,21 @@ def test_exact_ring_algorithm_with_context_or_expert(axis):
         jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(flat_params), strict=True
     ):
         np.testing.assert_allclose(p, r, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize(
+    "axis, want",
+    [
+        ("context", "mesh.context=2 does not compose with mesh.pipeline=2 (the stages' shard_map"),
+        ("expert", "model.num_experts=8 does not run with mesh.pipeline=2"),
+    ],
+)
+def test_pipeline_with_context_or_expert_is_one_line(axis, want):
+    """What stays unsupported (docs/PARALLELISM.md says why) is refused before compiling."""
+    from jaxdist import config as config_lib
+    from jaxdist.errors import ConfigError
+
+    c = config("none", axis == "expert", data=2, pipeline=2, **{axis: 2})
+    with pytest.raises(ConfigError) as e:
+        config_lib.validate(c, 8)
+    assert str(e.value).startswith(want) and "\n" not in str(e.value), str(e.value)
