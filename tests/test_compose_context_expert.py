@@ -113,3 +113,27 @@ def test_pipeline_with_context_or_expert_is_one_line(axis, want):
     with pytest.raises(ConfigError) as e:
         config_lib.validate(c, 8)
     assert str(e.value).startswith(want) and "\n" not in str(e.value), str(e.value)
+
+
+@functools.cache
+def _data_parallel_bytes(compression: str, axis: str) -> float:
+    """Bytes per step of the compiled step's reductions whose groups span 4 or more devices: over
+    `data` (groups of 4, or 8 where XLA sums over data × `axis` at once). The exact sums inside a
+    replica's group and the expert all-to-alls are groups of 2; the ring's K/V collective-permutes
+    (the same with and without compression) are left out, as in test_compression_layouts.py."""
+    from jaxdist import metrics
+    from tests.helpers import compile_step
+
+    _, compiled = compile_step(config(compression, axis == "expert", data=4, **{axis: 2}))
+    ops = metrics.collective_ops(compiled.as_text())
+    assert any(o.group_size == 2 and o.wire_bytes > 0 for o in ops)  # the axis is used
+    return sum(o.wire_bytes for o in ops if o.kind != "collective-permute" and o.group_size >= 4)
+
+
+@pytest.mark.parametrize("axis", ["context", "expert"])
+@pytest.mark.parametrize("compression, min_ratio", [("bf16", 1.9), ("int8", 3.5)])
+def test_each_group_compresses_its_own_part(compression, min_ratio, axis):
+    """The data-parallel bytes shrink by the bars tests/test_compression_layouts.py sets on
+    pipeline / tensor meshes: no device gathers the rest of its group's gradient to compress."""
+    ratio = _data_parallel_bytes("none", axis) / _data_parallel_bytes(compression, axis)
+    assert ratio >= min_ratio, (compression, axis, ratio)
