@@ -221,13 +221,17 @@ def nested_mesh(axes: Sequence[str]) -> tuple[Any, tuple[str, ...], tuple[str, .
     tracing abstract mesh and the axes it holds manual are not free. Inside `mapped_axes` the
     vmapped axes are not free either: the nested shard_map names them in `axis_names` only (not
     in its specs), since vmap's batching puts them on the mapped dimension of the specs but not
-    among the manual axes (jax 0.10). `free`: the axes of `axes` (size > 1) to split over.
+    among the manual axes (jax 0.10). `free`: the axes of `axes` on the mesh to split over; when
+    nested, only those of size > 1 (Shardy rejects a nested manual size-1 axis after a free one).
     """
     am, manual = _manual_axes()
     mapped = getattr(_mapped, "value", frozenset())
     mesh = am if manual else active_mesh()
+    nested = bool(manual or mapped)
     free = tuple(
-        a for a in axes if mesh.shape.get(a, 1) > 1 and a not in manual and a not in mapped
+        a
+        for a in axes
+        if a in mesh.shape and (mesh.shape[a] > 1 or not nested) and a not in manual | mapped
     )
     return mesh, free, tuple(a for a in mesh.axis_names if a in mapped and a not in manual)
 

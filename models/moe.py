@@ -146,7 +146,7 @@ def experts(x, w, idx, wg, wu, wd, *, factor: float) -> tuple[jax.Array, jax.Arr
         return _local_experts(x, w, idx, wg, wu, wd, ep=1, factor=factor, axes=())
     # Inside per-replica gradients (compressors, local SGD) the replica axes are already split.
     mesh, axes, mapped = sharding.nested_mesh((*TOKEN_AXES, "context"))
-    if not axes and not mapped:  # nothing splits the tokens: every device sees them all
+    if not axes and not mapped:  # nested, and nothing else splits the tokens
         return _local_experts(x, w, idx, wg, wu, wd, ep=1, factor=factor, axes=())
     ep = int(mesh.shape.get(AXIS, 1))
     tok = P(tuple(a for a in TOKEN_AXES if a in axes), "context" if "context" in axes else None)
