@@ -236,6 +236,7 @@ class ModelInfo:
     params: tuple[Leaf, ...]
     opt: tuple[tuple[tuple[int, ...], int, int], ...]
     flops: float  # model FLOPs per token, the family's `flops_per_token`
+    idle_params: int = 0  # MoE: expert weights a token does not pass through (1 − k/E of them)
 
     @property
     def num_params(self) -> int:
@@ -259,8 +260,10 @@ def model_info(config) -> ModelInfo:
     from jaxdist import optim
 
     m = config.model
-    if m.name != "gpt":
-        raise ConfigError(f"the planner models the GPT; model.name={m.name!r} is not supported")
+    if m.name not in ("gpt", "llama"):
+        raise ConfigError(
+            f"the planner models the GPT and Llama families; model.name={m.name!r} is not supported"
+        )
     family = models.get(m.name)
     abstract = abstract_model(family.make(m, None))
     abstract_params, param_axes = abstract.params, abstract.axes
@@ -290,16 +293,23 @@ def model_info(config) -> ModelInfo:
         (tuple(int(d) for d in x.shape), np.dtype(x.dtype).itemsize, int(i))
         for x, i in zip(jax.tree.leaves(abstract_opt), jax.tree.leaves(owner), strict=True)
     )
+    mlp, idle = m.mlp_dim or 4 * m.d_model, 0
+    if m.get("num_experts", 0):  # a token's MLP activations: k experts' (+ the shared one's)
+        k, experts = m.experts_per_token, m.num_experts
+        expert_elems = sum(math.prod(x.shape) for x in leaves if "experts" in x.axes)
+        idle = round(expert_elems * (1 - k / experts))
+        mlp = mlp * (k + bool(m.moe_shared_expert))
     return ModelInfo(
         num_layers=m.num_layers,
         d_model=m.d_model,
         num_heads=m.num_heads,
-        mlp_dim=m.mlp_dim or 4 * m.d_model,
+        mlp_dim=mlp,
         vocab_size=m.vocab_size,
         seq_len=m.seq_len,
         params=leaves,
         opt=opt,
         flops=family.flops_per_token(m, abstract_params),
+        idle_params=idle,
     )
 
 
@@ -384,6 +394,21 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
+def _mesh_shapes(config, n: int) -> Iterable[tuple[int, ...]]:
+    """(data, fsdp, tensor, pipeline, expert, context) with product n: `expert` over the divisors
+    of model.num_experts, `context` over powers of two for the Llama family (the only one with
+    context attention); the rest all ordered factorizations of what is left."""
+    m = config.model
+    experts = int(m.get("num_experts", 0) or 0)
+    expert_sizes = [e for e in range(1, experts + 1) if experts % e == 0] if experts else [1]
+    context_sizes = _powers_of_two(n) if m.name == "llama" else [1]
+    for e in expert_sizes:
+        for c in context_sizes:
+            if n % (e * c) == 0:
+                for d, f, t, p in _factorizations(n // (e * c), 4):
+                    yield d, f, t, p, e, c
+
+
 def enumerate_layouts(
     config,
     num_devices: int,
@@ -396,7 +421,8 @@ def enumerate_layouts(
     """Every layout `jaxdist.config.validate` accepts for this config on `num_devices`.
 
     Mesh sizes are all ordered factorizations of the device count into (data, fsdp, tensor,
-    pipeline); grad_accum runs over powers of two up to `max_grad_accum`; pipeline microbatches over
+    pipeline), times `expert` and `context` sizes where the model has them (`_mesh_shapes`);
+    grad_accum runs over powers of two up to `max_grad_accum`; pipeline microbatches over
     p·2^k up to `max_microbatches`; remat over `remats` (default: every policy). Each candidate is
     set on one working copy of the config and checked by `validate` itself, so the planner accepts
     exactly what training accepts.
@@ -411,7 +437,7 @@ def enumerate_layouts(
             f"remat policies {unknown} are not valid; choose from {', '.join(remat_names())}"
         )
     out = []
-    for d, f, t, p in _factorizations(num_devices, 4):
+    for d, f, t, p, e, c in _mesh_shapes(config, num_devices):
         if p > 1 and not pipeline:
             continue
         accums = _powers_of_two(max_grad_accum) if p == 1 else [1]
@@ -419,12 +445,12 @@ def enumerate_layouts(
             mbs = [p * k for k in _powers_of_two(max(1, max_microbatches // p))] if p > 1 else [1]
             for mb in mbs:
                 # remat changes no divisibility rule: one validate per (mesh, accum, microbatches)
-                _set_fields(work, Layout(d, f, t, p, accum, mb, remats[0]))
+                _set_fields(work, Layout(d, f, t, p, accum, mb, remats[0], e, c))
                 try:
                     config_lib.validate(work, num_devices)
                 except ConfigError:
                     continue
-                out.extend(Layout(d, f, t, p, accum, mb, remat) for remat in remats)
+                out.extend(Layout(d, f, t, p, accum, mb, remat, e, c) for remat in remats)
     return out
 
 
@@ -724,9 +750,10 @@ def _compute_time(config, model: ModelInfo, hw: Hardware, remat: str, tokens: in
     flash = config.model.attention == "cudnn" or (
         config.model.attention == "auto" and hw.fused_attention
     )
-    dense = 6 * (model.num_params - model.embed_params)  # per token, the head included
+    active = model.num_params - model.idle_params  # MoE: k of the E experts' weights
+    dense = 6 * (active - model.embed_params)  # per token, the head included
     attn = 12 * D * T  # per layer, per token: attention's model FLOPs
-    layer_matmul = 6 * (model.num_params - model.embed_params - D * model.vocab_size) / max(L, 1)
+    layer_matmul = 6 * (active - model.embed_params - D * model.vocab_size) / max(L, 1)
     # What the policy recomputes in the backward; dots_no_batch keeps fused attention's outputs.
     recompute = {
         "none": 0.0,
@@ -1287,7 +1314,9 @@ def plan(
     if num_devices < 1:
         raise ConfigError(f"devices={num_devices} must be >= 1")
     model = model or model_info(config)
-    total = sum(1 for _ in _candidates(num_devices, max_grad_accum, max_microbatches, remats))
+    total = sum(
+        1 for _ in _candidates(config, num_devices, max_grad_accum, max_microbatches, remats)
+    )
     layouts = enumerate_layouts(
         config,
         num_devices,
@@ -1297,7 +1326,8 @@ def plan(
     )
     if not layouts:
         raise ConfigError(
-            f"no (data, fsdp, tensor, pipeline) layout of {num_devices} devices is valid for this "
+            f"no (data, fsdp, tensor, pipeline, expert, context) layout of {num_devices} devices "
+            "is valid for this "
             f"config (train.batch_size={config.train.batch_size}, model.num_heads="
             f"{config.model.num_heads}, model.d_model={config.model.d_model}); "
             "change the batch size or the device count"
@@ -1322,9 +1352,9 @@ def plan(
     return Plan(num_devices, hw, info, preds, total - len(layouts))
 
 
-def _candidates(n: int, max_accum: int, max_mb: int, remats) -> Iterable[tuple]:
+def _candidates(config, n: int, max_accum: int, max_mb: int, remats) -> Iterable[tuple]:
     remats = tuple(remats or remat_names())
-    for _, _, _, p in _factorizations(n, 4):
+    for _, _, _, p, _, _ in _mesh_shapes(config, n):
         accums = len(_powers_of_two(max_accum)) if p == 1 else 1
         mbs = len(_powers_of_two(max(1, max_mb // p))) if p > 1 else 1
         for _ in range(accums * mbs * len(remats)):

@@ -214,6 +214,28 @@ def mapped_axes(axes: Sequence[str]):
         _mapped.value = prev
 
 
+def nested_mesh(axes: Sequence[str]) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
+    """(mesh, free, mapped) for a `jax.shard_map` over `axes` traced inside `activation_rules`.
+
+    Inside an enclosing shard_map (per-replica gradients, `jaxdist.collectives`) the mesh is the
+    tracing abstract mesh and the axes it holds manual are not free. Inside `mapped_axes` the
+    vmapped axes are not free either: the nested shard_map names them in `axis_names` only (not
+    in its specs), since vmap's batching puts them on the mapped dimension of the specs but not
+    among the manual axes (jax 0.10). `free`: the axes of `axes` on the mesh to split over; when
+    nested, only those of size > 1 (Shardy rejects a nested manual size-1 axis after a free one).
+    """
+    am, manual = _manual_axes()
+    mapped = getattr(_mapped, "value", frozenset())
+    mesh = am if manual else active_mesh()
+    nested = bool(manual or mapped)
+    free = tuple(
+        a
+        for a in axes
+        if a in mesh.shape and (mesh.shape[a] > 1 or not nested) and a not in manual | mapped
+    )
+    return mesh, free, tuple(a for a in mesh.axis_names if a in mapped and a not in manual)
+
+
 def constrain_to(x: jax.Array, target: NamedSharding) -> jax.Array:
     """with_sharding_constraint that also works inside a partially manual shard_map or a vmap.
 

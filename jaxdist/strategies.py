@@ -195,6 +195,18 @@ def pipelined(setup: Setup) -> Strategy:
 # Explicit data-parallel steps: compressed gradient sync, local SGD.
 
 
+def _shard_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes inside one data replica (size > 1): fsdp, expert, context, tensor, pipeline.
+
+    A replica's gradient is complete on each of its devices' shards: summed exactly over the
+    axes that split its batch (fsdp, expert, context: XLA's f32 reduction inside the replica);
+    the compressor or algorithm then reduces over `data` on each device's own shard.
+    """
+    return tuple(
+        a for a in ("fsdp", "expert", "context", "tensor", "pipeline") if mesh.shape[a] > 1
+    )
+
+
 def _per_replica(mesh: Mesh) -> str:
     """How replicas run: pipelined gradients need the shard_map (see collectives.sync_grads)."""
     return "shard_map" if mesh.shape["pipeline"] > 1 else "vmap"
@@ -208,9 +220,12 @@ def compressed(setup: Setup) -> Strategy:
     """
     c, mesh = setup.config, setup.mesh
     base, schedule = _replica_gradients(setup, data_manual=True)
-    # Leading stacked-layer axes per parameter: compressors treat each layer as its own tensor.
+    # Leading stacked-layer (and expert) axes per parameter: compressors treat each layer's (each
+    # expert's) weight as its own tensor, so expert shards compress as one device would.
     batch_dims = jax.tree.map(
-        lambda axes: next((i for i, a in enumerate(axes) if a != "layers"), len(axes)),
+        lambda axes: next(
+            (i for i, a in enumerate(axes) if a not in ("layers", "experts")), len(axes)
+        ),
         setup.param_axes,
         is_leaf=sharding.is_axes,
     )
@@ -232,7 +247,7 @@ def compressed(setup: Setup) -> Strategy:
             grads, _ = optax.clip_by_global_norm(clip).update(grads, None)
         return loss, grads
 
-    shard_axes = tuple(a for a in ("fsdp", "tensor", "pipeline") if mesh.shape[a] > 1)
+    shard_axes = _shard_axes(mesh)
     specs = setup.param_specs
     sync_init, sync_specs = compression.sharded_state(
         tx_sync, setup.abstract_params, specs, mesh, DATA_AXES, shard_axes
@@ -274,7 +289,7 @@ def reduced(setup: Setup) -> Strategy:
     grads_of = collectives._replica_grads(local_grads, mesh, DATA_AXES, _per_replica(mesh))
     if c.grad_sync.compression == "bf16":  # ring with bf16 per hop (allreduce.check)
         return _per_hop(setup, grads_of, schedule)
-    shard_axes = tuple(a for a in ("fsdp", "tensor", "pipeline") if mesh.shape[a] > 1)
+    shard_axes = _shard_axes(mesh)
     mean_of = allreduce.reducer(
         mesh, "data", shard_axes, setup.param_specs, c.grad_sync.algorithm, int(c.mesh.dcn_data)
     )

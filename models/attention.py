@@ -138,18 +138,19 @@ def context_attention(q, k, v, positions: np.ndarray, mode: str) -> jax.Array:
 
     Returns: [B, T, N, H] in q's dtype, sharded like q.
     """
-    mesh = sharding.active_mesh()
+    # Manual over the batch axes too: left automatic, XLA gathers the batch around all_gather.
+    # Inside per-replica gradients (compressors, local SGD) the replica axes are already split.
+    mesh, batch, mapped = sharding.nested_mesh(BATCH_AXES)
     c = int(mesh.shape[AXIS])
     table = np.asarray(positions).reshape(c, -1)
     local = _local_ring if mode == "ring" else _local_gathered
-    # Manual over the batch axes too: left automatic, XLA gathers the batch around all_gather.
-    batch = tuple(a for a in BATCH_AXES if a in mesh.shape)
     spec = P(batch, AXIS)
     fn = jax.shard_map(
         lambda q, k, v: local(q, k, v, table=table, c=c),
         mesh=mesh,
         in_specs=(spec, spec, spec),
         out_specs=spec,
-        axis_names={AXIS, *batch},
+        axis_names={AXIS, *batch, *mapped},
+        check_vma=not mapped,  # vmap's batched values vary over `mapped`, unbatched ones not
     )
     return fn(q, k, v)

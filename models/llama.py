@@ -225,10 +225,13 @@ def moe_block(lp: dict[str, jax.Array], carry, *, cfg, positions: np.ndarray | N
     return x, jax.tree.map(jnp.add, acc, stats)
 
 
-def moe_stats_zero(cfg) -> dict[str, jax.Array]:
-    z = jnp.zeros((), jnp.float32)
+def moe_stats_zero(cfg, like: jax.Array) -> dict[str, jax.Array]:
+    """The router stats' zeros, varying over the manual axes `like` varies over (inside a
+    per-replica shard_map the layers' scan carry must keep one type)."""
+    z = jnp.zeros_like(like, shape=(), dtype=jnp.float32)
     E = cfg.num_experts
-    return {"moe_lb_loss": z, "moe_z_loss": z, "moe_load": jnp.zeros((E,)), "moe_dropped": z}
+    load = jnp.zeros_like(like, shape=(E,), dtype=jnp.float32)
+    return {"moe_lb_loss": z, "moe_z_loss": z, "moe_load": load, "moe_dropped": z}
 
 
 def embed_tokens(p: dict[str, jax.Array], tokens: jax.Array, *, embed_grad: str = "scatter"):
@@ -278,7 +281,7 @@ class Llama(nnx.Module):
         moe_layers = bool(self.cfg.num_experts)
         fn = moe_block if moe_layers else block
         layer = functools.partial(fn, cfg=self.cfg, positions=positions)
-        carry = (x, moe_stats_zero(self.cfg)) if moe_layers else x
+        carry = (x, moe_stats_zero(self.cfg, x)) if moe_layers else x
         out = api.scan_layers(
             layer, self.layers.stacked(), carry, remat=remat, unroll=self.cfg.scan_unroll
         )

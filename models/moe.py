@@ -15,6 +15,8 @@ fsdp, expert, context), so every device sorts only its own n tokens:
 
 * dropless (`model.moe_capacity_factor=0`), experts on one device: assignments sorted by expert,
   three `jax.lax.ragged_dot` grouped matmuls over the sorted rows, unsorted back.
+  Under the per-replica vmap of the explicit data-parallel strategies (compressors, local SGD,
+  `grad_sync.algorithm`) it runs the padded path below with C = n, which drops nothing either.
 * capacity (factor > 0): each expert takes at most C = ceil(factor · n · k / E) assignments from
   each device's n tokens, in token order; the rest are dropped (their output is 0, the residual
   carries the token). Buffers [E, C, D].
@@ -117,13 +119,17 @@ def _padded(x, flat, wg, wu, wd, k, C, ep):
     return y, jnp.sum(~keep).astype(jnp.int32)
 
 
-def _local_experts(x, w, idx, wg, wu, wd, *, ep: int, factor: float, axes: tuple[str, ...]):
-    """One device's tokens x [b, t, D] through its experts; (out [b, t, D], dropped count)."""
+def _local_experts(
+    x, w, idx, wg, wu, wd, *, ep: int, factor: float, axes: tuple[str, ...], grouped: bool = True
+):
+    """One device's tokens x [b, t, D] through its experts; (out [b, t, D], dropped count).
+    `grouped=False`: dropless runs the padded path with C = n (under a vmap: jax 0.10 has no
+    batching rule for `ragged_dot` over a non-leading axis)."""
     b, t, D = x.shape
     k = idx.shape[-1]
     xf, flat = x.reshape(b * t, D), idx.reshape(-1)
     E = wg.shape[0] * ep
-    if factor <= 0 and ep == 1:
+    if factor <= 0 and ep == 1 and grouped:
         y, dropped = _dropless_local(xf, flat, wg, wu, wd, k)
     else:
         y, dropped = _padded(xf, flat, wg, wu, wd, k, capacity(b * t, k, E, factor), ep)
@@ -136,18 +142,21 @@ def _local_experts(x, w, idx, wg, wu, wd, *, ep: int, factor: float, axes: tuple
 def experts(x, w, idx, wg, wu, wd, *, factor: float) -> tuple[jax.Array, jax.Array]:
     """The experts' weighted output for x [B, T, D] routed by (w, idx) [B, T, k]: ([B, T, D],
     the number of dropped assignments, int32). Runs per device over the token-splitting axes."""
-    mesh = sharding.active_mesh()
-    if mesh is None:
+    if sharding.active_mesh() is None:
         return _local_experts(x, w, idx, wg, wu, wd, ep=1, factor=factor, axes=())
-    axes = tuple(a for a in (*TOKEN_AXES, "context") if a in mesh.shape)
+    # Inside per-replica gradients (compressors, local SGD) the replica axes are already split.
+    mesh, axes, mapped = sharding.nested_mesh((*TOKEN_AXES, "context"))
+    if not axes and not mapped:  # nested, and nothing else splits the tokens
+        return _local_experts(x, w, idx, wg, wu, wd, ep=1, factor=factor, axes=())
     ep = int(mesh.shape.get(AXIS, 1))
-    tok = P(TOKEN_AXES, "context")
-    wspec = P(AXIS)
+    tok = P(tuple(a for a in TOKEN_AXES if a in axes), "context" if "context" in axes else None)
+    wspec = P(AXIS if ep > 1 else None)
     fn = jax.shard_map(
-        lambda *a: _local_experts(*a, ep=ep, factor=factor, axes=axes),
+        lambda *a: _local_experts(*a, ep=ep, factor=factor, axes=axes, grouped=not mapped),
         mesh=mesh,
         in_specs=(tok, tok, tok, wspec, wspec, wspec),
         out_specs=(tok, P()),
-        axis_names=set(axes),
+        axis_names={*axes, *mapped},
+        check_vma=not mapped,  # vmap's batched values vary over `mapped`, unbatched ones not
     )
     return fn(x, w, idx, wg, wu, wd)
