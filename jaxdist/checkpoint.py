@@ -826,11 +826,15 @@ class _FailedWriteFilter(logging.Filter):
     """Drops orbax's own report of a background save that raised: jaxdist re-raises it as one line.
 
     Orbax logs the exception with its traceback from the writing thread (`future.py`) and then
-    hands it to the caller, which turns it into CheckpointWriteError.
+    hands it to the caller, which turns it into CheckpointWriteError. Also drops its "Waiting for
+    previous save to complete took N seconds" warning: on a loaded machine it lands between the
+    console's lines and an `error:` line, and the console's ms/step already shows the wait.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
         path = record.pathname.replace(os.sep, "/")
+        if "/orbax/" in path and "Waiting for previous save to complete" in str(record.msg):
+            return False
         failed_thread = path.endswith("/futures/future.py") or record.exc_info is not None
         return not ("/orbax/" in path and record.levelno >= logging.ERROR and failed_thread)
 
