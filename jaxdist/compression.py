@@ -434,10 +434,8 @@ def topk(
     def update(grads, state, params=None):
         del params
         r = num_replicas(axis_name)
-        stage = 0
-        if len(densities) > 1:
-            per = max(1, warmup_steps // (len(densities) - 1))
-            stage = jnp.minimum(state.count[0] // per, len(densities) - 1)
+        per = max(1, warmup_steps // max(1, len(densities) - 1))
+        stage = jnp.minimum(state.count[0] // per, len(densities) - 1)
 
         def one(g, e, u, es):
             ks = [_topk_k(d, g.size) for d in densities]

@@ -295,7 +295,7 @@ COMPRESSION_SETTINGS = [
             "topk_ratio": 0.05,
             "topk_exchange": "two_phase",
             "freeze_variance": True,
-            "warmup_steps": 40,
+            "warmup_steps": 60,
         },
         {},
         "none",

@@ -416,3 +416,21 @@ def test_planner_prices_topk_as_the_compiled_step_and_by_replica_count(exchange,
         return dense / sum(plan.predict(c, layout, "cpu_here").collective_bytes.values())
 
     assert [round(cut(r), 2) for r in (8, 64, 256, 1024)] == cuts
+
+
+def test_two_phase_topk_sends_the_dense_union_where_its_pairs_would_cost_more():
+    """A 12-element tensor at R = 8: 2 R ceil(k / R) = 16 pairs >= 12 elements, so the two-phase
+    exchange all-reduces the union instead (the bytes of `none`), as topk_wire_ratio prices it;
+    the mean is that of each replica's top-k."""
+    shapes = {"b": (12,)}
+    tx = C.topk("data", 0.05, two_phase=True, error_feedback=False)
+    assert C.topk_wire_ratio(12, R, 0.05, two_phase=True) == 1.0
+    assert _wire_bytes(tx, shapes) == _wire_bytes(C.none("data"), shapes)
+    g = np.random.default_rng(0).normal(size=(R, 12)).astype(F32)
+    params = {"b": jnp.zeros((12,), jnp.float32)}
+    out = _run(tx, [{"b": jnp.asarray(g)}], params=params)[0][0]
+    top = np.zeros_like(g)
+    for i in range(R):  # k = ceil(0.05 * 12) = 1: each replica's largest |g|
+        j = np.argmax(np.abs(g[i]))
+        top[i, j] = g[i, j]
+    np.testing.assert_allclose(np.asarray(out["b"]), top.mean(0), rtol=1e-6, atol=1e-7)
