@@ -16,7 +16,8 @@ Wire formats (per tensor; s = per-replica shard length, R * s >= size, cut into 
   none      f32 all-reduce.
   bf16      all-to-all of bf16 [R, s], then all-gather of bf16 [s] (f32 sum in between).
   int8      all-to-all of int8 [R, s] + f32 scale per chunk, then all-gather of int8 [s] + scales.
-  topk      all-gather of k f32 values + k int32 indices.
+  topk      all-gather of k f32 values + k int32 indices; `two_phase`: all-to-all of ceil(k / R)
+            pairs per row, then all-gather of the reduced row's ceil(k / R) largest pairs.
   powersgd  all-reduce of P [n, r] and Q [m, r] (f32) per compressed matrix, else f32 all-reduce.
   sign      all-to-all of sign bits packed 8 per uint8 [R, s/8] + an f32 scale per chunk, then
             all-gather of packed bits [s/8] + scales.
