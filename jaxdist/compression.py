@@ -16,7 +16,8 @@ Wire formats (per tensor; s = per-replica shard length, R * s >= size, cut into 
   none      f32 all-reduce.
   bf16      all-to-all of bf16 [R, s], then all-gather of bf16 [s] (f32 sum in between).
   int8      all-to-all of int8 [R, s] + f32 scale per chunk, then all-gather of int8 [s] + scales.
-  topk      all-gather of k f32 values + k int32 indices.
+  topk      all-gather of k f32 values + k int32 indices; `two_phase`: all-to-all of ceil(k / R)
+            pairs per row, then all-gather of the reduced row's ceil(k / R) largest pairs.
   powersgd  all-reduce of P [n, r] and Q [m, r] (f32) per compressed matrix, else f32 all-reduce.
   sign      all-to-all of sign bits packed 8 per uint8 [R, s/8] + an f32 scale per chunk, then
             all-gather of packed bits [s/8] + scales.
@@ -138,6 +139,47 @@ def _from_rows(x: jax.Array, like: jax.Array) -> jax.Array:
     return x.reshape(-1)[: like.size].reshape(like.shape).astype(like.dtype)
 
 
+def _worker_zeros(params: Any) -> Any:
+    """Params-shaped f32 [1, *shape] zeros per float leaf (None elsewhere): a per-replica buffer
+    (residual, momentum), f32 even for bf16 gradients so it keeps what was not sent."""
+    return jax.tree.map(
+        lambda p: jnp.zeros((1, *p.shape), jnp.float32) if _is_float(p) else None, params
+    )
+
+
+def _server_zeros(params: Any, batch_dims: Any, shard_of: Any) -> Any:
+    """Per float leaf f32 [1, *layers, shard_of(layer size)] zeros: the server residual of the
+    shard this replica reduces in a two-phase exchange (None for other leaves)."""
+    leaves, treedef = jax.tree.flatten(params)
+    dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
+    return treedef.unflatten(
+        [
+            jnp.zeros((1, *p.shape[:b], shard_of(math.prod(p.shape[b:]))), jnp.float32)
+            if _is_float(p)
+            else None
+            for p, b in zip(leaves, dims)
+        ]
+    )
+
+
+def _map_float_leaves(fn: Any, grads: Any, parts: Sequence[Any], batch_dims: Any):
+    """`fn(i, g, b, *part_leaves) -> (out, *new_part_leaves)` on every float leaf of `grads`.
+
+    `i` is the leaf's index in tree order, `b` its number of stacked-layer axes; `parts` are state
+    trees laid out like `grads` (or None: each of its leaves None). Other leaves pass through with
+    their parts unchanged. Returns (out tree, [new part trees, None where the part was None]).
+    """
+    leaves, treedef = jax.tree.flatten(grads)
+    cols = [[None] * len(leaves) if x is None else treedef.flatten_up_to(x) for x in parts]
+    dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
+    outs = [[] for _ in range(len(parts) + 1)]
+    for i, (g, b, *xs) in enumerate(zip(leaves, dims, *cols, strict=True)):
+        for col, y in zip(outs, fn(i, g, b, *xs) if _is_float(g) else (g, *xs), strict=True):
+            col.append(y)
+    new = [None if x is None else treedef.unflatten(o) for x, o in zip(parts, outs[1:])]
+    return treedef.unflatten(outs[0]), new
+
+
 # --------------------------------------------------------------------------------------------------
 # none, bf16
 
@@ -257,74 +299,50 @@ def int8(
         key = jax.random.key_data(jax.random.key(seed))[None]
         if not error_feedback:
             return Int8State(key)
-        r = num_replicas(axis_name)
-        leaves, treedef = jax.tree.flatten(params)
-        dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
-
-        def worker(p):
-            return jnp.zeros((1, *p.shape), jnp.float32) if _is_float(p) else None
-
-        def server(p, b):
-            if not _is_float(p):
-                return None
-            shard = shard_layout(math.prod(p.shape[b:]), r, chunk)[0]
-            return jnp.zeros((1, *p.shape[:b], shard), jnp.float32)
-
-        return Int8State(
-            key,
-            jax.tree.map(worker, params),
-            treedef.unflatten([server(p, b) for p, b in zip(leaves, dims)]),
-        )
+        shard_of = lambda size: shard_layout(size, num_replicas(axis_name), chunk)[0]  # noqa: E731
+        return Int8State(key, _worker_zeros(params), _server_zeros(params, batch_dims, shard_of))
 
     def update(grads, state, params=None):
         del params
-        r = num_replicas(axis_name)
         key = jax.random.wrap_key_data(state.key[0])
         replica_key = jax.random.fold_in(key, jax.lax.axis_index(_axes(axis_name)))
-        leaves, treedef = jax.tree.flatten(grads)
 
-        def one(g, ew, es, key):
-            k1, k2 = jax.random.split(key) if stochastic_rounding else (None, None)
-            acc = g.astype(jnp.float32) if ew is None else g.astype(jnp.float32) + ew
-            shard, c = shard_layout(acc.size, r, chunk)
-            rows = _to_rows(acc, r, shard, c)
-            q, scale = quantize_int8(rows, k1)  # [R, s/c, c], [R, s/c]
-            worker_left = None if ew is None else acc - _from_rows(dequantize_int8(q, scale), acc)
-            q, scale = _all_to_all(q, axis_name), _all_to_all(scale, axis_name)
-            mean = jnp.sum(dequantize_int8(q, scale), axis=0) / r  # [s/c, c]: my shard
-            if es is not None:
-                mean = mean + es.reshape(mean.shape)
-            q2, scale2 = quantize_int8(mean, k2)
-            server_left = None if es is None else (mean - dequantize_int8(q2, scale2)).reshape(-1)
-            full = dequantize_int8(_gather(q2, axis_name), _gather(scale2, axis_name))
-            return _from_rows(full, g), worker_left, server_left
-
-        ws = treedef.flatten_up_to(state.worker) if error_feedback else [None] * len(leaves)
-        ss = treedef.flatten_up_to(state.server) if error_feedback else [None] * len(leaves)
-        out, new_w, new_s = [], [], []
-        dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
-        for i, (g, ew, es, b) in enumerate(zip(leaves, ws, ss, dims)):
-            if not _is_float(g):
-                out.append(g)
-                new_w.append(ew)
-                new_s.append(es)
-                continue
+        def leaf(i, g, b, ew, es):
             lead = g.shape[:b]
             keys = jax.random.split(jax.random.fold_in(replica_key, i), math.prod(lead))
             keys = keys.reshape(*lead, *keys.shape[1:])
             e0 = (None, None) if ew is None else (ew[0], es[0])
-            mean, w, srv = _per_layer(one, b)(g, *e0, keys)
-            out.append(mean)
-            new_w.append(None if w is None else w[None])
-            new_s.append(None if srv is None else srv[None])
-        new_key = jax.random.key_data(jax.random.split(key)[0])[None]
-        if not error_feedback:
-            return treedef.unflatten(out), Int8State(new_key)
-        return treedef.unflatten(out), Int8State(
-            new_key, treedef.unflatten(new_w), treedef.unflatten(new_s)
+            mean, w, srv = _per_layer(one_int8, b)(g, *e0, keys)
+            return mean, None if w is None else w[None], None if srv is None else srv[None]
+
+        one_int8 = functools.partial(
+            _int8_allreduce, axis_name=axis_name, chunk=chunk, stochastic=stochastic_rounding
         )
+        out, (worker, server) = _map_float_leaves(
+            leaf, grads, (state.worker, state.server), batch_dims
+        )
+        new_key = jax.random.key_data(jax.random.split(key)[0])[None]
+        return out, Int8State(new_key, worker, server)
 
     return optax.GradientTransformation(init, update)
+
+
+def _int8_allreduce(g, ew, es, key, *, axis_name: AxisName, chunk: int, stochastic: bool):
+    """One layer's two-phase int8 mean: (mean, new worker residual, new server residual [s])."""
+    r = num_replicas(axis_name)
+    k1, k2 = jax.random.split(key) if stochastic else (None, None)
+    acc = g.astype(jnp.float32) if ew is None else g.astype(jnp.float32) + ew
+    shard, c = shard_layout(acc.size, r, chunk)
+    q, scale = quantize_int8(_to_rows(acc, r, shard, c), k1)  # [R, s/c, c], [R, s/c]
+    worker_left = None if ew is None else acc - _from_rows(dequantize_int8(q, scale), acc)
+    q, scale = _all_to_all(q, axis_name), _all_to_all(scale, axis_name)
+    mean = jnp.sum(dequantize_int8(q, scale), axis=0) / r  # [s/c, c]: my shard
+    if es is not None:
+        mean = mean + es.reshape(mean.shape)
+    q2, scale2 = quantize_int8(mean, k2)
+    server_left = None if es is None else (mean - dequantize_int8(q2, scale2)).reshape(-1)
+    full = dequantize_int8(_gather(q2, axis_name), _gather(scale2, axis_name))
+    return _from_rows(full, g), worker_left, server_left
 
 
 # --------------------------------------------------------------------------------------------------
@@ -346,6 +364,11 @@ def topk_densities(ratio: float, warmup_steps: int) -> list[float]:
     while stages[-1] / 4 > ratio:
         stages.append(stages[-1] / 4)
     return [*stages, ratio]
+
+
+def _two_phase_k(size: int, k: int, replicas: int) -> int:
+    """Entries of each of the R rows the two-phase exchange sends: ceil(k / R), within the row."""
+    return min(-(-size // replicas), max(1, -(-k // replicas)))
 
 
 def _topk_k(ratio: float, size: int) -> int:
@@ -384,7 +407,8 @@ def topk(
     averages them into its dense row, adds its server residual and keeps the ceil(k / R) largest
     of that (the rest stays in the server residual); an all-gather of those pairs gives everyone
     the result (global top-k of the mean, as gTop-k). Wire: ~8 k bytes per phase, ~size / (2 k)
-    x fewer than f32 at any R (50x at 1%).
+    x fewer than f32 at any R (50x at 1%); where those pairs would outweigh the tensor
+    (2 R ceil(k / R) >= size) it too all-reduces the dense union.
     `batch_dims` (an int or a tree like the params) marks leading stacked-layer axes: each layer
     is a tensor of its own, with its own k.
     """
@@ -399,125 +423,103 @@ def topk(
         densities = [1.0, ratio]
 
     def init(params):
-        def zeros(p):  # f32 even for bf16 gradients: the residual must keep what was not sent
-            return jnp.zeros((1, *p.shape), jnp.float32) if _is_float(p) else None
-
-        residual = jax.tree.map(zeros, params) if error_feedback else None
-        velocity = jax.tree.map(zeros, params) if momentum_correction else None
+        residual = _worker_zeros(params) if error_feedback else None
+        velocity = _worker_zeros(params) if momentum_correction else None
         server = None
         if two_phase and error_feedback:
-            r = num_replicas(axis_name)
-            leaves, treedef = jax.tree.flatten(params)
-            dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
-            server = treedef.unflatten(
-                [
-                    jnp.zeros((1, *p.shape[:b], -(-math.prod(p.shape[b:]) // r)), jnp.float32)
-                    if _is_float(p)
-                    else None
-                    for p, b in zip(leaves, dims)
-                ]
-            )
+            server = _server_zeros(params, batch_dims, lambda n: -(-n // num_replicas(axis_name)))
         return TopKState(jnp.zeros((1,), jnp.int32), residual, velocity, server)
 
-    def send_two_phase(acc, u, es, k, r):
-        """Sparse reduce-scatter + all-gather of acc [n] (see the docstring)."""
-        n = acc.size
-        shard = -(-n // r)
-        kr = min(shard, max(1, -(-k // r)))
-        rows = jnp.pad(acc, (0, r * shard - n)).reshape(r, shard)
-        _, idx = jax.lax.top_k(jnp.abs(rows), kr)  # [R, kr]
-        vals = jnp.take_along_axis(rows, idx, axis=1)
-        rows_idx = jnp.arange(r)[:, None]
-        left = rows.at[rows_idx, idx].set(0).reshape(-1)[:n]
-        u_rows = jnp.pad(u, (0, r * shard - n)).reshape(r, shard)
-        u = u_rows.at[rows_idx, idx].set(0).reshape(-1)[:n]
-        vals, idx = _all_to_all(vals, axis_name), _all_to_all(idx.astype(jnp.int32), axis_name)
-        mine = jnp.zeros((shard,), acc.dtype).at[idx.reshape(-1)].add(vals.reshape(-1)) / r
-        if es is not None:
-            mine = mine + es
-        _, idx2 = jax.lax.top_k(jnp.abs(mine), kr)
-        es = None if es is None else mine.at[idx2].set(0)
-        g_vals, g_idx = _gather(mine[idx2], axis_name), _gather(idx2.astype(jnp.int32), axis_name)
-        full = jnp.zeros((r, shard), acc.dtype).at[rows_idx, g_idx].set(g_vals)
-        return full.reshape(-1)[:n], left, u, es
-
-    def send(acc, u, es, k, r):
-        """Top-k of acc [n]: (mean over replicas of what was sent, acc and u zeroed where sent,
-        the server residual `es` (two_phase) or None)."""
-        if k >= acc.size:  # everything sent: nothing left, the velocity kept (momentum SGD)
-            return jax.lax.pmean(acc, _axes(axis_name)), jnp.zeros_like(acc), u, es
-        if two_phase:
-            return send_two_phase(acc, u, es, k, r)
-        _, idx = jax.lax.top_k(jnp.abs(acc), k)
-        if r * k >= acc.size:  # the pairs would outweigh the tensor: dense reduce of the union
-            sparse = jnp.zeros_like(acc).at[idx].set(acc[idx])
-            mean = jax.lax.pmean(sparse, _axes(axis_name))
-        else:
-            vals = _gather(acc[idx], axis_name)
-            all_idx = _gather(idx.astype(jnp.int32), axis_name)
-            mean = jnp.zeros(acc.shape, acc.dtype).at[all_idx.reshape(-1)].add(vals.reshape(-1))
-            mean = mean / r
-        return mean, acc.at[idx].set(0), u.at[idx].set(0), es
+    send = functools.partial(_topk_send, axis_name=axis_name, two_phase=two_phase)
 
     def update(grads, state, params=None):
         del params
         r = num_replicas(axis_name)
-        count = state.count[0]
-        leaves, treedef = jax.tree.flatten(grads)
-        res = treedef.flatten_up_to(state.residual) if error_feedback else [None] * len(leaves)
-        vel = treedef.flatten_up_to(state.velocity) if momentum_correction else [None] * len(leaves)
-        srv = [None] * len(leaves) if state.server is None else treedef.flatten_up_to(state.server)
-        stage = 0
-        if len(densities) > 1:
-            per = max(1, warmup_steps // (len(densities) - 1))
-            stage = jnp.minimum(count // per, len(densities) - 1)
+        per = max(1, warmup_steps // max(1, len(densities) - 1))
+        stage = jnp.minimum(state.count[0] // per, len(densities) - 1)
 
         def one(g, e, u, es):
-            """One layer: g its gradient, e / u / es its residual, velocity, server residual."""
-            flat = g.reshape(-1).astype(jnp.float32)
-            if u is not None:  # DGC: accumulate the locally momentum-corrected gradient
-                u = momentum * u.reshape(-1) + flat
-                acc = e.reshape(-1) + u
-            elif e is not None:
-                acc = e.reshape(-1) + flat
-            else:
-                acc = flat
-            ks = [_topk_k(d, flat.size) for d in densities]
-            branches = [lambda a, v, s, k=k: send(a, v, s, k, r) for k in ks]
-            v = acc if u is None else u
-            if len(set(ks)) == 1:
-                mean, left, v, es = branches[0](acc, v, es)
-            else:
-                mean, left, v, es = jax.lax.switch(stage, branches, acc, v, es)
-            left = None if e is None else left.reshape(g.shape)
-            return (
-                mean.reshape(g.shape).astype(g.dtype),
-                left,
-                None if u is None else v.reshape(g.shape),
-                es,
-            )
+            ks = [_topk_k(d, g.size) for d in densities]
+            return _topk_layer(g, e, u, es, ks=ks, stage=stage, send=send, r=r, momentum=momentum)
 
-        out, new_res, new_vel, new_srv = [], [], [], []
-        dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
-        for g, e, u, es, b in zip(leaves, res, vel, srv, dims, strict=True):
-            if not _is_float(g):
-                out.append(g)
-                new_res.append(e)
-                new_vel.append(u)
-                new_srv.append(es)
-                continue
+        def leaf(i, g, b, e, u, es):
             e0, u0, s0 = (None if x is None else x[0].astype(jnp.float32) for x in (e, u, es))
             mean, left, v, s1 = _per_layer(one, b)(g, e0, u0, s0)
-            out.append(mean)
-            new_res.append(None if e is None else left[None].astype(e.dtype))
-            new_vel.append(None if u is None else v[None].astype(u.dtype))
-            new_srv.append(None if es is None else s1[None])
-        residual = treedef.unflatten(new_res) if error_feedback else None
-        velocity = treedef.unflatten(new_vel) if momentum_correction else None
-        server = None if state.server is None else treedef.unflatten(new_srv)
-        return treedef.unflatten(out), TopKState(state.count + 1, residual, velocity, server)
+            return (
+                mean,
+                None if e is None else left[None].astype(e.dtype),
+                None if u is None else v[None].astype(u.dtype),
+                None if es is None else s1[None],
+            )
+
+        parts = (state.residual, state.velocity, state.server)
+        out, (residual, velocity, server) = _map_float_leaves(leaf, grads, parts, batch_dims)
+        return out, TopKState(state.count + 1, residual, velocity, server)
 
     return optax.GradientTransformation(init, update)
+
+
+def _topk_layer(g, e, u, es, *, ks, stage, send, r, momentum):
+    """One layer of `topk`: g its gradient, e / u / es its residual, velocity, server residual;
+    `ks[stage]` entries sent. Returns (mean, new e, new u, new es)."""
+    flat = g.reshape(-1).astype(jnp.float32)
+    if u is not None:  # DGC: accumulate the locally momentum-corrected gradient
+        u = momentum * u.reshape(-1) + flat
+        acc = e.reshape(-1) + u
+    elif e is not None:
+        acc = e.reshape(-1) + flat
+    else:
+        acc = flat
+    branches = [lambda a, v, s, k=k: send(a, v, s, k, r) for k in ks]
+    v = acc if u is None else u
+    if len(set(ks)) == 1:
+        mean, left, v, es = branches[0](acc, v, es)
+    else:
+        mean, left, v, es = jax.lax.switch(stage, branches, acc, v, es)
+    left = None if e is None else left.reshape(g.shape)
+    v = None if u is None else v.reshape(g.shape)
+    return mean.reshape(g.shape).astype(g.dtype), left, v, es
+
+
+def _topk_two_phase(acc, u, es, k, r, axis_name: AxisName):
+    """Sparse reduce-scatter + all-gather of acc [n] (see `topk`)."""
+    n = acc.size
+    shard, kr = -(-n // r), _two_phase_k(n, k, r)
+    rows = jnp.pad(acc, (0, r * shard - n)).reshape(r, shard)
+    _, idx = jax.lax.top_k(jnp.abs(rows), kr)  # [R, kr]
+    vals = jnp.take_along_axis(rows, idx, axis=1)
+    rows_idx = jnp.arange(r)[:, None]
+    left = rows.at[rows_idx, idx].set(0).reshape(-1)[:n]
+    u_rows = jnp.pad(u, (0, r * shard - n)).reshape(r, shard)
+    u = u_rows.at[rows_idx, idx].set(0).reshape(-1)[:n]
+    vals, idx = _all_to_all(vals, axis_name), _all_to_all(idx.astype(jnp.int32), axis_name)
+    mine = jnp.zeros((shard,), acc.dtype).at[idx.reshape(-1)].add(vals.reshape(-1)) / r
+    if es is not None:
+        mine = mine + es
+    _, idx2 = jax.lax.top_k(jnp.abs(mine), kr)
+    es = None if es is None else mine.at[idx2].set(0)
+    g_vals, g_idx = _gather(mine[idx2], axis_name), _gather(idx2.astype(jnp.int32), axis_name)
+    full = jnp.zeros((r, shard), acc.dtype).at[rows_idx, g_idx].set(g_vals)
+    return full.reshape(-1)[:n], left, u, es
+
+
+def _topk_send(acc, u, es, k, r, *, axis_name: AxisName, two_phase: bool):
+    """Top-k of acc [n]: (mean over replicas of what was sent, acc and u zeroed where sent,
+    the server residual `es` (two_phase) or None)."""
+    if k >= acc.size:  # everything sent: nothing left, the velocity kept (momentum SGD)
+        return jax.lax.pmean(acc, _axes(axis_name)), jnp.zeros_like(acc), u, es
+    if two_phase and 2 * r * _two_phase_k(acc.size, k, r) < acc.size:
+        return _topk_two_phase(acc, u, es, k, r, axis_name)
+    _, idx = jax.lax.top_k(jnp.abs(acc), k)
+    if two_phase or r * k >= acc.size:  # pairs outweigh the tensor: dense reduce of the union
+        sparse = jnp.zeros_like(acc).at[idx].set(acc[idx])
+        mean = jax.lax.pmean(sparse, _axes(axis_name))
+    else:
+        vals = _gather(acc[idx], axis_name)
+        all_idx = _gather(idx.astype(jnp.int32), axis_name)
+        mean = jnp.zeros(acc.shape, acc.dtype).at[all_idx.reshape(-1)].add(vals.reshape(-1))
+        mean = mean / r
+    return mean, acc.at[idx].set(0), u.at[idx].set(0), es
 
 
 def topk_wire_ratio(size: int, replicas: int, ratio: float, two_phase: bool = False) -> float:
@@ -529,10 +531,9 @@ def topk_wire_ratio(size: int, replicas: int, ratio: float, two_phase: bool = Fa
     """
     k = _topk_k(ratio, size)
     dense = 2 * 4 * size  # (R-1)/R cancels
-    if two_phase:
-        kr = min(-(-size // replicas), max(1, -(-k // replicas)))
-        return dense / (2 * replicas * kr * 8)
-    if replicas * k >= size:
+    if two_phase and 2 * replicas * _two_phase_k(size, k, replicas) < size:
+        return dense / (2 * replicas * _two_phase_k(size, k, replicas) * 8)
+    if two_phase or replicas * k >= size:
         return 1.0  # the dense reduce of the union
     return dense / (replicas * k * 8)
 
@@ -599,71 +600,38 @@ def powersgd(
     if min_compression < 1:
         raise ValueError(f"powersgd: min_compression={min_compression} must be >= 1")
 
-    def matrices(leaves, treedef):
-        if batch_dims is None or isinstance(batch_dims, int):
-            dims = [batch_dims or 0] * len(leaves)
-        else:
-            dims = treedef.flatten_up_to(batch_dims)
+    def matrices(tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
         return [
             powersgd_shape(p.shape, rank, min_compression, d) if _is_float(p) else None
             for p, d in zip(leaves, dims, strict=True)
         ]
 
     def init(params):
-        leaves, treedef = jax.tree.flatten(params)
-        key = jax.random.PRNGKey(seed)
-        qs, res = [], []
-        for i, (p, bnm) in enumerate(zip(leaves, matrices(leaves, treedef), strict=True)):
-            if bnm is None:
-                qs.append(None)
-                res.append(None)
-                continue
-            # One draw per tensor, shared by its layers: a stage holding some of the layers (a
-            # pipeline shard) starts from the same Q as the whole stack would.
-            b, _, m = bnm
-            q = jax.random.normal(jax.random.fold_in(key, i), (m, rank), jnp.float32)
-            qs.append(jnp.broadcast_to(q, (1, b, m, rank)))
-            res.append(jnp.zeros((1, *p.shape), jnp.float32) if error_feedback else None)
-        return PowerSGDState(
-            jnp.zeros((1,), jnp.int32), treedef.unflatten(qs), treedef.unflatten(res)
-        )
+        return _powersgd_init(params, matrices(params), rank, seed, error_feedback)
 
-    def orthogonalize(p):
-        """Orthonormal columns spanning p [b, n, r]."""
-        if orthogonalization_epsilon <= 0:
-            return jnp.linalg.qr(p)[0]
-        cols = []
-        for i in range(p.shape[-1]):
-            col = p[..., i]
-            for prev in cols:
-                col = col - jnp.sum(prev * col, axis=-1, keepdims=True) * prev
-            norm = jnp.linalg.norm(col, axis=-1, keepdims=True)
-            cols.append(col / (norm + orthogonalization_epsilon))
-        return jnp.stack(cols, axis=-1)
+    compress = functools.partial(
+        _powersgd_compress, axis_name=axis_name, epsilon=orthogonalization_epsilon
+    )
 
-    def compress(m_i, q):
-        """(mean approximation, this replica's residual, new Q); m_i [b, n, m], q [b, m, r]."""
-        p = jax.lax.pmean(m_i @ q, _axes(axis_name))  # [b, n, r]
-        p = orthogonalize(p)
-        q_i = jnp.swapaxes(m_i, 1, 2) @ p  # [b, m, r]
-        q_new = jax.lax.pmean(q_i, _axes(axis_name))
-        return p @ jnp.swapaxes(q_new, 1, 2), m_i - p @ jnp.swapaxes(q_i, 1, 2), q_new
+    def dense(m_i, q):
+        mean = jax.lax.pmean(m_i, _axes(axis_name))
+        return mean, jnp.zeros_like(m_i), _varying_like(q, q)
+
+    def compressed(m_i, q):
+        mean, left, q_new = compress(m_i, q)
+        return mean, left, _varying_like(q_new, q)
 
     def update(grads, state, params=None):
         del params
         count = state.count[0]
-        leaves, treedef = jax.tree.flatten(grads)
-        qs = treedef.flatten_up_to(state.q)
-        res = treedef.flatten_up_to(state.residual)
-        out, new_q, new_res = [], [], []
-        for i, (g, q, e, bnm) in enumerate(
-            zip(leaves, qs, res, matrices(leaves, treedef), strict=True)
-        ):
+        shapes = matrices(grads)
+
+        def leaf(i, g, b, q, e):
+            bnm = shapes[i]
             if bnm is None:
-                out.append(jax.lax.pmean(g, _axes(axis_name)) if _is_float(g) else g)
-                new_q.append(None)
-                new_res.append(None)
-                continue
+                return jax.lax.pmean(g, _axes(axis_name)), None, None
             m_i = g.reshape(bnm).astype(jnp.float32)
             if e is not None:
                 m_i = m_i + e[0].reshape(bnm).astype(jnp.float32)
@@ -673,27 +641,59 @@ def powersgd(
                 fresh = jax.random.normal(jax.random.fold_in(key, i), q.shape[1:], jnp.float32)
                 q = _varying_like(jnp.broadcast_to(fresh, q.shape), q)
             if start_iter > 0:
-
-                def dense(m_i, q):
-                    mean = jax.lax.pmean(m_i, _axes(axis_name))
-                    return mean, jnp.zeros_like(m_i), _varying_like(q, q)
-
-                def compressed(m_i, q):
-                    mean, left, q_new = compress(m_i, q)
-                    return mean, left, _varying_like(q_new, q)
-
                 mean, left, q = jax.lax.cond(count < start_iter, dense, compressed, m_i, q)
             else:
                 mean, left, q = compress(m_i, q)
-            out.append(mean.reshape(g.shape).astype(g.dtype))
-            new_q.append(q[None])
-            new_res.append(None if e is None else left.reshape(e.shape).astype(e.dtype))
-        new_state = PowerSGDState(
-            state.count + 1, treedef.unflatten(new_q), treedef.unflatten(new_res)
-        )
-        return treedef.unflatten(out), new_state
+            left = None if e is None else left.reshape(e.shape).astype(e.dtype)
+            return mean.reshape(g.shape).astype(g.dtype), q[None], left
+
+        out, (qs, res) = _map_float_leaves(leaf, grads, (state.q, state.residual), None)
+        return out, PowerSGDState(state.count + 1, qs, res)
 
     return optax.GradientTransformation(init, update)
+
+
+def _powersgd_init(params, shapes, rank: int, seed: int, error_feedback: bool) -> PowerSGDState:
+    """Per compressed leaf (`shapes[i]` = (b, n, m), else None): Q [1, b, m, rank] and a residual."""
+    leaves, treedef = jax.tree.flatten(params)
+    key = jax.random.PRNGKey(seed)
+    qs, res = [], []
+    for i, (p, bnm) in enumerate(zip(leaves, shapes, strict=True)):
+        if bnm is None:
+            qs.append(None)
+            res.append(None)
+            continue
+        # One draw per tensor, shared by its layers: a stage holding some of the layers (a
+        # pipeline shard) starts from the same Q as the whole stack would.
+        b, _, m = bnm
+        q = jax.random.normal(jax.random.fold_in(key, i), (m, rank), jnp.float32)
+        qs.append(jnp.broadcast_to(q, (1, b, m, rank)))
+        res.append(jnp.zeros((1, *p.shape), jnp.float32) if error_feedback else None)
+    return PowerSGDState(jnp.zeros((1,), jnp.int32), treedef.unflatten(qs), treedef.unflatten(res))
+
+
+def _orthogonalize(p: jax.Array, epsilon: float) -> jax.Array:
+    """Orthonormal columns spanning p [b, n, r]: Householder QR (`epsilon` 0) or PyTorch's
+    Gram-Schmidt dividing each column by its norm + `epsilon`."""
+    if epsilon <= 0:
+        return jnp.linalg.qr(p)[0]
+    cols = []
+    for i in range(p.shape[-1]):
+        col = p[..., i]
+        for prev in cols:
+            col = col - jnp.sum(prev * col, axis=-1, keepdims=True) * prev
+        norm = jnp.linalg.norm(col, axis=-1, keepdims=True)
+        cols.append(col / (norm + epsilon))
+    return jnp.stack(cols, axis=-1)
+
+
+def _powersgd_compress(m_i, q, *, axis_name: AxisName, epsilon: float):
+    """(mean approximation, this replica's residual, new Q); m_i [b, n, m], q [b, m, r]."""
+    p = jax.lax.pmean(m_i @ q, _axes(axis_name))  # [b, n, r]
+    p = _orthogonalize(p, epsilon)
+    q_i = jnp.swapaxes(m_i, 1, 2) @ p  # [b, m, r]
+    q_new = jax.lax.pmean(q_i, _axes(axis_name))
+    return p @ jnp.swapaxes(q_new, 1, 2), m_i - p @ jnp.swapaxes(q_i, 1, 2), q_new
 
 
 # --------------------------------------------------------------------------------------------------
@@ -790,76 +790,45 @@ def ef_sign(
         raise ValueError(f"ef_sign: chunk={chunk} must be a positive multiple of 8")
 
     def init(params):
-        r = num_replicas(axis_name)
-        leaves, treedef = jax.tree.flatten(params)
-        dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
-
-        def worker(p):
-            return jnp.zeros((1, *p.shape), jnp.float32) if _is_float(p) else None
-
-        def server(p, b):
-            if not _is_float(p):
-                return None
-            shard = shard_layout(math.prod(p.shape[b:]), r, chunk, 8)[0]
-            return jnp.zeros((1, *p.shape[:b], shard), jnp.float32)
-
-        momentum_buf = jax.tree.map(worker, params) if momentum_correction else None
+        count = jnp.zeros((1,), jnp.int32)
+        momentum_buf = _worker_zeros(params) if momentum_correction else None
         if not error_feedback:
-            return SignState(jnp.zeros((1,), jnp.int32), None, None, momentum_buf)
-        return SignState(
-            jnp.zeros((1,), jnp.int32),
-            jax.tree.map(worker, params),
-            treedef.unflatten([server(p, b) for p, b in zip(leaves, dims)]),
-            momentum_buf,
-        )
+            return SignState(count, None, None, momentum_buf)
+        shard_of = lambda size: shard_layout(size, num_replicas(axis_name), chunk, 8)[0]  # noqa: E731
+        server = _server_zeros(params, batch_dims, shard_of)
+        return SignState(count, _worker_zeros(params), server, momentum_buf)
 
     compressed = functools.partial(_sign_allreduce, axis_name=axis_name, chunk=chunk)
 
+    def dense(acc, es0, like):
+        mean = jax.lax.pmean(acc, _axes(axis_name)).astype(like.dtype)
+        return mean, jnp.zeros_like(acc), es0
+
     def update(grads, state, params=None):
         del params
-        leaves, treedef = jax.tree.flatten(grads)
-        ws = treedef.flatten_up_to(state.worker) if error_feedback else [None] * len(leaves)
-        ss = treedef.flatten_up_to(state.server) if error_feedback else [None] * len(leaves)
-        vs = treedef.flatten_up_to(state.momentum) if momentum_correction else [None] * len(leaves)
-        out, new_w, new_s, new_v = [], [], [], []
-        dims = _leaf_batch_dims(batch_dims, treedef, len(leaves))
-        for g, ew, es, u, b in zip(leaves, ws, ss, vs, dims, strict=True):
-            if not _is_float(g):
-                out.append(g)
-                new_w.append(ew)
-                new_s.append(es)
-                new_v.append(u)
-                continue
+
+        def one(acc, es0, like):
+            if start_step > 0:
+                return jax.lax.cond(state.count[0] < start_step, dense, compressed, acc, es0, like)
+            return compressed(acc, es0, like)
+
+        def leaf(i, g, b, ew, es, u):
             acc = g.astype(jnp.float32)
             if u is not None:  # compress m_i = momentum * m + g_i
                 acc = momentum * u[0] + acc
             if ew is not None:
                 acc = acc + ew[0]
-            es0 = None if es is None else es[0]
+            mean, w, s = _per_layer(one, b)(acc, None if es is None else es[0], g)
+            return (
+                mean,
+                None if ew is None else w[None],
+                None if es is None else s[None],
+                None if u is None else mean.astype(jnp.float32)[None],
+            )
 
-            def dense(acc, es0, like):
-                mean = jax.lax.pmean(acc, _axes(axis_name)).astype(like.dtype)
-                return mean, jnp.zeros_like(acc), es0
-
-            def one(acc, es0, like):
-                if start_step > 0:
-                    return jax.lax.cond(
-                        state.count[0] < start_step, dense, compressed, acc, es0, like
-                    )
-                return compressed(acc, es0, like)
-
-            mean, w, s = _per_layer(one, b)(acc, es0, g)
-            out.append(mean)
-            new_v.append(None if u is None else mean.astype(jnp.float32)[None])
-            new_w.append(None if ew is None else w[None])
-            new_s.append(None if es is None else s[None])
-        new_state = SignState(
-            state.count + 1,
-            treedef.unflatten(new_w) if error_feedback else None,
-            treedef.unflatten(new_s) if error_feedback else None,
-            treedef.unflatten(new_v) if momentum_correction else None,
-        )
-        return treedef.unflatten(out), new_state
+        parts = (state.worker, state.server, state.momentum)
+        out, (worker, server, mom) = _map_float_leaves(leaf, grads, parts, batch_dims)
+        return out, SignState(state.count + 1, worker, server, mom)
 
     return optax.GradientTransformation(init, update)
 
@@ -1185,7 +1154,12 @@ def from_config(
     return COMPRESSORS[name](axis_name, grad_sync_cfg, t)
 
 
-FREEZES_VARIANCE = ("topk", "powersgd")  # grad_sync.freeze_variance: Adam with frozen v after
+FREEZES_VARIANCE = (
+    "topk",
+    "powersgd",
+    "ef_sign",
+    "sign",
+)  # grad_sync.freeze_variance: Adam with frozen v after
 
 
 def preconditioner(
@@ -1300,18 +1274,40 @@ def init_global(
     return init(params)
 
 
-def _params_like(x: Any, pdef: Any, shapes: Sequence[tuple[int, ...]]) -> bool:
-    """A state subtree structured like the params, each leaf [1 or R, *shape] or None."""
+def _tree_like(x: Any, pdef: Any) -> bool:
+    """A state subtree with the params' tree structure (its leaves may be None)."""
     if x is None or isinstance(x, jax.ShapeDtypeStruct | jax.Array):
         return False
     try:
-        leaves = pdef.flatten_up_to(x)
+        pdef.flatten_up_to(x)
     except (ValueError, TypeError):
         return False
+    return True
+
+
+def _params_like(x: Any, pdef: Any, shapes: Sequence[tuple[int, ...]]) -> bool:
+    """A state subtree structured like the params, each leaf [1 or R, *shape] or None."""
+    if not _tree_like(x, pdef):
+        return False
+    leaves = pdef.flatten_up_to(x)
     return all(
         leaf is None or (hasattr(leaf, "shape") and tuple(leaf.shape[1:]) == shape)
         for leaf, shape in zip(leaves, shapes, strict=True)
     )
+
+
+def _shard_leaf_spec(leaf, shape, pspec, *, mesh: Mesh, lead) -> P | None:
+    """The spec of one per-shard state leaf of a parameter of shard shape `shape`, spec `pspec`."""
+    if leaf is None:
+        return None
+    if tuple(leaf.shape[1:]) == shape:
+        return P(lead, *pspec)
+    # The shards' own copies, side by side: over the axes this parameter is split on (state of
+    # a parameter replicated over an axis is the same on all its shards, typed so).
+    split = [a for a in mesh.axis_names if a in jax.tree.leaves(tuple(pspec))]
+    if leaf.ndim < 2 or not split:
+        return P(lead, *(None,) * (leaf.ndim - 1))
+    return P(lead, split[0] if len(split) == 1 else tuple(split), *(None,) * (leaf.ndim - 2))
 
 
 def sharded_state(
@@ -1363,26 +1359,8 @@ def sharded_state(
     )
     local = jax.eval_shape(probe, params)
 
-    def structured(x):
-        if x is None or isinstance(x, jax.ShapeDtypeStruct | jax.Array):
-            return False
-        try:
-            pdef.flatten_up_to(x)
-        except (ValueError, TypeError):
-            return False
-        return True
-
-    def leaf_spec(leaf, shape, pspec):
-        if leaf is None:
-            return None
-        if tuple(leaf.shape[1:]) == shape:
-            return P(lead, *pspec)
-        # The shards' own copies, side by side: over the axes this parameter is split on (state of
-        # a parameter replicated over an axis is the same on all its shards, typed so).
-        split = [a for a in mesh.axis_names if a in jax.tree.leaves(tuple(pspec))]
-        if leaf.ndim < 2 or not split:
-            return P(lead, *(None,) * (leaf.ndim - 1))
-        return P(lead, split[0] if len(split) == 1 else tuple(split), *(None,) * (leaf.ndim - 2))
+    structured = functools.partial(_tree_like, pdef=pdef)
+    leaf_spec = functools.partial(_shard_leaf_spec, mesh=mesh, lead=lead)
 
     def spec(x):
         if structured(x):

@@ -45,8 +45,8 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
+from jaxdist import compression, flops, hlo_cost, sharding
 from jaxdist import config as config_lib
-from jaxdist import flops, hlo_cost, sharding
 from jaxdist.errors import ConfigError
 from models.api import abstract_model, remat_names
 
@@ -933,6 +933,25 @@ def _fsdp_terms(s: _Step, out: _Terms) -> None:
             out.add(f"fsdp: all-gather {x.path}", "all-gather", gathered, payload, count, True)
 
 
+def _topk_fraction(s: _Step) -> float:
+    """Top-k's gradient bytes over f32's at this layout's data replicas R: each layer of each
+    tensor's device shard priced by `compression.topk_wire_ratio` (its own k; the all-gather's
+    bytes grow with R up to the dense reduce of the union, the two-phase exchange's do not)."""
+    g = s.config.grad_sync
+    two_phase = g.get("topk_exchange", "all_gather") == "two_phase"
+    dense = sent = 0.0
+    for x, n in zip(s.model.params, s.sh.computed):
+        layers = s.Lp if x.stacked else 1
+        size = n // layers
+        dense += layers * size
+        sent += (
+            layers
+            * size
+            / compression.topk_wire_ratio(size, s.sizes["data"], g.topk_ratio, two_phase)
+        )
+    return sent / dense
+
+
 def _grad_sync_terms(s: _Step, out: _Terms, ratio: float) -> None:
     """The gradient reduction over the batch axes (compressed by `ratio` over data).
 
@@ -1151,7 +1170,8 @@ def predict(
       hw: a `Hardware` or the name of a built-in profile.
       model: `model_info(config)`, to reuse across many layouts.
       compression_ratio: bytes on the wire of the gradient sync over the data axis relative to
-        float32 (`grad_sync.compression`: bf16 0.5, int8 ≈ 0.25, ...); 1 = uncompressed.
+        float32 (`grad_sync.compression`: bf16 0.5, int8 ≈ 0.25, ...); 1 = uncompressed, or
+        for `compression='topk'` its bytes at this layout's replica count (`_topk_fraction`).
     """
     hw = hardware(hw)
     if layout is None:
@@ -1163,6 +1183,8 @@ def predict(
     out = _Terms(s.sizes)
     _tensor_terms(s, out)
     _fsdp_terms(s, out)
+    if compression_ratio == 1.0 and config.grad_sync.get("compression") == "topk":
+        compression_ratio = _topk_fraction(s)
     _grad_sync_terms(s, out, compression_ratio)
     _pipeline_terms(s, out)
     _context_expert_terms(

@@ -302,7 +302,7 @@ COMPRESSION_SETTINGS = [
             "topk_ratio": 0.05,
             "topk_exchange": "two_phase",
             "freeze_variance": True,
-            "warmup_steps": 40,
+            "warmup_steps": 60,
         },
         {},
         "none",
@@ -342,12 +342,78 @@ _SGD_LR = flags.DEFINE_float(
 )
 
 
-def study_compression(config) -> dict:
-    """Bytes, step time and loss per compressor; --max_steps=0 compiles only (bytes, no loss)."""
+def _compression_rows() -> list:
+    """The COMPRESSION_SETTINGS rows --methods and --recipe choose, each (label, grad_sync
+    fields, train fields, baseline label)."""
+    chosen = set(_METHODS.value)
+    unknown = chosen - {row[0] for row in COMPRESSION_SETTINGS}
+    if unknown:
+        raise ConfigError(
+            f"--methods: unknown {', '.join(sorted(unknown))}; valid: "
+            + ", ".join(row[0] for row in COMPRESSION_SETTINGS)
+        )
+    recipe = json.loads(_RECIPE.value) if _RECIPE.value else {}
+    rows = []
+    for label, fields, train_fields, base_label in COMPRESSION_SETTINGS:
+        if chosen and label not in chosen | {"none", base_label}:
+            continue
+        if recipe and label in chosen:
+            fields = {**fields, **recipe}
+        if train_fields.get("optimizer") == "sgd":
+            train_fields = {**train_fields, "learning_rate": _SGD_LR.value}
+        rows.append((label, fields, train_fields, base_label))
+    return rows
+
+
+def _compression_config(config, fields: dict, train_fields: dict, steps: int):
+    cfg = config.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.grad_sync.error_feedback = True
+        cfg.train.steps = max(steps, 1)
+        for k, v in fields.items():
+            cfg.grad_sync[k] = v
+        for k, v in train_fields.items():
+            cfg.train[k] = v
+    return cfg
+
+
+def _steady_wire_bytes(cfg, m, ds, batch) -> float:
+    """Bytes one device sends per step in the steady state, from the compiled HLO: the HLO
+    charges a warm-up's dense branch, so the step is compiled once more without the warm-up."""
+    from jaxdist import loop, train
+
+    steady = cfg.copy_and_resolve_references()
+    with steady.unlocked():
+        steady.grad_sync.warmup_steps = 0
+    # Not validated: onebit_adam refuses warmup_steps=0 for training (its variance would never be
+    # estimated); compiled without the warm-up it is the steady state's program.
+    eng = train.build(steady, m, ds)
+    compiled = eng.train_step.lower(eng.abstract_state, batch).compile()
+    return sum(loop.layout_record(eng, compiled, steady)["collective_bytes_per_step"].values())
+
+
+def _train_row(engine, compiled, batches, steps: int) -> tuple[float, float]:
+    """(median step time in s after 3 steps, mean loss of the last 10 steps) over `steps` steps."""
     import jax
     import numpy as np
 
-    from jaxdist import data, loop, mesh, train
+    state, times, losses = engine.init(), [], []
+    for step in range(steps):
+        batch = batches.get(step)
+        t0 = time.perf_counter()
+        state, mets = compiled(state, batch)
+        jax.block_until_ready(mets)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(mets["loss"]))
+    # The last 10 steps: less batch noise than one.
+    return statistics.median(times[min(3, len(times) - 1) :]), float(np.mean(losses[-10:]))
+
+
+def study_compression(config) -> dict:
+    """Bytes, step time and loss per compressor; --max_steps=0 compiles only (bytes, no loss)."""
+    import jax
+
+    from jaxdist import data, loop, mesh
 
     ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
     m = mesh.make_mesh(config.mesh)
@@ -365,55 +431,20 @@ def study_compression(config) -> dict:
         f"{'method':<16}{'wire/step':>12}{'ratio':>8}{'step ms':>9}{'loss':>9}{'vs base':>9}  base"
     )
     wire_none, losses_of = None, {}
-    chosen = set(_METHODS.value)
-    unknown = chosen - {row[0] for row in COMPRESSION_SETTINGS}
-    if unknown:
-        raise ConfigError(
-            f"--methods: unknown {', '.join(sorted(unknown))}; valid: "
-            + ", ".join(row[0] for row in COMPRESSION_SETTINGS)
-        )
-    recipe = json.loads(_RECIPE.value) if _RECIPE.value else {}
-    for label, fields, train_fields, base_label in COMPRESSION_SETTINGS:
-        if chosen and label not in chosen | {"none", base_label}:
-            continue
-        if recipe and label in chosen:
-            fields = {**fields, **recipe}
-        cfg = config.copy_and_resolve_references()
-        with cfg.unlocked():
-            cfg.grad_sync.error_feedback = True
-            cfg.train.steps = max(steps, 1)
-            for k, v in fields.items():
-                cfg.grad_sync[k] = v
-            for k, v in train_fields.items():
-                cfg.train[k] = v
-            if train_fields.get("optimizer") == "sgd":
-                cfg.train.learning_rate = _SGD_LR.value
+    for label, fields, train_fields, base_label in _compression_rows():
+        cfg = _compression_config(config, fields, train_fields, steps)
         engine, batches = _build(cfg, m, ds)
         compiled = engine.train_step.lower(engine.abstract_state, batches.get(0)).compile()
-        wire = sum(loop.layout_record(engine, compiled, cfg)["collective_bytes_per_step"].values())
-        if cfg.grad_sync.warmup_steps:  # the HLO charges the warm-up's dense branch: compile the
-            steady = cfg.copy_and_resolve_references()  # steady state without it for the bytes
-            with steady.unlocked():
-                steady.grad_sync.warmup_steps = 0
-            # Not validated: onebit_adam refuses warmup_steps=0 for training (its variance would
-            # never be estimated); compiled without the warm-up it is the steady state's program.
-            eng_s = train.build(steady, m, ds)
-            comp_s = eng_s.train_step.lower(eng_s.abstract_state, batches.get(0)).compile()
-            wire = sum(
-                loop.layout_record(eng_s, comp_s, steady)["collective_bytes_per_step"].values()
-            )
+        if cfg.grad_sync.warmup_steps:
+            wire = _steady_wire_bytes(cfg, m, ds, batches.get(0))
+        else:
+            record = loop.layout_record(engine, compiled, cfg)
+            wire = sum(record["collective_bytes_per_step"].values())
         wire_none = wire_none or wire
         run = {
             "method": label,
             "grad_sync": fields,
-            "train": {
-                **train_fields,
-                **(
-                    {"learning_rate": _SGD_LR.value}
-                    if train_fields.get("optimizer") == "sgd"
-                    else {}
-                ),
-            },
+            "train": train_fields,
             "wire_bytes_per_step": wire,
             "ratio": wire_none / wire,
             "baseline": base_label,
@@ -422,18 +453,10 @@ def study_compression(config) -> dict:
             losses_of[label] = _BASE_LOSS.value
             run.update(step_time_s=float("nan"), final_loss=_BASE_LOSS.value, loss_vs_baseline=0.0)
         elif steps > 0:
-            state, times, losses = engine.init(), [], []
-            for step in range(steps):
-                batch = batches.get(step)
-                t0 = time.perf_counter()
-                state, mets = compiled(state, batch)
-                jax.block_until_ready(mets)
-                times.append(time.perf_counter() - t0)
-                losses.append(float(mets["loss"]))
-            final = float(np.mean(losses[-10:]))  # last 10 steps: less batch noise than one
+            step_time, final = _train_row(engine, compiled, batches, steps)
             losses_of[label] = final
             run.update(
-                step_time_s=statistics.median(times[min(3, len(times) - 1) :]),
+                step_time_s=step_time,
                 final_loss=final,
                 loss_vs_baseline=final / losses_of[base_label] - 1,
             )

@@ -324,10 +324,17 @@ def test_compression_statistics_in_the_metrics_and_layout():
 
 
 def _np_topk_two_phase(acc, server, k):
-    """Host replay of top-k's two-phase exchange: acc [R, n], server [R, s]."""
+    """Host replay of top-k's two-phase exchange: acc [R, n], server [R, s]. Where its pairs
+    would outweigh the tensor (2 R kr >= n) it is the dense reduce of each replica's top-k."""
     n = acc.shape[1]
     shard = -(-n // R)
     kr = min(shard, max(1, -(-k // R)))
+    if 2 * R * kr >= n:
+        sent = np.zeros_like(acc)
+        for i in range(R):
+            top = np.argsort(-np.abs(acc[i]), kind="stable")[:k]
+            sent[i, top] = acc[i, top]
+        return sent.sum(0) / F32(R), acc - sent, server
     rows = np.zeros((R, R * shard), F32)
     rows[:, :n] = acc
     rows = rows.reshape(R, R, shard)  # [src, dst, s]
@@ -383,3 +390,54 @@ def test_topk_wire_ratio_model_matches_the_hlo_and_holds_at_many_replicas():
     ]
     got = [round(C.topk_wire_ratio(n, r, 0.01, True), 1) for r in (8, 64, 256, 1024)]
     assert got == [50.0, 50.0, 50.0, 46.5], got  # ceil(k / R) rounds up at R = 1024
+
+
+@pytest.mark.parametrize(
+    "exchange, cuts",
+    [("all_gather", [12.48, 1.56, 1.0, 1.0]), ("two_phase", [49.42, 43.24, 38.59, 21.75])],
+)
+def test_planner_prices_topk_as_the_compiled_step_and_by_replica_count(exchange, cuts):
+    """The default GPT with top-k 1%: plan.predict's bytes at R = 8 are the compiled step's (HLO),
+    and its cuts at R = 8, 64, 256, 1024 are the ones docs/COMPRESSION.md shows ("Top-k at many
+    replicas"): the all-gather's saving is gone by R = 256, the two-phase exchange's stays
+    (ceil(k / R) >= 1 entry per row: its bytes grow once R passes a tensor's k)."""
+    from configs import default
+    from jaxdist import loop, plan
+    from tests.helpers import engine_for
+
+    c = default.get_config()
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = R, 1, 1
+    c.grad_sync.compression, c.grad_sync.topk_exchange = "topk", exchange
+    eng, batches = engine_for(c)
+    compiled = eng.train_step.lower(eng.abstract_state, batches.get(0)).compile()
+    hlo = sum(loop.layout_record(eng, compiled, c)["collective_bytes_per_step"].values())
+    predicted = sum(plan.predict(c, hw="cpu_here", num_devices=R).collective_bytes.values())
+    assert abs(predicted / hlo - 1) < 0.005, (predicted, hlo)
+
+    def cut(replicas):
+        c.train.batch_size = max(replicas, 32)
+        layout = plan.Layout(data=replicas)
+        none = c.copy_and_resolve_references()
+        none.grad_sync.compression = "none"
+        dense = sum(plan.predict(none, layout, "cpu_here").collective_bytes.values())
+        return dense / sum(plan.predict(c, layout, "cpu_here").collective_bytes.values())
+
+    assert [round(cut(r), 2) for r in (8, 64, 256, 1024)] == cuts
+
+
+def test_two_phase_topk_sends_the_dense_union_where_its_pairs_would_cost_more():
+    """A 12-element tensor at R = 8: 2 R ceil(k / R) = 16 pairs >= 12 elements, so the two-phase
+    exchange all-reduces the union instead (the bytes of `none`), as topk_wire_ratio prices it;
+    the mean is that of each replica's top-k."""
+    shapes = {"b": (12,)}
+    tx = C.topk("data", 0.05, two_phase=True, error_feedback=False)
+    assert C.topk_wire_ratio(12, R, 0.05, two_phase=True) == 1.0
+    assert _wire_bytes(tx, shapes) == _wire_bytes(C.none("data"), shapes)
+    g = np.random.default_rng(0).normal(size=(R, 12)).astype(F32)
+    params = {"b": jnp.zeros((12,), jnp.float32)}
+    out = _run(tx, [{"b": jnp.asarray(g)}], params=params)[0][0]
+    top = np.zeros_like(g)
+    for i in range(R):  # k = ceil(0.05 * 12) = 1: each replica's largest |g|
+        j = np.argmax(np.abs(g[i]))
+        top[i, j] = g[i, j]
+    np.testing.assert_allclose(np.asarray(out["b"]), top.mean(0), rtol=1e-6, atol=1e-7)
