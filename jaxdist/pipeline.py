@@ -119,11 +119,13 @@ class Schedule:
         return [(FWD, i, c), (BWD, j, c)] if i == j else [(BWD, j, c), (FWD, i, c)]
 
     def unit_costs(self) -> np.ndarray:
-        """float [ticks, p]: the work of each entry in forward units: F 1, B 2 (the whole backward),
-        FWD_BWD 3; zb's B (input gradient) and W (weight gradient) 1 each, as its table assumes."""
+        """float [ticks, p]: the work of each entry in units of a stage's forward: F 1, B 2 (the
+        whole backward), FWD_BWD 3; zb's B (input gradient) and W (weight gradient) 1 each, as its
+        table assumes; an interleaved entry runs one of the v chunks (1/v of that)."""
         units = {IDLE: 0.0, FWD: 1.0, BWD: 1.0 if self.name == "zb" else 2.0, WGT: 1.0}
         units[FWD_BWD] = 3.0
-        return np.vectorize(units.__getitem__, otypes=[float])(self.action)
+        per_chunk = np.vectorize(units.__getitem__, otypes=[float])(self.action)
+        return per_chunk / self.virtual_stages  # an interleaved tick runs 1/v of the stage
 
     def lockstep_units(self) -> float:
         """Sum over ticks of the slowest stage's work (`unit_costs`): the time of a lock-step
@@ -1439,6 +1441,33 @@ class _LockStep:
             if inst.opcode == "conditional" and len(list(hlo_cost.callees(inst))) == n:
                 return inst
         return None
+
+
+def branch_lockstep(
+    sched: Schedule, fwd: float, bwd: float, b_input: float, b_weight: float, head: float
+) -> tuple[float, float]:
+    """(lock-step time, useful work) of one pass over the schedule, from per-branch costs (e.g.
+    dot FLOPs): every tick is charged its slowest stage's executed branch, as `lockstep_flops`
+    reads it from a compiled program, but with the costs given instead of read.
+
+    Args:
+      fwd, bwd: one stage's forward and whole backward of one microbatch (gpipe / interleaved:
+        of all its chunks, each tick runs 1/v of them on every stage, idle ones too).
+      b_input, b_weight: zb's input- and weight-gradient passes.
+      head: the head and loss forward of one microbatch (their backward costs 2×), run by the
+        last stage of 1f1b and zb (gpipe and interleaved run it outside the ticks).
+    """
+    actions = executed_actions(sched)
+    if actions is None:  # every stage runs every tick: the forward ticks, then their mirror
+        v, half = sched.virtual_stages, sched.ticks // 2
+        busy = int(np.sum(sched.action[:half] != IDLE))
+        return half * (fwd + bwd) / v, busy * (fwd + bwd) / v
+    if sched.name == "zb":
+        costs = [0, fwd, b_input, b_weight, fwd + head, b_input + 2 * head]
+    else:
+        costs = [0, fwd, bwd, fwd + bwd, fwd + bwd + 3 * head]
+    per_entry = np.asarray(costs)[actions]
+    return float(per_entry.max(axis=1).sum()), float(per_entry.sum())
 
 
 def lockstep_flops(hlo_text: str, sched: Schedule) -> dict[str, Any]:
