@@ -779,6 +779,8 @@ class _Step:
     # 1f1b: its costliest branch (the last stage's forward, head, loss and backward of one
     # microbatch in one tick) runs a forward too; zb's runs a backward only
     fused: bool
+    # 1f1b / zb: slots of the arriving activations, arriving gradients and the residual stash
+    slots: tuple[int, int, int]
     # pipeline.fsdp_gather_once: the stage's layers are gathered over fsdp once per step (per
     # accumulation chunk) before the stages, and their gradients summed over fsdp once after.
     once: bool
@@ -812,11 +814,15 @@ def _step(config, layout: Layout, model: ModelInfo, hw: Hardware) -> _Step:
     # conditionals): the last stage's, a forward and the stashed vjp (no forward recomputed).
     # zb (jaxdist.pipeline._zero_bubble) is costed as 1F1B on its own table's ticks: the same
     # switch, its backward split in two branches whose collectives are the backward's.
-    ticks_1f1b = 0
+    ticks_1f1b, slots = 0, (p, p, p)
     if p > 1 and config.pipeline.schedule in ("1f1b", "zb"):
         from jaxdist import pipeline
 
-        ticks_1f1b = pipeline.build_schedule(config.pipeline.schedule, p, m).ticks
+        sched = pipeline.build_schedule(config.pipeline.schedule, p, m)
+        ticks_1f1b = sched.ticks
+        if sched.name == "1f1b":  # (zb: costed as p slots each)
+            n = pipeline.exec_tables(sched)["slots"]
+            slots = (n["x"], n["g"], n["r"])
     return _Step(
         config=config,
         model=model,
@@ -841,6 +847,7 @@ def _step(config, layout: Layout, model: ModelInfo, hw: Hardware) -> _Step:
         one_f_one_b=p > 1 and config.pipeline.schedule in ("1f1b", "zb"),
         ticks_1f1b=ticks_1f1b,
         fused=p > 1 and config.pipeline.schedule == "1f1b",
+        slots=slots,
         once=p > 1 and bool(config.pipeline.get("fsdp_gather_once", False)) and sizes["fsdp"] > 1,
     )
 
@@ -1064,12 +1071,15 @@ def _activations(s: _Step) -> tuple[float, int, int, float, float]:
         saved = s.rows_mb * s.Lp * row_bytes(rep, split, scores)
         work_rows, logit_rows = s.rows_mb, s.rows_mb
     elif s.one_f_one_b:
-        # Input and gradient buffers of p slots, the embedded microbatches and their gradient, and
-        # the stash: p slots of one microbatch's residuals (what the policy keeps), plus about four
-        # more live around the tick's switch (the slot read, the branch's new residuals, the
-        # conditional's result, the masked store), from the compiled layouts of tests/test_plan*.
-        buffers = (2 * s.p + 2 * s.m) * s.chunk_rows * T * D * adt
-        saved = buffers + (s.p + 4) * s.chunk_rows * s.Lp * row_bytes(rep, split, scores)
+        # Input and gradient buffers, the embedded microbatches and their gradient, and the stash:
+        # its slots of one microbatch's residuals (what the policy keeps), plus about four more
+        # live around the tick's switch (the slot read, the branch's new residuals, the
+        # conditional's result, the masked store), from the compiled layouts of tests/test_plan*;
+        # one more in 1f1b, whose last stage holds a microbatch's residuals within its tick.
+        n_x, n_g, n_stash = s.slots
+        buffers = (n_x + n_g + 2 * s.m) * s.chunk_rows * T * D * adt
+        live = n_stash + 4 + s.fused
+        saved = buffers + live * s.chunk_rows * s.Lp * row_bytes(rep, split, scores)
         work_rows, logit_rows = s.chunk_rows, s.chunk_rows
         stage_grads = 1 if Lc > 1 else 0
     else:
