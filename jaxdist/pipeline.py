@@ -19,12 +19,14 @@ stage at every tick, and `Schedule.bubble_fraction` counts the idle entries of t
 * `gpipe`: all forwards, then all backwards; the backward is JAX's autodiff of the scanned forward
   ticks, so a stage keeps the activations of every microbatch (remat at the stage boundary with
   `train.remat` keeps only each tick's stage input). Bubble (p-1)/(m+p-1).
-* `1f1b`: PipeDream-Flush. Forward and backward ticks interleave per stage, each a `lax.switch`
-  branch, so all stages run one SPMD program while doing different work. A forward tick runs the
-  stage under `jax.vjp` and stashes the residuals (what `train.remat` lets a layer keep) of at most
-  `p` microbatches, in `p` slots; the backward tick applies the stashed vjp, so it recomputes
-  nothing and activation memory does not grow with `m`. The head and loss of a microbatch run on
-  the last stage as it leaves, so its backward starts on the next tick. Bubble (p-1)/(m+p-1).
+* `1f1b`: PipeDream-Flush for a lock-step program. Each tick is a `lax.switch` branch per stage,
+  so all stages run one SPMD program while doing different work; in the steady state a tick runs
+  one backward and one forward (a tick lasts as long as its busiest stage, so separate F and B
+  ticks would cost two backward-long ticks per microbatch). A forward runs the stage under
+  `jax.vjp` and stashes the residuals (what `train.remat` lets a layer keep) of at most p + 1
+  microbatches; the backward applies the stashed vjp, so it recomputes nothing and activation
+  memory does not grow with `m`. The last stage runs forward, head, loss and backward of a
+  microbatch in one tick. Lock-step cost 3(m + p - 1) units at best (gpipe's).
 * `interleaved`: the looped (circular) schedule over `v` chunks per device: microbatches enter in
   groups of `p`, each loops `v` times around the ring. Backward by autodiff as for gpipe. Bubble
   (p-1)/(v·m+p-1); needs `m` to be a multiple of `p`. Its stacked layers are stored in looped order
@@ -38,8 +40,8 @@ outside the stage loop: they are computed SPMD over the whole batch, with the ba
 split over the `pipeline` axis when it divides, so every device does 1/(data·fsdp·pipeline) of
 them and no stage carries extra work. The price is moving the activations ([B, T, D]) into the
 pipeline once and out once per step. 1f1b computes head and loss inside the schedule on the last
-stage instead: its backward must start as soon as a microbatch leaves, and collecting all `m`
-outputs first would bring back the memory that grows with `m`.
+stage instead (zb too): its backward must start as soon as a microbatch leaves, and collecting all
+`m` outputs first would bring back the memory that grows with `m`.
 
 The table bubble counts idle entries as if every tick cost the same; `cost` reads what the compiled
 step executes instead: the lock-step FLOPs (per tick, the slowest stage's branch) against the ideal.
