@@ -218,8 +218,8 @@ def test_1f1b_dependencies_respected():
 @pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (3, 5), (4, 4), (4, 8), (4, 32), (8, 8)])
 def test_zb_table(p, m):
     """zb: every stage runs each microbatch's F, B and W once, in dependency order; no more than
-    p - s + 1 microbatches between F and W on stage s; fewer idle entries than 1F1B; the executor's
-    slots never overwrite a live one."""
+    p - s + 1 microbatches between F and W on stage s; a smaller lock-step idle share than 1F1B;
+    the executor's slots never overwrite a live one."""
     sched = pipeline.build_schedule("zb", p, m)
     F, B, W = pipeline.FWD, pipeline.BWD, pipeline.WGT
     when = {}
