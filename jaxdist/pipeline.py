@@ -19,12 +19,14 @@ stage at every tick, and `Schedule.bubble_fraction` counts the idle entries of t
 * `gpipe`: all forwards, then all backwards; the backward is JAX's autodiff of the scanned forward
   ticks, so a stage keeps the activations of every microbatch (remat at the stage boundary with
   `train.remat` keeps only each tick's stage input). Bubble (p-1)/(m+p-1).
-* `1f1b`: PipeDream-Flush. Forward and backward ticks interleave per stage, each a `lax.switch`
-  branch, so all stages run one SPMD program while doing different work. A forward tick runs the
-  stage under `jax.vjp` and stashes the residuals (what `train.remat` lets a layer keep) of at most
-  `p` microbatches, in `p` slots; the backward tick applies the stashed vjp, so it recomputes
-  nothing and activation memory does not grow with `m`. The head and loss of a microbatch run on
-  the last stage as it leaves, so its backward starts on the next tick. Bubble (p-1)/(m+p-1).
+* `1f1b`: PipeDream-Flush for a lock-step program. Each tick is a `lax.switch` branch per stage,
+  so all stages run one SPMD program while doing different work; in the steady state a tick runs
+  one backward and one forward (a tick lasts as long as its busiest stage, so separate F and B
+  ticks would cost two backward-long ticks per microbatch). A forward runs the stage under
+  `jax.vjp` and stashes the residuals (what `train.remat` lets a layer keep) of at most p + 1
+  microbatches; the backward applies the stashed vjp, so it recomputes nothing and activation
+  memory does not grow with `m`. The last stage runs forward, head, loss and backward of a
+  microbatch in one tick. Lock-step cost 3(m + p - 1) units at best (gpipe's).
 * `interleaved`: the looped (circular) schedule over `v` chunks per device: microbatches enter in
   groups of `p`, each loops `v` times around the ring. Backward by autodiff as for gpipe. Bubble
   (p-1)/(v·m+p-1); needs `m` to be a multiple of `p`. Its stacked layers are stored in looped order
@@ -38,8 +40,8 @@ outside the stage loop: they are computed SPMD over the whole batch, with the ba
 split over the `pipeline` axis when it divides, so every device does 1/(data·fsdp·pipeline) of
 them and no stage carries extra work. The price is moving the activations ([B, T, D]) into the
 pipeline once and out once per step. 1f1b computes head and loss inside the schedule on the last
-stage instead: its backward must start as soon as a microbatch leaves, and collecting all `m`
-outputs first would bring back the memory that grows with `m`.
+stage instead (zb too): its backward must start as soon as a microbatch leaves, and collecting all
+`m` outputs first would bring back the memory that grows with `m`.
 
 The table bubble counts idle entries as if every tick cost the same; `cost` reads what the compiled
 step executes instead: the lock-step FLOPs (per tick, the slowest stage's branch) against the ideal.
@@ -66,6 +68,7 @@ from models.api import Stages
 
 AXIS = "pipeline"
 IDLE, FWD, BWD, WGT = 0, 1, 2, 3  # WGT: zb's deferred weight-gradient pass
+FWD_BWD = 4  # 1f1b's fused tick: the backward of `micro_b` and the forward of `micro`
 _WEIGHTS = "pipeline_stage_weights"  # checkpoint name of a tick's selected stage weights
 
 # --------------------------------------------------------------------------------------------------
@@ -82,11 +85,14 @@ class Schedule:
       stages: p, the size of the `pipeline` mesh axis.
       microbatches: m.
       virtual_stages: v, layer chunks per device (1 unless interleaved).
-      action: int8 [ticks, p]: IDLE, FWD, BWD or (zb) WGT for every tick and stage, forward and
-        backward ticks together (for gpipe/interleaved the backward ticks are the autodiff mirror of
-        the forward; zb's BWD is the input-gradient pass and WGT the weight-gradient pass).
-      micro: int32 [ticks, p]: the microbatch of that action (0 when idle).
+      action: int8 [ticks, p]: IDLE, FWD, BWD, (zb) WGT or (1f1b) FWD_BWD for every tick and
+        stage, forward and backward ticks together (for gpipe/interleaved the backward ticks are
+        the autodiff mirror of the forward; zb's BWD is the input-gradient pass and WGT the
+        weight-gradient pass; FWD_BWD runs a backward and a forward in one tick).
+      micro: int32 [ticks, p]: the microbatch of that action (of the forward in a FWD_BWD; 0 when
+        idle).
       virtual: int32 [ticks, p]: the virtual stage (layer chunk on that device) of that action.
+      micro_b: int32 [ticks, p]: the backward's microbatch in a FWD_BWD tick (None: no such ticks).
     """
 
     name: str
@@ -96,27 +102,57 @@ class Schedule:
     action: np.ndarray
     micro: np.ndarray
     virtual: np.ndarray
+    micro_b: np.ndarray | None = None
 
     @property
     def ticks(self) -> int:
         return int(self.action.shape[0])
 
+    def cells(self, t: int, s: int) -> list[tuple[int, int, int]]:
+        """The (action, microbatch, virtual stage) units stage s runs at tick t, in order: none
+        when idle, two for a FWD_BWD tick (its backward, then its forward; on the last stage the
+        forward and backward of one microbatch)."""
+        a, i, c = int(self.action[t, s]), int(self.micro[t, s]), int(self.virtual[t, s])
+        if a == IDLE:
+            return []
+        if a != FWD_BWD:
+            return [(a, i, c)]
+        j = int(self.micro_b[t, s])
+        return [(FWD, i, c), (BWD, j, c)] if i == j else [(BWD, j, c), (FWD, i, c)]
+
+    def unit_costs(self) -> np.ndarray:
+        """float [ticks, p]: the work of each entry in units of a stage's forward: F 1, B 2 (the
+        whole backward), FWD_BWD 3; zb's B (input gradient) and W (weight gradient) 1 each, as its
+        table assumes; an interleaved entry runs one of the v chunks (1/v of that)."""
+        units = {IDLE: 0.0, FWD: 1.0, BWD: 1.0 if self.name == "zb" else 2.0, WGT: 1.0}
+        units[FWD_BWD] = 3.0
+        per_chunk = np.vectorize(units.__getitem__, otypes=[float])(self.action)
+        return per_chunk / self.virtual_stages  # an interleaved tick runs 1/v of the stage
+
+    def lockstep_units(self) -> float:
+        """Sum over ticks of the slowest stage's work (`unit_costs`): the time of a lock-step
+        program whose ticks each last as long as their busiest stage (gpipe: 3(m + p - 1))."""
+        return float(self.unit_costs().max(axis=1).sum())
+
     @property
     def bubble_fraction(self) -> float:
-        """Idle stage-ticks / all stage-ticks, counted from the tables the executors run."""
-        return float(np.mean(self.action == IDLE))
+        """Idle share of the lock-step time: 1 - work / (p · `lockstep_units`), counted from the
+        tables the executors run. (p-1)/(m+p-1) for gpipe; for schedules whose ticks all cost the
+        same (zb) it is the share of idle entries."""
+        return float(1 - self.unit_costs().sum() / (self.stages * self.lockstep_units()))
 
     def max_in_flight(self) -> int:
-        """Most microbatches any stage has forwarded but not yet backwarded at once."""
+        """Most microbatches any stage has forwarded but not yet backwarded at once (after each
+        tick; a FWD_BWD tick frees its backward's microbatch before its forward's is stashed)."""
         worst = 0
         for s in range(self.stages):
             live: set[tuple[int, int]] = set()
             for t in range(self.ticks):
-                key = (int(self.micro[t, s]), int(self.virtual[t, s]))
-                if self.action[t, s] == FWD:
-                    live.add(key)
-                elif self.action[t, s] == BWD:
-                    live.discard(key)
+                for a, i, c in self.cells(t, s):
+                    if a == FWD:
+                        live.add((i, c))
+                    elif a == BWD:
+                        live.discard((i, c))
                 worst = max(worst, len(live))
         return worst
 
@@ -128,22 +164,19 @@ class Schedule:
             "virtual_stages": self.virtual_stages,
             "ticks": self.ticks,
             "bubble_fraction": self.bubble_fraction,
+            "lockstep_units": self.lockstep_units(),
         }
 
     def render(self) -> str:
         """The table as text, one row per stage: `F3` forward of microbatch 3, `B3` backward (zb: its
-        input gradient), `W3` zb's weight gradient, `.` idle (interleaved adds the virtual stage:
-        `F3.1`)."""
+        input gradient), `W3` zb's weight gradient, `B0F4` a fused tick (1f1b), `.` idle
+        (interleaved adds the virtual stage: `F3.1`)."""
         rows = []
         for s in range(self.stages):
             cells = []
             for t in range(self.ticks):
-                a = int(self.action[t, s])
-                if a == IDLE:
-                    cells.append(".")
-                    continue
-                cell = f"{'FBW'[a - 1]}{int(self.micro[t, s])}"
-                if self.virtual_stages > 1:
+                cell = "".join(f"{'FBW'[a - 1]}{i}" for a, i, _ in self.cells(t, s)) or "."
+                if self.virtual_stages > 1 and cell != ".":
                     cell += f".{int(self.virtual[t, s])}"
                 cells.append(cell)
             width = max(len(c) for c in cells)
@@ -177,42 +210,63 @@ def looped_forward_table(p: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray
     return valid, micro, virtual
 
 
-def one_f_one_b_table(p: int, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """PipeDream-Flush ticks: (action, micro), [ticks, p], by simulating unit-time F and B.
+# 1f1b: how many more microbatches than p a stage may hold between its forward and its backward.
+# In lock-step, a fused tick (one backward + one forward, 3 units) makes every hop of a round trip
+# cost 3 units, so stage 0 needs more than p microbatches in flight to keep busy: with exactly p the
+# best lock-step schedule of all (an exhaustive search over tick assignments with F = 1, B = 2 units)
+# costs 1.28× gpipe's at p = 4, m = 32; with p + 1, 1.13× (this greedy table: 1.17×).
+ONE_F_ONE_B_EXTRA_IN_FLIGHT = 1
 
-    Each tick a stage runs the backward of its oldest in-flight microbatch if its gradient has
-    arrived (or, on the last stage, its forward is done), else the forward of its next microbatch if
-    its input has arrived and fewer than p - s microbatches are in flight on stage s, else idles.
-    A result sent at tick t is usable at tick t + 1.
+
+def one_f_one_b_table(
+    p: int, m: int, extra: int = ONE_F_ONE_B_EXTRA_IN_FLIGHT
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """1F1B for a lock-step program: (action, micro, micro_b), [ticks, p], simulated in unit time.
+
+    Every tick lasts as long as its busiest stage, so 1F1B's alternating F and B ticks would make
+    each steady-state microbatch cost two backward-long ticks (4 units against gpipe's 1 + 2).
+    Here a stage runs in one tick the backward of its oldest in-flight microbatch if its gradient
+    has arrived AND the forward of its next one if its input has arrived and fewer than
+    `p + extra` microbatches are then in flight (FWD_BWD, 3 units), so the steady state costs
+    ~3 units per microbatch, the warm-up F-only ticks 1 and the drain B-only ticks 2. The last
+    stage runs a microbatch's forward and backward (with head and loss) in the same tick. A
+    result sent at tick t is usable at tick t + 1.
     """
     f_done = np.full((p, m), -1)  # tick at which F(s, i) ran
     b_done = np.full((p, m), -1)
-    nf = [0] * p  # next microbatch to forward, per stage
-    nb = [0] * p
-    actions, micros = [], []
+    nf, nb = [0] * p, [0] * p  # next microbatch to forward / backward, per stage
+    actions, micros, micros_b = [], [], []
     t = 0
     while min(nb) < m:
-        act_row, mic_row = np.zeros(p, np.int8), np.zeros(p, np.int32)
+        act_row, mic_row, mb_row = (
+            np.zeros(p, np.int8),
+            np.zeros(p, np.int32),
+            np.zeros(p, np.int32),
+        )
         for s in range(p):
             i = nb[s]
-            if i < nf[s]:
-                upstream = f_done[s, i] if s == p - 1 else b_done[s + 1, i]
-                if 0 <= upstream < t:
-                    act_row[s], mic_row[s] = BWD, i
-                    b_done[s, i] = t
-                    nb[s] += 1
-                    continue
+            if s < p - 1 and i < nf[s] and 0 <= b_done[s + 1, i] < t:
+                act_row[s], mb_row[s] = BWD, i
+                b_done[s, i] = t
+                nb[s] += 1
             i = nf[s]
-            if i < m and (s == 0 or 0 <= f_done[s - 1, i] < t) and nf[s] - nb[s] < p - s:
-                act_row[s], mic_row[s] = FWD, i
+            if i < m and (s == 0 or 0 <= f_done[s - 1, i] < t) and nf[s] - nb[s] < p + extra:
+                fused = act_row[s] == BWD or s == p - 1
+                act_row[s], mic_row[s] = (FWD_BWD if fused else FWD), i
                 f_done[s, i] = t
                 nf[s] += 1
+                if s == p - 1:  # the last stage: forward, loss and backward of i in one tick
+                    mb_row[s], b_done[s, i] = i, t
+                    nb[s] += 1
+            if act_row[s] == BWD:  # a backward alone: its microbatch is the forward's too
+                mic_row[s] = mb_row[s]
         actions.append(act_row)
         micros.append(mic_row)
+        micros_b.append(mb_row)
         t += 1
         if t > 4 * (m + p) + 8:  # the simulation is a finite state machine; this never fires
             raise AssertionError(f"1f1b table did not finish for p={p}, m={m}")
-    return np.stack(actions), np.stack(micros)
+    return np.stack(actions), np.stack(micros), np.stack(micros_b)
 
 
 # zb: how many more microbatches than 1F1B's p - s a stage may hold between its forward and its
@@ -287,8 +341,8 @@ def _looped_tables(name: str) -> Callable[[int, int, int], Schedule]:
 
 def _one_f_one_b_tables(p: int, m: int, v: int) -> Schedule:
     del v  # one layer chunk per device
-    action, micro = one_f_one_b_table(p, m)
-    return Schedule("1f1b", p, m, 1, action, micro, np.zeros_like(micro))
+    action, micro, micro_b = one_f_one_b_table(p, m)
+    return Schedule("1f1b", p, m, 1, action, micro, np.zeros_like(micro), micro_b)
 
 
 def _zero_bubble_tables(p: int, m: int, v: int) -> Schedule:
@@ -644,34 +698,98 @@ class _SplitVjp(_StashedVjp):
         return [next(outs) if u else None for u in cut["out_unknown"]]
 
 
-# Branches of the 1F1B tick switch; the last stage runs its own forward (with head and loss) and
-# backward (from the loss) branches.
-F_LAST, B_LAST = 3, 4
+# Branches of the 1f1b tick switch (FB: a backward and a forward in one tick; LAST: the last
+# stage's forward, head, loss and backward of one microbatch) and of zb's (the last stage's F and
+# B carry head and loss; its W is the others').
+F1B1, F1B1_LAST = 3, 4
+ZB_F_LAST, ZB_B_LAST = 4, 5
 
 
-def _one_f_one_b(
-    stage_fn,
-    head_loss,
-    chunk,
-    head,
-    x0,
-    targets,
-    *,
-    p: int,
-    scale: float,
-    dtype,
-    action,
-    micro,
-    recv_f,
-    recv_b,
-):
-    """The 1F1B ticks on one stage: loss, gradients and the gradient of the stage-0 input.
+def _accumulate(acc: Any, grads: Any) -> Any:
+    """acc + grads in float32; `grads` is a tree like `acc` or a list of its leaves with None
+    where nothing was computed (zb's split backward)."""
+    flat, tree = jax.tree.flatten(acc)
+    new = grads if isinstance(grads, list) else jax.tree.leaves(grads)
+    out = [a if g is None else a + g.astype(jnp.float32) for a, g in zip(flat, new, strict=True)]
+    return jax.tree.unflatten(tree, out)
 
-    A forward tick runs the stage under `jax.vjp` and stashes its residuals (at most p microbatches
-    in flight: p slots, slot = microbatch mod p); the backward tick applies the stashed vjp to the
-    arriving gradient, so it costs about two forwards and recomputes nothing (unless `train.remat`
-    says so). The last stage also runs head and loss in its forward tick, stashing their residuals
-    in one slot (its backward follows on the next tick).
+
+def _tick_loop(branches, tables, x0, targets, stash, acc):
+    """The ticks of an explicit-backward schedule (1f1b, zb) on one stage.
+
+    Every tick each stage takes its `lax.switch` branch from its row of `tables`, given the
+    activation it forwards (stage 0: from the embedded input), the gradient it backwards, the
+    targets of its forward's microbatch and the stashed residuals the tick reads; then two
+    `ppermute`s carry activations up and gradients down, and arrivals go into their slots.
+
+    Args:
+      branches: per branch, (x, dy, targets, reads, acc) -> (y, dx, writes, acc); `reads` and
+        `writes`: stash name -> one microbatch's residual leaves.
+      tables: the executor tables (`exec_tables`) as [ticks, p] arrays.
+      x0: [m, b, T, D] embedded microbatches; targets: [m, b, T].
+      stash: stash name -> residual buffers [slots, ...]; acc: the accumulated (chunk gradients,
+        head gradients, loss).
+    Returns:
+      (d loss / d x0 [m, b, T, D], nonzero on stage 0 only; acc).
+    """
+    p = tables["action"].shape[1]
+    d = jax.lax.axis_index(AXIS)
+    first = d == 0
+    fwd_pairs = [(s, s + 1) for s in range(p - 1)]
+    bwd_pairs = [(s + 1, s) for s in range(p - 1)]
+    shape, act_dtype = x0.shape[1:], x0.dtype
+    zeros = lambda *lead: _varying(jnp.zeros((*lead, *shape), act_dtype))
+    slots = tables["slots"]
+
+    def tick(carry, row):
+        xin, gbuf, stash, dx0, acc = carry
+        r = {k: v[d] for k, v in row.items()}
+        x = jnp.where(first, _take(x0, r["mf"]), _take(xin, r["x"]))
+        dy, tgt = _take(gbuf, r["g"]), _take(targets, r["mf"])
+        reads = {k: [_take(b, r["read_" + k]) for b in bufs] for k, bufs in stash.items()}
+        y, dx, writes, acc = jax.lax.switch(r["action"], branches, x, dy, tgt, reads, acc)
+        put = lambda b, v, k: _put(b, jnp.maximum(k, 0), v, k >= 0)
+        stash = {
+            k: [put(b, v, r["write_" + k]) for b, v in zip(bufs, writes[k])]
+            for k, bufs in stash.items()
+        }
+        dx0 = _put(dx0, r["mb"], dx, first & r["dx0"])
+        # Every stage sends every tick (all must join a collective); receivers keep only arrivals.
+        xin = put(xin, jax.lax.ppermute(y, AXIS, fwd_pairs), r["recv_f"])
+        gbuf = put(gbuf, jax.lax.ppermute(dx, AXIS, bwd_pairs), r["recv_b"])
+        return (xin, gbuf, stash, dx0, acc), None
+
+    rows = {k: jnp.asarray(v) for k, v in tables.items() if k != "slots"}
+    carry = (zeros(slots["x"]), zeros(slots["g"]), stash, zeros(x0.shape[0]), acc)
+    (*_, dx0, acc), _ = jax.lax.scan(tick, carry, rows)
+    return dx0, acc
+
+
+def _stage_inputs(chunk, head, x0, dtype):
+    """Per-device copies of the stage weights and head in the compute dtype (differentiating with
+    respect to them, no vjp inside a tick sums over the manual axes: a collective inside one
+    stage's branch would deadlock the others; the sums come once, at the end), the float32
+    accumulators, and a zero activation."""
+    chunk, head = jax.tree.map(_varying, microbatch.cast_floating((chunk, head), dtype))
+    f32_zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, jnp.float32)), tree)
+    acc = (f32_zeros(chunk), f32_zeros(head), _varying(jnp.zeros((), jnp.float32)))
+    zero = lambda: _varying(jnp.zeros(x0.shape[1:], x0.dtype))
+    return chunk, head, acc, zero
+
+
+def _buffers(slots: int, leaves: list) -> list:
+    """Zero stash buffers [slots, ...] shaped like one microbatch's residual `leaves`."""
+    return [_varying(jnp.zeros((slots, *a.shape), a.dtype)) for a in leaves]
+
+
+def _one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, tables):
+    """The 1f1b ticks on one stage: loss, gradients and the gradient of the stage-0 input.
+
+    A forward runs the stage under `jax.vjp` and stashes its residuals (at most p + 1 microbatches
+    in flight, `one_f_one_b_table`); a backward applies the stashed vjp to the arriving gradient,
+    so it costs about two forwards and recomputes nothing (unless `train.remat` says so). A fused
+    tick (F1B1) runs one backward and one forward. The last stage runs forward, head, loss and
+    backward of a microbatch in one tick (F1B1_LAST), so it stashes nothing.
 
     Args:
       stage_fn: (layer params [Lc, ...] in the compute dtype, x [b, T, D]) -> y.
@@ -681,210 +799,100 @@ def _one_f_one_b(
       x0: [m, b, T, D] embedded microbatches; targets: [m, b, T].
       scale: d loss / d (one microbatch's head_loss) = 1 / (m · data replicas).
       dtype: the compute dtype.
-      action: [ticks, p] the branch each stage runs (IDLE / FWD / BWD / F_LAST / B_LAST).
-      micro: [ticks, p] microbatch per action.
-      recv_f, recv_b: [ticks, p] the slot an arriving activation / gradient goes into at the end of
-        the tick, -1 if none arrives.
+      tables: `exec_tables(schedule)`.
     Returns:
       (loss, chunk gradients, head gradients, d loss / d x0), not yet summed over the manual axes:
       head gradients are nonzero on the last stage only, d x0 on stage 0 only; float32 gradients.
     """
-    d = jax.lax.axis_index(AXIS)
-    first = d == 0
-    # Differentiate with respect to per-device copies, so no vjp inside a tick sums over the manual
-    # axes (a collective inside one stage's branch would deadlock the others); sum once at the end.
-    # Cast once per step: the stage's vjp then keeps the weights it was given, not a cast copy.
-    chunk, head = jax.tree.map(_varying, microbatch.cast_floating((chunk, head), dtype))
-    fwd_pairs = [(s, s + 1) for s in range(p - 1)]
-    bwd_pairs = [(s + 1, s) for s in range(p - 1)]
-    shape, act_dtype = x0.shape[1:], x0.dtype
-    zeros = lambda *lead: _varying(jnp.zeros((*lead, *shape), act_dtype))
-    f32_zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, jnp.float32)), tree)
-    add = lambda acc, g: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
-    m = x0.shape[0]
-    leaves = jax.tree.leaves
-    stage_vjp, head_vjp = _StashedVjp(), _StashedVjp()
-    head_fn = lambda hp, y, tgt: head_loss(hp, y, tgt)
-    # The stash: residual leaves [p, ...] per slot; the head's [1, ...] (the last stage keeps one).
-    # Their shapes come from tracing one forward on zeros here, which compiles to nothing (unused).
-    slots = lambda n, avals: [_varying(jnp.zeros((n, *a.shape), a.dtype)) for a in avals]
-    res0 = slots(p, stage_vjp.forward(stage_fn, leaves(chunk), chunk, zeros())[1])
-    hres0 = slots(1, head_vjp.forward(head_fn, leaves(head), head, zeros(), targets[0])[1])
-
-    # The branches take one microbatch's residuals and return one microbatch's new residuals; the
-    # stash itself is read and written outside the switch, in place (passing it through the
-    # branches would make XLA copy it).
-    def idle(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
-        return zeros(), zeros(), r, hr, g_c, g_h, loss
-
-    def forward(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
-        y, r = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
-        return y, zeros(), r, hr, g_c, g_h, loss
-
-    def backward(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
-        dc, dx = stage_vjp.backward(leaves(ck), r, dy)
-        return zeros(), dx.astype(act_dtype), r, hr, add(g_c, dc), g_h, loss
-
-    def forward_last(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
-        y, r = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
-        mb_loss, hr = head_vjp.forward(head_fn, leaves(hp), hp, y, tgt)
-        return zeros(), zeros(), r, hr, g_c, g_h, loss + mb_loss * scale
-
-    def backward_last(ck, hp, x, dy, tgt, r, hr, g_c, g_h, loss):
-        dh, dy, _ = head_vjp.backward(leaves(hp), hr, _varying(jnp.float32(scale)))
-        dc, dx = stage_vjp.backward(leaves(ck), r, dy.astype(act_dtype))
-        return zeros(), dx.astype(act_dtype), r, hr, add(g_c, dc), add(g_h, dh), loss
-
-    branches = (idle, forward, backward, forward_last, backward_last)
-
-    def tick(carry, row):
-        xin, gbuf, res, hres, dx0, g_c, g_h, loss = carry
-        act, i, rf, rb = row[0][d], row[1][d], row[2][d], row[3][d]
-        slot = i % p
-        # Stage 0 takes the microbatch from the embedded input; the others from what arrived.
-        x = jnp.where(first, _take(x0, i), _take(xin, slot))
-        dy, tgt = _take(gbuf, slot), _take(targets, i)
-        r, hr = [_take(b, slot) for b in res], [_take(b, 0) for b in hres]
-        y, dx, r, hr, g_c, g_h, loss = jax.lax.switch(
-            act, branches, chunk, head, x, dy, tgt, r, hr, g_c, g_h, loss
+    chunk, head, acc, zero = _stage_inputs(chunk, head, x0, dtype)
+    leaves, stage_vjp = jax.tree.leaves, _StashedVjp()
+    # The stash's shapes come from tracing one forward on zeros, which compiles to nothing.
+    stash = {
+        "r": _buffers(
+            tables["slots"]["r"], stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())[1]
         )
-        fwd = (act == FWD) | (act == F_LAST)
-        res = [_put(b, slot, v, fwd) for b, v in zip(res, r)]
-        hres = [_put(b, 0, v, act == F_LAST) for b, v in zip(hres, hr)]
-        dx0 = _put(dx0, i, dx, first & (act == BWD))
-        # Every stage sends every tick (all must join a collective); receivers keep only arrivals.
-        y_in = jax.lax.ppermute(y, AXIS, fwd_pairs)
-        dy_in = jax.lax.ppermute(dx, AXIS, bwd_pairs)
-        xin = _put(xin, jnp.maximum(rf, 0), y_in, rf >= 0)
-        gbuf = _put(gbuf, jnp.maximum(rb, 0), dy_in, rb >= 0)
-        return (xin, gbuf, res, hres, dx0, g_c, g_h, loss), None
+    }
 
-    carry = (zeros(p), zeros(p), res0, hres0, zeros(m), f32_zeros(chunk), f32_zeros(head))
-    carry += (_varying(jnp.zeros((), jnp.float32)),)
-    rows = tuple(jnp.asarray(a) for a in (action, micro, recv_f, recv_b))
-    (*_, dx0, g_c, g_h, loss), _ = jax.lax.scan(tick, carry, rows)
+    def idle(x, dy, tgt, reads, acc):
+        return zero(), zero(), reads, acc
+
+    def forward(x, dy, tgt, reads, acc):
+        y, r = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
+        return y, zero(), {"r": r}, acc
+
+    def backward(x, dy, tgt, reads, acc):
+        g_c, g_h, loss = acc
+        dc, dx = stage_vjp.backward(leaves(chunk), reads["r"], dy)
+        return zero(), dx.astype(x0.dtype), reads, (_accumulate(g_c, dc), g_h, loss)
+
+    def fused(x, dy, tgt, reads, acc):
+        _, dx, _, acc = backward(x, dy, tgt, reads, acc)
+        y, _, writes, acc = forward(x, dy, tgt, reads, acc)
+        return y, dx, writes, acc
+
+    def last(x, dy, tgt, reads, acc):
+        g_c, g_h, loss = acc
+        fn = lambda ck, hp, x: head_loss(hp, stage_fn(ck, x), tgt)
+        mb_loss, vjp = jax.vjp(fn, chunk, head, x)
+        dc, dh, dx = vjp(_varying(jnp.float32(scale)))
+        acc = (_accumulate(g_c, dc), _accumulate(g_h, dh), loss + mb_loss * scale)
+        return zero(), dx.astype(x0.dtype), reads, acc
+
+    dx0, (g_c, g_h, loss) = _tick_loop(
+        (idle, forward, backward, fused, last), tables, x0, targets, stash, acc
+    )
     return loss, g_c, g_h, dx0
 
 
-# Branches of the zb tick switch (W_LAST: the last stage's weight pass is the same as the others').
-ZB_F_LAST, ZB_B_LAST = 4, 5
-
-
-def _zero_bubble(
-    stage_fn,
-    head_loss,
-    chunk,
-    head,
-    x0,
-    targets,
-    *,
-    p: int,
-    scale: float,
-    dtype,
-    action,
-    micro,
-    recv_f,
-    recv_b,
-    slots,
-):
-    """The zb ticks on one stage: 1F1B's executor with the backward cut in two (`_SplitVjp`).
+def _zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, tables):
+    """The zb ticks on one stage: the 1f1b executor with the backward cut in two (`_SplitVjp`).
 
     A forward tick stashes the residuals of the stage's vjp in two stashes: those the input pass
-    reads (freed at B) and those only the weight pass reads (kept until W). The B tick computes the
-    input gradient (sent to the previous stage at once) and stashes what the weight gradient needs
-    from the cotangent path; the W tick, which no other stage waits for, computes the weight
-    gradient. The head and loss run on the last stage as in 1F1B (their backward whole, in B).
-
-    Args: as `_one_f_one_b`, plus `slots`: per buffer (`x`, `g`, `b`, `w`, `r`: arriving
-      activations, arriving gradients, input-pass residuals, weight-only residuals, B → W
-      residuals), its number of slots; microbatch i uses slot i mod that number
-      (`zero_bubble_exec_tables` checks that no live slot is overwritten).
-    Returns: as `_one_f_one_b`.
+    reads (`b`, freed at B) and those only the weight pass reads (`w`, kept until W). The B tick
+    computes the input gradient (sent to the previous stage at once) and stashes what the weight
+    gradient needs from the cotangent path (`r`); the W tick, which no other stage waits for,
+    computes the weight gradient. The head and loss run on the last stage's F, their residuals
+    (`h`) stashed for its B on the next tick. Args and returns: as `_one_f_one_b`.
     """
-    d = jax.lax.axis_index(AXIS)
-    first = d == 0
-    chunk, head = jax.tree.map(_varying, microbatch.cast_floating((chunk, head), dtype))
-    fwd_pairs = [(s, s + 1) for s in range(p - 1)]
-    bwd_pairs = [(s + 1, s) for s in range(p - 1)]
-    shape, act_dtype = x0.shape[1:], x0.dtype
-    zeros = lambda *lead: _varying(jnp.zeros((*lead, *shape), act_dtype))
-    f32_zeros = lambda tree: jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, jnp.float32)), tree)
-    m = x0.shape[0]
-    leaves = jax.tree.leaves
-    stage_vjp, head_vjp = _SplitVjp(), _StashedVjp()
+    chunk, head, acc, zero = _stage_inputs(chunk, head, x0, dtype)
+    leaves, stage_vjp, head_vjp = jax.tree.leaves, _SplitVjp(), _StashedVjp()
     head_fn = lambda hp, y, tgt: head_loss(hp, y, tgt)
-
-    def add(acc, dw):  # dw: leaves of the chunk's gradient, None where not computed here
-        flat, tree = jax.tree.flatten(acc)
-        out = [a if g is None else a + g.astype(jnp.float32) for a, g in zip(flat, dw)]
-        return jax.tree.unflatten(tree, out)
-
-    def add_tree(acc, g):
-        return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
-
-    buf = lambda n, avals: [_varying(jnp.zeros((n, *a.shape), a.dtype)) for a in avals]
-    y0, rb0, rw0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zeros())
+    y0, rb0, rw0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
     _, _, rr0 = stage_vjp.backward_input(leaves(chunk), rb0, y0)
-    res_b, res_w, res_r = buf(slots["b"], rb0), buf(slots["w"], rw0), buf(slots["r"], rr0)
-    hres = buf(1, head_vjp.forward(head_fn, leaves(head), head, zeros(), targets[0])[1])
+    rh0 = head_vjp.forward(head_fn, leaves(head), head, zero(), targets[0])[1]
+    n = tables["slots"]
+    stash = {k: _buffers(n[k], r) for k, r in dict(b=rb0, w=rw0, r=rr0, h=rh0).items()}
 
-    # Per branch: one microbatch's residuals in, its new ones out; the stashes are read and written
-    # outside the switch, in place.
-    def idle(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
-        return zeros(), zeros(), rb, rw, rr, hr, g_c, g_h, loss
+    def idle(x, dy, tgt, reads, acc):
+        return zero(), zero(), reads, acc
 
-    def forward(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
-        y, rb, rw = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
-        return y, zeros(), rb, rw, rr, hr, g_c, g_h, loss
+    def forward(x, dy, tgt, reads, acc):
+        y, rb, rw = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
+        return y, zero(), {**reads, "b": rb, "w": rw}, acc
 
-    def backward(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
-        (dx,), dw, rr = stage_vjp.backward_input(leaves(ck), rb, dy)
-        return zeros(), dx.astype(act_dtype), rb, rw, rr, hr, add(g_c, dw), g_h, loss
+    def backward(x, dy, tgt, reads, acc):
+        g_c, g_h, loss = acc
+        (dx,), dw, rr = stage_vjp.backward_input(leaves(chunk), reads["b"], dy)
+        return zero(), dx.astype(x0.dtype), {**reads, "r": rr}, (_accumulate(g_c, dw), g_h, loss)
 
-    def weight(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
-        dw = stage_vjp.backward_weight(leaves(ck), rw, rr)
-        return zeros(), zeros(), rb, rw, rr, hr, add(g_c, dw), g_h, loss
+    def weight(x, dy, tgt, reads, acc):
+        g_c, g_h, loss = acc
+        dw = stage_vjp.backward_weight(leaves(chunk), reads["w"], reads["r"])
+        return zero(), zero(), reads, (_accumulate(g_c, dw), g_h, loss)
 
-    def forward_last(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
-        y, rb, rw = stage_vjp.forward(stage_fn, leaves(ck), ck, x)
-        mb_loss, hr = head_vjp.forward(head_fn, leaves(hp), hp, y, tgt)
-        return zeros(), zeros(), rb, rw, rr, hr, g_c, g_h, loss + mb_loss * scale
+    def forward_last(x, dy, tgt, reads, acc):
+        y, _, writes, (g_c, g_h, loss) = forward(x, dy, tgt, reads, acc)
+        mb_loss, rh = head_vjp.forward(head_fn, leaves(head), head, y, tgt)
+        return zero(), zero(), {**writes, "h": rh}, (g_c, g_h, loss + mb_loss * scale)
 
-    def backward_last(ck, hp, x, dy, tgt, rb, rw, rr, hr, g_c, g_h, loss):
-        dh, dy, _ = head_vjp.backward(leaves(hp), hr, _varying(jnp.float32(scale)))
-        (dx,), dw, rr = stage_vjp.backward_input(leaves(ck), rb, dy.astype(act_dtype))
-        return zeros(), dx.astype(act_dtype), rb, rw, rr, hr, add(g_c, dw), add_tree(g_h, dh), loss
+    def backward_last(x, dy, tgt, reads, acc):
+        g_c, g_h, loss = acc
+        dh, dy, _ = head_vjp.backward(leaves(head), reads["h"], _varying(jnp.float32(scale)))
+        acc = (g_c, _accumulate(g_h, dh), loss)
+        return backward(x, dy.astype(x0.dtype), tgt, reads, acc)
 
     branches = (idle, forward, backward, weight, forward_last, backward_last)
-    take = lambda bufs, k: [_take(b, k) for b in bufs]
-    put = lambda bufs, k, new, when: [_put(b, k, v, when) for b, v in zip(bufs, new)]
-
-    def tick(carry, row):
-        xin, gbuf, res_b, res_w, res_r, hres, dx0, g_c, g_h, loss = carry
-        act, i, rf, rb_ = row[0][d], row[1][d], row[2][d], row[3][d]
-        x = jnp.where(first, _take(x0, i), _take(xin, i % slots["x"]))
-        dy, tgt = _take(gbuf, i % slots["g"]), _take(targets, i)
-        kb, kw, kr = i % slots["b"], i % slots["w"], i % slots["r"]
-        y, dx, rb, rw, rr, hr, g_c, g_h, loss = jax.lax.switch(
-            act, branches, chunk, head, x, dy, tgt,
-            take(res_b, kb), take(res_w, kw), take(res_r, kr), take(hres, 0), g_c, g_h, loss,
-        )  # fmt: skip
-        fwd = (act == FWD) | (act == ZB_F_LAST)
-        bwd = (act == BWD) | (act == ZB_B_LAST)
-        res_b, res_w = put(res_b, kb, rb, fwd), put(res_w, kw, rw, fwd)
-        res_r = put(res_r, kr, rr, bwd)
-        hres = put(hres, 0, hr, act == ZB_F_LAST)
-        dx0 = _put(dx0, i, dx, first & (act == BWD))
-        y_in = jax.lax.ppermute(y, AXIS, fwd_pairs)
-        dy_in = jax.lax.ppermute(dx, AXIS, bwd_pairs)
-        xin = _put(xin, jnp.maximum(rf, 0), y_in, rf >= 0)
-        gbuf = _put(gbuf, jnp.maximum(rb_, 0), dy_in, rb_ >= 0)
-        return (xin, gbuf, res_b, res_w, res_r, hres, dx0, g_c, g_h, loss), None
-
-    carry = (zeros(slots["x"]), zeros(slots["g"]), res_b, res_w, res_r, hres, zeros(m))
-    carry += (f32_zeros(chunk), f32_zeros(head), _varying(jnp.zeros((), jnp.float32)))
-    rows = tuple(jnp.asarray(a) for a in (action, micro, recv_f, recv_b))
-    (*_, dx0, g_c, g_h, loss), _ = jax.lax.scan(tick, carry, rows)
+    dx0, (g_c, g_h, loss) = _tick_loop(branches, tables, x0, targets, stash, acc)
     return loss, g_c, g_h, dx0
 
 
@@ -929,104 +937,106 @@ def _looped_gradients(
     return loss, g_c, g_h, dx0
 
 
-def one_f_one_b_exec_tables(sched: Schedule) -> dict[str, np.ndarray]:
-    """What the 1F1B executor reads: the switch branch per tick and stage (the last stage's forward
-    and backward have branches of their own, with head and loss) and
-    the stash / gradient-buffer slots arrivals go to, checked to never overwrite a live slot."""
-    p = sched.stages
-    action = sched.action.copy()
-    last = action[:, p - 1].copy()
-    action[last == FWD, p - 1] = F_LAST
-    action[last == BWD, p - 1] = B_LAST
-    recv_f = np.full_like(sched.micro, -1)
-    recv_b = np.full_like(sched.micro, -1)
-    for t in range(sched.ticks):
-        for s in range(p):
-            i = int(sched.micro[t, s])
-            if sched.action[t, s] == FWD and s < p - 1:
-                recv_f[t, s + 1] = i % p
-            if sched.action[t, s] == BWD and s > 0:
-                recv_b[t, s - 1] = i % p
-    # A stash slot is live from the arrival (stage 0: its forward) to the stage's backward, a
-    # gradient slot from the arrival to the backward; live microbatches must have distinct slots.
-    for s in range(p):
-        stash: set[int] = set()
-        grads: set[int] = set()
-        for t in range(sched.ticks):
-            a, i = sched.action[t, s], int(sched.micro[t, s])
-            if a == FWD and s == 0:
-                stash.add(i)
-            if a == BWD:  # reads its slots at the start of the tick, frees them
-                stash.discard(i)
-                grads.discard(i)
-            if s > 0 and sched.action[t, s - 1] == FWD:
-                stash.add(int(sched.micro[t, s - 1]))
-            if s < p - 1 and sched.action[t, s + 1] == BWD:
-                grads.add(int(sched.micro[t, s + 1]))
-            for live in (stash, grads):
-                if len({j % p for j in live}) != len(live):
-                    raise AssertionError(f"1f1b slot collision at stage {s}, tick {t}: {live}")
-    return {"action": action, "micro": sched.micro, "recv_f": recv_f, "recv_b": recv_b}
+def _slot_counts(spans: Mapping[str, Callable], p: int, m: int, ticks: int) -> dict[str, int]:
+    """Per buffer, its number of slots: the widest range of microbatches live in it at once on any
+    stage (microbatch i then uses slot i mod that number); checked that microbatches sharing a
+    slot are never live together. `spans[name](s, i)`: (the tick whose end writes microbatch i on
+    stage s, the tick that reads it), or None when it never enters the buffer."""
+    slots = {}
+    for name, span in spans.items():
+        live = [[span(s, i) for i in range(m)] for s in range(p)]
+        live = [[iv if iv is not None and iv[0] < iv[1] else None for iv in row] for row in live]
+        need = 1
+        for row in live:
+            for t in range(ticks):
+                now = [i for i, iv in enumerate(row) if iv is not None and iv[0] <= t < iv[1]]
+                if now:
+                    need = max(need, max(now) - min(now) + 1)
+        for s, row in enumerate(live):
+            for i in range(m - need):
+                a, b = row[i], row[i + need]
+                if a is not None and b is not None and b[0] < a[1]:
+                    raise AssertionError(f"{name} slot collision on stage {s}: {i}, {i + need}")
+        slots[name] = need
+    return slots
 
 
-def zero_bubble_exec_tables(sched: Schedule) -> dict[str, Any]:
-    """What the zb executor reads: the switch branch per tick and stage (the last stage's forward
-    and input pass have branches of their own, with head and loss), the slots arrivals go to, and
-    the number of slots of each buffer, the span of microbatches live in it at once; checked that
-    no live slot is ever overwritten."""
+# The stashes of the explicit-backward schedules: name -> (the action that writes a microbatch's
+# residuals, the action that reads them, last stage only).
+_STASHES = {
+    "1f1b": {"r": (FWD, BWD, False)},
+    "zb": {"b": (FWD, BWD, False), "w": (FWD, WGT, False), "r": (BWD, WGT, False),
+           "h": (FWD, BWD, True)},
+}  # fmt: skip
+
+
+def _branch(sched: Schedule, a: int, s: int) -> int:
+    """The executor's switch branch for table action `a` on stage s: the last stage has its own
+    forward and backward (head and loss) branches."""
+    last = s == sched.stages - 1
+    if a == FWD_BWD:  # 1f1b
+        return F1B1_LAST if last else F1B1
+    if not last or a in (IDLE, WGT):
+        return a
+    return ZB_F_LAST if a == FWD else ZB_B_LAST
+
+
+def exec_tables(sched: Schedule) -> dict[str, Any]:
+    """What the 1f1b / zb executor (`_tick_loop`) reads, per tick and stage ([ticks, p] each): the
+    switch branch (`action`), the forward's and the backward's microbatch (`mf`, `mb`), whether
+    stage 0 writes d x0 (`dx0`), the slots the arriving activation / gradient is read from (`x`,
+    `g`) and arrivals go to (`recv_f`, `recv_b`, -1: none), per stash the slot read and the slot
+    written (`read_NAME`, `write_NAME`, -1: none); and `slots`, each buffer's number of slots,
+    checked to never overwrite a live one."""
     p, m, ticks = sched.stages, sched.microbatches, sched.ticks
     when = {}  # (action, stage, microbatch) -> tick
     for t in range(ticks):
         for s in range(p):
-            if sched.action[t, s] != IDLE:
-                when[int(sched.action[t, s]), s, int(sched.micro[t, s])] = t
-    # Per buffer and stage: microbatch i is written at the end of tick start(i) and read at tick
-    # end(i); it is live on the ticks start(i) ... end(i) - 1 after their writes.
+            for a, i, _ in sched.cells(t, s):
+                when[a, s, i] = t
+    stashes = _STASHES[sched.name]
     spans = {
         "x": lambda s, i: None if s == 0 else (when[FWD, s - 1, i], when[FWD, s, i]),
         "g": lambda s, i: None if s == p - 1 else (when[BWD, s + 1, i], when[BWD, s, i]),
-        "b": lambda s, i: (when[FWD, s, i], when[BWD, s, i]),
-        "w": lambda s, i: (when[FWD, s, i], when[WGT, s, i]),
-        "r": lambda s, i: (when[BWD, s, i], when[WGT, s, i]),
     }
-    slots = {}
-    for name, span in spans.items():
-        need = 1
-        for s in range(p):
-            live = [span(s, i) for i in range(m)]
-            for t in range(ticks):
-                now = [i for i, iv in enumerate(live) if iv is not None and iv[0] <= t < iv[1]]
-                if now:
-                    need = max(need, max(now) - min(now) + 1)
-        slots[name] = need
-        for s in range(p):  # microbatches sharing a slot never overlap
-            live = [span(s, i) for i in range(m)]
-            for i in range(m):
-                j = i + need
-                if j < m and live[i] is not None and live[j] is not None:
-                    assert live[j][0] >= live[i][1], f"zb slot collision: {name}, stage {s}"
-    action = sched.action.copy()
-    last = action[:, p - 1].copy()
-    action[last == FWD, p - 1] = ZB_F_LAST
-    action[last == BWD, p - 1] = ZB_B_LAST
-    recv_f = np.full_like(sched.micro, -1)
-    recv_b = np.full_like(sched.micro, -1)
+    for k, (w, r, last) in stashes.items():
+        spans[k] = lambda s, i, w=w, r=r, last=last: (
+            None if last and s < p - 1 else (when[w, s, i], when[r, s, i])
+        )
+    slots = _slot_counts(spans, p, m, ticks)
+    shape = sched.action.shape
+    out = {k: np.zeros(shape, np.int32) for k in ("action", "mf", "mb", "x", "g")}
+    out["dx0"] = np.zeros(shape, bool)
+    for k in ("recv_f", "recv_b", *(f"write_{k}" for k in stashes)):
+        out[k] = np.full(shape, -1, np.int32)
+    for k in stashes:
+        out[f"read_{k}"] = np.zeros(shape, np.int32)
     for t in range(ticks):
         for s in range(p):
-            i = int(sched.micro[t, s])
-            if sched.action[t, s] == FWD and s < p - 1:
-                recv_f[t, s + 1] = i % slots["x"]
-            if sched.action[t, s] == BWD and s > 0:
-                recv_b[t, s - 1] = i % slots["g"]
-    for i in range(m):  # the head's residuals: one slot, from the last forward to its B
-        assert when[BWD, p - 1, i] == when[FWD, p - 1, i] + 1, "zb: the last stage's B waited"
-    return {
-        "action": action,
-        "micro": sched.micro,
-        "recv_f": recv_f,
-        "recv_b": recv_b,
-        "slots": slots,
-    }
+            cells = sched.cells(t, s)
+            out["action"][t, s] = _branch(sched, int(sched.action[t, s]), s)
+            for a, i, _ in cells:
+                out["mf" if a == FWD else "mb"][t, s] = i
+                if a == FWD:
+                    out["x"][t, s] = i % slots["x"]
+                    if s < p - 1:
+                        out["recv_f"][t, s + 1] = i % slots["x"]
+                if a == BWD:
+                    out["g"][t, s] = i % slots["g"]
+                    out["dx0"][t, s] = s == 0
+                    if s > 0:
+                        out["recv_b"][t, s - 1] = i % slots["g"]
+            for k, (w, r, _) in stashes.items():
+                for a, i, _ in cells:
+                    span = spans[k](s, i)
+                    if span is None or span[0] == span[1]:  # never stashed (1f1b's last stage)
+                        continue
+                    if a == r:
+                        out[f"read_{k}"][t, s] = i % slots[k]
+                    if a == w:
+                        out[f"write_{k}"][t, s] = i % slots[k]
+    out["slots"] = slots
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1256,16 +1266,15 @@ def _stage_executor(pipe: _Pipe) -> Callable:
     p, v, m = pipe.sched.stages, pipe.sched.virtual_stages, pipe.sched.microbatches
     kind = SCHEDULES[pipe.sched.name]
     if not kind.autodiff_backward:
-        split = kind.split_backward
-        tables = (zero_bubble_exec_tables if split else one_f_one_b_exec_tables)(pipe.sched)
+        tables = exec_tables(pipe.sched)
         stage_fn = pipe.stage_fn()
-        executor = _zero_bubble if split else _one_f_one_b
+        executor = _zero_bubble if kind.split_backward else _one_f_one_b
 
         def one_f_one_b(head_loss, chunks, head, x0, targets):
             chunk = jax.tree.map(lambda a: a[0], chunks)  # [Lc, ...]
             loss, g_c, g_h, dx0 = executor(
                 stage_fn, head_loss, chunk, head, x0, targets,
-                p=p, scale=1.0 / (m * pipe.n_summed), dtype=pipe.dtype, **tables,
+                scale=1.0 / (m * pipe.n_summed), dtype=pipe.dtype, tables=tables,
             )  # fmt: skip
             return loss, jax.tree.map(lambda g: g[None], g_c), g_h, dx0
 
@@ -1374,12 +1383,9 @@ def executed_actions(sched: Schedule) -> np.ndarray | None:
     """int [ticks, p]: the `lax.switch` branch each stage takes at each tick of a schedule whose
     executor switches per tick (1f1b, zb), or None when every stage runs the same tick body
     (gpipe and interleaved: the forward ticks and their autodiff)."""
-    kind = SCHEDULES[sched.name]
-    if kind.autodiff_backward:
+    if SCHEDULES[sched.name].autodiff_backward:
         return None
-    return (zero_bubble_exec_tables if kind.split_backward else one_f_one_b_exec_tables)(sched)[
-        "action"
-    ]
+    return exec_tables(sched)["action"]
 
 
 class _LockStep:
@@ -1437,6 +1443,33 @@ class _LockStep:
             if inst.opcode == "conditional" and len(list(hlo_cost.callees(inst))) == n:
                 return inst
         return None
+
+
+def branch_lockstep(
+    sched: Schedule, fwd: float, bwd: float, b_input: float, b_weight: float, head: float
+) -> tuple[float, float]:
+    """(lock-step time, useful work) of one pass over the schedule, from per-branch costs (e.g.
+    dot FLOPs): every tick is charged its slowest stage's executed branch, as `lockstep_flops`
+    reads it from a compiled program, but with the costs given instead of read.
+
+    Args:
+      fwd, bwd: one stage's forward and whole backward of one microbatch (gpipe / interleaved:
+        of all its chunks, each tick runs 1/v of them on every stage, idle ones too).
+      b_input, b_weight: zb's input- and weight-gradient passes.
+      head: the head and loss forward of one microbatch (their backward costs 2×), run by the
+        last stage of 1f1b and zb (gpipe and interleaved run it outside the ticks).
+    """
+    actions = executed_actions(sched)
+    if actions is None:  # every stage runs every tick: the forward ticks, then their mirror
+        v, half = sched.virtual_stages, sched.ticks // 2
+        busy = int(np.sum(sched.action[:half] != IDLE))
+        return half * (fwd + bwd) / v, busy * (fwd + bwd) / v
+    if sched.name == "zb":
+        costs = [0, fwd, b_input, b_weight, fwd + head, b_input + 2 * head]
+    else:
+        costs = [0, fwd, bwd, fwd + bwd, fwd + bwd + 3 * head]
+    per_entry = np.asarray(costs)[actions]
+    return float(per_entry.max(axis=1).sum()), float(per_entry.sum())
 
 
 def lockstep_flops(hlo_text: str, sched: Schedule) -> dict[str, Any]:

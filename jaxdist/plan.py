@@ -504,6 +504,9 @@ class Prediction:
     mfu: float
     fits: bool
     hosts: dict[str, int]
+    # with a pipeline: dot FLOPs per device per step with every tick charged its slowest stage's
+    # branch, as the layout record's `pipeline.lockstep_flops` reads them from the compiled step
+    lockstep_flops: float | None = None
 
     @property
     def collective_bytes(self) -> dict[str, float]:
@@ -800,6 +803,11 @@ class _Step:
     edge_rows: int  # rows the embedding / head run on
     one_f_one_b: bool  # 1f1b or zb: a switch per tick
     ticks_1f1b: int
+    # 1f1b: its costliest branch (the last stage's forward, head, loss and backward of one
+    # microbatch in one tick) runs a forward too; zb's runs a backward only
+    fused: bool
+    # 1f1b / zb: slots of the arriving activations, arriving gradients and the residual stash
+    slots: tuple[int, int, int]
     # pipeline.fsdp_gather_once: the stage's layers are gathered over fsdp once per step (per
     # accumulation chunk) before the stages, and their gradients summed over fsdp once after.
     once: bool
@@ -827,18 +835,21 @@ def _step(config, layout: Layout, model: ModelInfo, hw: Hardware) -> _Step:
     v = int(config.pipeline.virtual_stages) if config.pipeline.schedule == "interleaved" else 1
     Lp = model.num_layers // p
     ticks = m * v + p - 1
-    # 1F1B (jaxdist.pipeline._one_f_one_b): 2 (m + p - 1) ticks, each a switch over idle /
-    # forward / backward (and the last stage's forward and backward with head and loss) whose
-    # collectives are charged as the costliest branch's (as jaxdist.hlo_cost counts conditionals):
-    # the last stage's backward, which applies the stashed vjp (no forward recomputed) to the
-    # head's and then the stage's residuals.
+    # 1F1B (jaxdist.pipeline._one_f_one_b): its table's ticks, each a switch over idle / forward /
+    # backward / both (and the last stage's forward, head, loss and backward of one microbatch)
+    # whose collectives are charged as the costliest branch's (as jaxdist.hlo_cost counts
+    # conditionals): the last stage's, a forward and the stashed vjp (no forward recomputed).
     # zb (jaxdist.pipeline._zero_bubble) is costed as 1F1B on its own table's ticks: the same
     # switch, its backward split in two branches whose collectives are the backward's.
-    ticks_1f1b = 2 * (m + p - 1)
-    if p > 1 and config.pipeline.schedule == "zb":
+    ticks_1f1b, slots = 0, (p, p, p)
+    if p > 1 and config.pipeline.schedule in ("1f1b", "zb"):
         from jaxdist import pipeline
 
-        ticks_1f1b = pipeline.build_schedule("zb", p, m).ticks
+        sched = pipeline.build_schedule(config.pipeline.schedule, p, m)
+        ticks_1f1b = sched.ticks
+        if sched.name == "1f1b":  # (zb: costed as p slots each)
+            n = pipeline.exec_tables(sched)["slots"]
+            slots = (n["x"], n["g"], n["r"])
     return _Step(
         config=config,
         model=model,
@@ -862,6 +873,8 @@ def _step(config, layout: Layout, model: ModelInfo, hw: Hardware) -> _Step:
         edge_rows=rows_mb // p if p > 1 and rows_mb % p == 0 else rows_mb,
         one_f_one_b=p > 1 and config.pipeline.schedule in ("1f1b", "zb"),
         ticks_1f1b=ticks_1f1b,
+        fused=p > 1 and config.pipeline.schedule == "1f1b",
+        slots=slots,
         once=p > 1 and bool(config.pipeline.get("fsdp_gather_once", False)) and sizes["fsdp"] > 1,
     )
 
@@ -898,7 +911,7 @@ def _tensor_terms(s: _Step, out: _Terms) -> None:
     # stashed vjp runs the backward's all-reduces only.
     layer_runs = s.Lp * s.ticks_1f1b * s.A if s.one_f_one_b else s.reps
     names = ["QKV, up-projection input grads, bwd"]
-    if not s.one_f_one_b:
+    if not s.one_f_one_b or s.fused:
         names.insert(0, "attention, MLP outputs (row-parallel), fwd")
     for name in names:
         out.add(f"tp: {name}", "all-reduce", tpa, act_chunk, 2 * layer_runs, False)
@@ -910,22 +923,23 @@ def _tensor_terms(s: _Step, out: _Terms) -> None:
         head_rows, head_count, ce_terms = s.edge_rows, s.A, 3  # max, sum of exp, target logit
     out.add("tp: head input grad, bwd", "all-reduce", tpa, s.act(head_rows), head_count, False)
     ce = ce_terms * head_rows * s.model.seq_len * 4  # [b, T] float32 each
-    if not s.one_f_one_b:  # (in 1F1B the forward branch's, not the costliest)
+    if not s.one_f_one_b or s.fused:  # (in zb the forward branch's, not the costliest)
         out.add("tp: cross-entropy over vocab shards", "all-reduce", tpa, ce, head_count, False)
 
 
 def _fsdp_terms(s: _Step, out: _Terms) -> None:
     """FSDP all-gathers: each layer's weights per execution (twice with remat), the rest once."""
     regather = 2 if s.remat != "none" else 1
-    # Under 1F1B with FSDP, a tick's backward branch uses the gathered weights its forward stashed;
-    # with remat it recomputes each layer, gathering its weights again: once per tick.
+    # Under 1F1B / zb with FSDP, each layer's weights are gathered in a forward (1f1b's costliest
+    # branch runs one) and, with remat, again when the backward recomputes it: per tick.
     for x, gathered, n_cp in zip(s.model.params, s.sh.gathered, s.sh.computed):
         if gathered:
             payload = (n_cp // s.Lp if x.stacked else n_cp) * s.wire_dt(s.cdt)
             if s.once and s.in_stage(x):  # (1F1B's head enters its stages gathered, too)
                 payload, count = n_cp * s.wire_dt(s.cdt), s.A
             elif s.one_f_one_b and s.in_stage(x):
-                count = s.ticks_1f1b * s.A * s.Lp * (regather - 1) if x.stacked else 0
+                runs = regather if s.fused else regather - 1  # (1f1b's costliest runs a forward)
+                count = s.ticks_1f1b * s.A * (s.Lp * runs if x.stacked else int(s.fused))
             elif x.stacked:
                 count = s.reps * regather
             else:
@@ -1027,6 +1041,30 @@ def _grad_sync_terms(s: _Step, out: _Terms, ratio: float) -> None:
             out.add(f"{name} (all-reduce)", "all-reduce", axes, payload * ratio, count, True)
 
 
+def _lockstep(s: _Step) -> tuple[float, float]:
+    """(lock-step dot FLOPs per device per step, the lock-step bubble) of a pipelined layout: the
+    executed schedule table with every tick charged its slowest stage's branch
+    (`pipeline.branch_lockstep`), the branch FLOPs from the model's shapes (a layer's weight
+    matmuls, its attention's two [T, T] matmuls, the head), plus the head gpipe and interleaved
+    run outside the ticks. The bubble is the ticks' idle share: 1 - useful / (p · lock-step).
+    """
+    from jaxdist import pipeline
+
+    model, T, D = s.model, s.model.seq_len, s.model.d_model
+    sched = pipeline.build_schedule(s.config.pipeline.schedule, s.p, s.m, s.v)
+    matmul = 2 * sum(math.prod(x.shape) for x in model.params if x.stacked and len(x.shape) > 2)
+    tokens = s.chunk_rows * T / s.tp  # one microbatch on one device
+    weights, attn = matmul / model.num_layers * s.Lp * tokens, 4 * T * D * s.Lp * tokens
+    head = 2 * D * model.vocab_size * tokens
+    fwd = weights + attn
+    full = s.remat == "full"  # the backward recomputes the forward; zb's W then holds nothing
+    bwd = 2 * fwd + (fwd if full else 0)
+    b_input, b_weight = (bwd, 0.0) if full else (weights + 2 * attn, weights)
+    total, useful = pipeline.branch_lockstep(sched, fwd, bwd, b_input, b_weight, head)
+    outside = 0.0 if s.one_f_one_b else 3 * head * s.edge_rows / s.chunk_rows
+    return (total + outside) * s.A, 1 - useful / (s.p * total)
+
+
 def _pipeline_terms(s: _Step, out: _Terms) -> None:
     """Stage-to-stage permutes and the batch moved into / out of the stages."""
     if s.p <= 1:
@@ -1079,12 +1117,15 @@ def _activations(s: _Step) -> tuple[float, int, int, float, float]:
         saved = s.rows_mb * s.Lp * row_bytes(rep, split, scores)
         work_rows, logit_rows = s.rows_mb, s.rows_mb
     elif s.one_f_one_b:
-        # Input and gradient buffers of p slots, the embedded microbatches and their gradient, and
-        # the stash: p slots of one microbatch's residuals (what the policy keeps), plus about four
-        # more live around the tick's switch (the slot read, the branch's new residuals, the
-        # conditional's result, the masked store), from the compiled layouts of tests/test_plan*.
-        buffers = (2 * s.p + 2 * s.m) * s.chunk_rows * T * D * adt
-        saved = buffers + (s.p + 4) * s.chunk_rows * s.Lp * row_bytes(rep, split, scores)
+        # Input and gradient buffers, the embedded microbatches and their gradient, and the stash:
+        # its slots of one microbatch's residuals (what the policy keeps), plus about four more
+        # live around the tick's switch (the slot read, the branch's new residuals, the
+        # conditional's result, the masked store), from the compiled layouts of tests/test_plan*;
+        # one more in 1f1b, whose last stage holds a microbatch's residuals within its tick.
+        n_x, n_g, n_stash = s.slots
+        buffers = (n_x + n_g + 2 * s.m) * s.chunk_rows * T * D * adt
+        live = n_stash + 4 + s.fused
+        saved = buffers + live * s.chunk_rows * s.Lp * row_bytes(rep, split, scores)
         work_rows, logit_rows = s.chunk_rows, s.chunk_rows
         stage_grads = 1 if Lc > 1 else 0
     else:
@@ -1196,9 +1237,7 @@ def predict(
     model_flops = model.flops_per_token() * tokens
     n = layout.devices
     compute_s = _compute_time(config, model, hw, s.remat, tokens) / n
-    bubble = (s.p - 1) / (s.m * s.v + s.p - 1) if s.p > 1 else 0.0
-    if s.p > 1 and config.pipeline.schedule == "zb":  # idle entries of its table
-        bubble = 1 - 3 * s.m / s.ticks_1f1b
+    lockstep, bubble = _lockstep(s) if s.p > 1 else (None, 0.0)
     compute_s /= 1 - bubble
     local, hosts = _hosts(layout, hw)
     times = [(t, _term_time(t, local, hw)) for t in out.terms]
@@ -1222,6 +1261,7 @@ def predict(
         mfu=model_flops / (step_s * n * hw.peak_flops),
         fits=memory["total"] <= hw.usable_fraction * hw.memory_bytes,
         hosts=hosts,
+        lockstep_flops=lockstep,
     )
 
 

@@ -49,22 +49,16 @@ def pipeline_table(
     ms: Sequence[int] = (4, 8, 16, 32),
     schedules: Sequence[str] | None = None,
     *,
-    virtual_stages: int = 2,
-    microbatch_size: int = 1,
-    num_layers: int = 8,
-    d_model: int = 128,
-    seq_len: int = 128,
     steps: int = 3,
-    data: int = 1,
-    remat: str = "none",
-    fsdp: int = 1,
-    fsdp_gather_once: bool = False,
+    **shape: Any,
 ) -> list[dict[str, Any]]:
     """Compiles and times the train step of a small GPT for every (schedule, m) on p stages.
 
     The microbatch size is fixed, so the global batch grows with m: 1f1b's temp memory should stay
     flat while gpipe's grows. Needs p · data · fsdp devices (simulated CPU devices are fine). `schedules`:
-    names from `jaxdist.pipeline.SCHEDULES`, all of them when None.
+    names from `jaxdist.pipeline.SCHEDULES`, all of them when None. `shape`: the keyword
+    arguments of `_config` (virtual_stages, microbatch_size, num_layers, d_model, seq_len, data,
+    remat, fsdp, fsdp_gather_once).
 
     Returns:
       One dict per (schedule, m): `temp_bytes` per device (compiled memory analysis),
@@ -74,6 +68,48 @@ def pipeline_table(
       executions per step) from the HLO, `step_time_s` (median of `steps` timed steps after one
       warm-up; none when `steps` is 0), `ticks`, `batch_size`, `tokens_per_s`.
     """
+    from jaxdist import pipeline
+
+    return [
+        _row(_config(p, m, name, **shape), steps)
+        for name in schedules or pipeline.SCHEDULES
+        for m in ms
+    ]
+
+
+def _config(
+    p: int,
+    m: int,
+    schedule: str,
+    *,
+    virtual_stages: int = 2,
+    microbatch_size: int = 1,
+    num_layers: int = 8,
+    d_model: int = 128,
+    seq_len: int = 128,
+    data: int = 1,
+    remat: str = "none",
+    fsdp: int = 1,
+    fsdp_gather_once: bool = False,
+):
+    """The benchmark's config: a GPT on p stages × data × fsdp, m microbatches of fixed size."""
+    from jaxdist import config as config_lib
+
+    c = config_lib.base_config()
+    for axis in config_lib.MESH_AXES:
+        c.mesh[axis] = 1
+    c.mesh.pipeline, c.mesh.data, c.mesh.fsdp = p, data, fsdp
+    c.model.update(num_layers=num_layers, d_model=d_model, num_heads=4, seq_len=seq_len)
+    c.train.batch_size = m * microbatch_size * data * fsdp
+    c.train.remat = remat
+    c.data.max_bytes = 400_000
+    c.pipeline.update(schedule=schedule, microbatches=m, virtual_stages=virtual_stages)
+    c.pipeline.fsdp_gather_once = fsdp_gather_once
+    return c
+
+
+def _row(c, steps: int) -> dict[str, Any]:
+    """One `pipeline_table` row: compile the train step of config `c`, read it, time it."""
     import jax
 
     from jaxdist import config as config_lib
@@ -81,62 +117,44 @@ def pipeline_table(
     from jaxdist import mesh as mesh_lib
     from jaxdist import metrics, pipeline, train
 
-    devices = jax.devices()[: p * data * fsdp]
-    rows = []
-    for name in schedules or pipeline.SCHEDULES:
-        for m in ms:
-            c = config_lib.base_config()
-            for axis in config_lib.MESH_AXES:
-                c.mesh[axis] = 1
-            c.mesh.pipeline, c.mesh.data, c.mesh.fsdp = p, data, fsdp
-            c.model.update(num_layers=num_layers, d_model=d_model, num_heads=4, seq_len=seq_len)
-            c.train.batch_size = m * microbatch_size * data * fsdp
-            c.train.remat = remat
-            c.data.max_bytes = 400_000
-            c.pipeline.update(schedule=name, microbatches=m, virtual_stages=virtual_stages)
-            c.pipeline.fsdp_gather_once = fsdp_gather_once
-            config_lib.validate(c, len(devices))
-            mesh = mesh_lib.make_mesh(c.mesh, devices=devices)
-            ds = data_lib.load(c.data, seq_len=seq_len, vocab_size=c.model.vocab_size)
-            eng = train.build(c, mesh, ds)
-            batches = data_lib.Batches(
-                ds, batch_size=c.train.batch_size, seq_len=seq_len, seed=0,
-                shardings=eng.batch_shardings,
-            )  # fmt: skip
-            batch = batches.get(0)
-            state = eng.init()
-            compiled = eng.train_step.lower(state, batch).compile()
-            text = compiled.as_text()
-            times = []
-            for k in range(steps + 1 if steps else 0):
-                t0 = time.perf_counter()
-                state, out = compiled(state, batch)
-                jax.block_until_ready(out)
-                if k:  # the first is a warm-up
-                    times.append(time.perf_counter() - t0)
-            step = statistics.median(times) if times else float("nan")
-            ops = metrics.collective_ops(text)
-            rows.append(
-                {
-                    "schedule": name,
-                    "stages": p,
-                    "microbatches": m,
-                    "virtual_stages": eng.schedule.virtual_stages,
-                    "batch_size": c.train.batch_size,
-                    "ticks": eng.schedule.ticks,
-                    "bubble_fraction": eng.schedule.bubble_fraction,
-                    "remat": remat,
-                    "fsdp": fsdp,
-                    "fsdp_gather_once": fsdp_gather_once,
-                    "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-                    **pipeline.step_cost(eng, compiled),
-                    "collective_bytes": metrics.collective_bytes(text),
-                    "all_reduces": sum(o.count for o in ops if o.kind == "all-reduce"),
-                    "step_time_s": step,
-                    "tokens_per_s": c.train.batch_size * seq_len / step,
-                }
-            )
-    return rows
+    devices = jax.devices()[: c.mesh.pipeline * c.mesh.data * c.mesh.fsdp]
+    config_lib.validate(c, len(devices))
+    seq_len = c.model.seq_len
+    ds = data_lib.load(c.data, seq_len=seq_len, vocab_size=c.model.vocab_size)
+    eng = train.build(c, mesh_lib.make_mesh(c.mesh, devices=devices), ds)
+    batches = data_lib.Batches(
+        ds, batch_size=c.train.batch_size, seq_len=seq_len, seed=0, shardings=eng.batch_shardings
+    )
+    batch, state = batches.get(0), eng.init()
+    compiled = eng.train_step.lower(state, batch).compile()
+    text = compiled.as_text()
+    times = []
+    for k in range(steps + 1 if steps else 0):
+        t0 = time.perf_counter()
+        state, out = compiled(state, batch)
+        jax.block_until_ready(out)
+        if k:  # the first is a warm-up
+            times.append(time.perf_counter() - t0)
+    step = statistics.median(times) if times else float("nan")
+    ops = metrics.collective_ops(text)
+    return {
+        "schedule": c.pipeline.schedule,
+        "stages": c.mesh.pipeline,
+        "microbatches": c.pipeline.microbatches,
+        "virtual_stages": eng.schedule.virtual_stages,
+        "batch_size": c.train.batch_size,
+        "ticks": eng.schedule.ticks,
+        "bubble_fraction": eng.schedule.bubble_fraction,
+        "remat": c.train.remat,
+        "fsdp": c.mesh.fsdp,
+        "fsdp_gather_once": c.pipeline.fsdp_gather_once,
+        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+        **pipeline.step_cost(eng, compiled),
+        "collective_bytes": metrics.collective_bytes(text),
+        "all_reduces": sum(o.count for o in ops if o.kind == "all-reduce"),
+        "step_time_s": step,
+        "tokens_per_s": c.train.batch_size * seq_len / step,
+    }
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
