@@ -34,7 +34,7 @@ def _run(compression: str, moe: bool, sizes: tuple) -> tuple:
     return train_steps(config(compression, moe, **dict(sizes)), STEPS)
 
 
-@pytest.mark.parametrize("compression", ["bf16", "int8", "powersgd"])
+@pytest.mark.parametrize("compression", ["bf16", "int8", "powersgd", "topk"])
 @pytest.mark.parametrize("axis", ["context", "expert"])
 def test_compressor_with_context_or_expert(compression, axis):
     """Losses within 1e-5 of the same compressor on data=4 (parameters too for PowerSGD, which is
@@ -52,6 +52,28 @@ def test_compressor_with_context_or_expert(compression, axis):
             np.testing.assert_allclose(p, r, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
     assert losses[-1] < losses[0]
     assert np.all(np.abs(losses - ref) / ref < 0.05), (losses, ref)
+
+
+@pytest.mark.parametrize("compression", ["ef_sign", "onebit_adam"])
+@pytest.mark.parametrize("axis", ["context", "expert"])
+def test_one_bit_compressors_with_context_or_expert(compression, axis):
+    """The 1-bit methods on data=4 × `axis`=2 equal the same method on data=4 within 1e-5 (losses).
+
+    Only the composition is checked here: how far 3 steps of 1-bit SGD / Adam drift from the
+    uncompressed run is the method's own matter (tests/test_grad_sync.py, docs/COMPRESSION.md).
+    """
+    moe = axis == "expert"
+
+    def cfg(**sizes):
+        c = config(compression, moe, **sizes)
+        if compression == "onebit_adam":
+            c.train.optimizer, c.train.learning_rate, c.grad_sync.warmup_steps = "adamw", 1e-4, 2
+        return c
+
+    flat, _ = train_steps(cfg(data=4), STEPS)
+    losses, _ = train_steps(cfg(data=4, **{axis: 2}), STEPS)
+    np.testing.assert_allclose(losses, flat, rtol=0, atol=1e-5)
+    assert losses[-1] < losses[0]
 
 
 @pytest.mark.parametrize("axis", ["context", "expert"])
