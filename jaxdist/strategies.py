@@ -34,7 +34,16 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import allreduce, collectives, compression, microbatch, pipeline, sharding, staleness
+from jaxdist import (
+    allreduce,
+    collectives,
+    compression,
+    microbatch,
+    pipeline,
+    sharding,
+    staleness,
+    streaming,
+)
 from jaxdist.errors import ConfigError
 from jaxdist.state import Entry, TrainState
 from models.api import Stages
@@ -323,9 +332,16 @@ def local_sgd(setup: Setup) -> Strategy:
         loss, _, grads = base(params, local_batch)  # aux metrics: not reduced here
         return loss, grads
 
-    local = collectives.local_sgd(
-        replica_grads, setup.tx, mesh, DATA_AXES, g.local_steps, outer_tx, _per_replica(mesh)
-    )
+    if streaming.active(g):  # streaming DiLoCo: fragments, overlap, quantized outer gradients
+        frags = streaming.partition(setup.abstract_params, setup.param_axes, g.fragments)
+        local = streaming.local_sgd(
+            replica_grads, setup.tx, outer_tx, mesh, DATA_AXES, g, frags,
+            setup.abstract_params, setup.param_specs,
+        )  # fmt: skip
+    else:
+        local = collectives.local_sgd(
+            replica_grads, setup.tx, mesh, DATA_AXES, g.local_steps, outer_tx, _per_replica(mesh)
+        )
 
     def init(params):
         ls = local.init(params)
@@ -343,6 +359,7 @@ def local_sgd(setup: Setup) -> Strategy:
             state["opt_state"],
             state["local"]["params"],
             state["local"]["opt_state"],
+            state.get(streaming.PENDING),
         )
         ls, m = local.step(ls, batch)
         new = {
@@ -350,9 +367,16 @@ def local_sgd(setup: Setup) -> Strategy:
             "opt_state": ls.outer_state,
             "local": {"params": ls.local_params, "opt_state": ls.inner_state},
         }
+        if ls.pending is not None:
+            new[streaming.PENDING] = ls.pending
         return Proposal(m["loss"], m["grad_norm"], {}, new)
 
     entries = {"local": Entry.from_specs(abstract, specs, mesh, init)}
+    if streaming.active(g) and g.outer_overlap > 0:  # outer gradients in flight, like the params
+        zeros = lambda params: jax.tree.map(jnp.zeros_like, params)
+        entries[streaming.PENDING] = Entry.from_specs(
+            setup.abstract_params, setup.param_specs, mesh, zeros
+        )
     return Strategy("local_sgd", step, entries, outer_tx, schedule)
 
 
@@ -418,6 +442,7 @@ def check(config, mesh_shape: Mapping[str, int]) -> None:
             f"train.optimizer='sgd' with train.momentum > 0, not {t.optimizer!r} with momentum "
             f"{t.momentum}"
         )
+    streaming.check(g, mesh_shape)
     if g.local_steps > 1:
         _check_explicit("grad_sync.local_steps", g.local_steps, "local_steps=1", mesh_shape)
         if g.compression != "none":
