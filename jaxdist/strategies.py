@@ -281,7 +281,7 @@ def reduced(setup: Setup) -> Strategy:
         return loss, grads
 
     grads_of = collectives._replica_grads(local_grads, mesh, DATA_AXES, _per_replica(mesh))
-    if c.grad_sync.compression == "bf16":  # ring with bf16 per hop (allreduce.check)
+    if c.grad_sync.compression in allreduce.CODECS:  # compressed per hop (allreduce.check)
         return _per_hop(setup, grads_of, schedule)
     shard_axes = tuple(a for a in ("fsdp", "tensor", "pipeline") if mesh.shape[a] > 1)
     mean_of = allreduce.reducer(
@@ -296,17 +296,17 @@ def reduced(setup: Setup) -> Strategy:
 
 
 def _per_hop(setup: Setup, grads_of, schedule) -> Strategy:
-    """bf16 at every ring hop (`ring`) or across hosts only (`hierarchical`, compress_over=dcn);
-    state["grad_sync"]: each replica's residual [R, E]."""
-    mesh, r = setup.mesh, setup.mesh.shape["data"]
+    """bf16 / int8 at every ring hop (`ring`) or across hosts only (`hierarchical`,
+    compress_over=dcn); state["grad_sync"]: each replica's residual [R, E]."""
+    mesh, r, g = setup.mesh, setup.mesh.shape["data"], setup.config.grad_sync
     size = sum(math.prod(p.shape) for p in jax.tree.leaves(setup.abstract_params))
-    hosts = int(setup.config.mesh.dcn_data) if setup.config.grad_sync.compress_over == "dcn" else 1
-    e = allreduce.per_hop_size(size, r, hosts)
+    hosts = int(setup.config.mesh.dcn_data) if g.compress_over == "dcn" else 1
+    e = allreduce.per_hop_size(size, r, hosts, g.compression)
     abstract = jax.ShapeDtypeStruct((r, e), jnp.float32)
     entry = Entry.from_specs(
         abstract, P("data"), mesh, lambda params: jnp.zeros((r, e), jnp.float32)
     )
-    reduce = allreduce.per_hop_reducer(mesh, "data", hosts)
+    reduce = allreduce.per_hop_reducer(mesh, "data", hosts, g.compression)
 
     def gradients(params, batch, extra):
         loss, grads = grads_of(params, batch)

@@ -10,8 +10,9 @@ Three tables (docs/AGGREGATION.md quotes them):
              on NVLink+InfiniBand (h100_nvlink_ib) and cloud Ethernet (cloud_ethernet).
   staleness  steps to `--target_loss` validation loss for each `grad_sync.staleness` in `--taus`,
              and the validation curve (plot next to the JSON).
-  per_hop    bf16 compression of the whole reduction against bf16 at every ring hop (with error
-             feedback): busiest-device bytes and validation loss after `--max_steps` steps.
+  per_hop    bf16 / int8 compression of the whole reduction against the same at every ring hop
+             (with error feedback): busiest-device bytes and validation loss after `--max_steps`
+             steps.
   streaming  plain DiLoCo against streaming DiLoCo (fragments, overlap, int8 outer gradients) at
              the config's `grad_sync.local_steps`: the costliest single sync and the mean bytes
              per step (HLO), validation loss after `--max_steps` steps.
@@ -137,6 +138,8 @@ PER_HOP = [
     ("none", {}),
     ("bf16 (whole reduction)", {"compression": "bf16"}),
     ("ring + bf16 per hop", {"algorithm": "ring", "compression": "bf16"}),
+    ("int8 (whole reduction)", {"compression": "int8"}),
+    ("ring + int8 per hop", {"algorithm": "ring", "compression": "int8"}),
 ]
 
 
