@@ -10,7 +10,7 @@
   allreduce    the same per-replica path, reduced exactly by `grad_sync.algorithm` (ring, tree,
                parameter server, ...: jaxdist/allreduce.py) instead of XLA's own all-reduce.
   local_sgd    `grad_sync.local_steps` inner steps per replica, then an outer step on the average
-               (jaxdist/collectives.py, local SGD / DiLoCo).
+               (jaxdist/collectives.py, local SGD / DiLoCo; streaming DiLoCo: jaxdist/streaming.py).
 
 The first five are gradient functions behind one signature, `GradFn`:
 `(params, batch, extra) -> (loss, aux, grads, extra)`, where `extra` holds the state entries the

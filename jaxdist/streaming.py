@@ -173,6 +173,64 @@ def _int8_mean(frags: Fragments, f: int, mesh: Mesh, axes: tuple[str, ...], spec
     return mean
 
 
+@dataclasses.dataclass(frozen=True)
+class _Outer:
+    """Fragment-wise outer steps: what one fragment's sync reads, sends and writes."""
+
+    frags: Fragments
+    treedef: Any  # of the parameters
+    outer: optax.GradientTransformation
+    tau: int  # outer_overlap
+    mix: float  # outer_mix
+    int8_means: list  # per fragment: the int8 mean of its outer gradients, or None (f32)
+
+    def parts(self, f: int, tree: Any, axis: int) -> list:
+        """Fragment f's parts of a params tree (axis 0) or of the replicas' [R, ...] (axis 1)."""
+        leaves = self.treedef.flatten_up_to(tree)
+        return [_take(x, s, axis) for x, s in zip(leaves, self.frags.sel[f]) if s is not None]
+
+    def delta(self, f: int, anchor: Any, local: Any) -> list:
+        """Fragment f's averaged outer gradient anchor - mean(local): its parts only."""
+        a, x = self.parts(f, anchor, 0), self.parts(f, local, 1)
+        if self.int8_means[f] is not None:
+            return self.int8_means[f]([ai[None] - xi for ai, xi in zip(a, x, strict=True)])
+        return [ai - jnp.mean(xi, axis=0) for ai, xi in zip(a, x, strict=True)]  # all-reduce
+
+    def written(self, f: int, full: Any, new_parts: list) -> Any:
+        """`full` (a params tree) with fragment f's parts replaced by `new_parts`."""
+        it = iter(new_parts)
+        leaves = self.treedef.flatten_up_to(full)
+        return self.treedef.unflatten(
+            [x if s is None else _put(x, next(it), s) for x, s in zip(leaves, self.frags.sel[f])]
+        )
+
+    def apply(self, f: int, anchor, outer_state, local, delta_parts):
+        """The outer step on fragment f (the rest of anchor and outer state kept); the replicas'
+        copies of the fragment restart from it (tau = 0) or mix with it."""
+        flat = self.treedef.flatten_up_to
+        delta = self.written(f, jax.tree.map(jnp.zeros_like, anchor), delta_parts)
+        upd, new_state = self.outer.update(delta, outer_state, anchor)
+        new = optax.apply_updates(anchor, upd)
+        masks = [self.frags.mask(f, i, x.ndim) for i, x in enumerate(flat(anchor))]
+        anchor = self.treedef.unflatten(list(map(_where, masks, flat(new), flat(anchor))))
+        mask_state = optax.tree_map_params(
+            self.outer,
+            lambda _, m: m,
+            new_state,
+            self.treedef.unflatten(masks),
+            transform_non_params=lambda _: True,
+        )
+        outer_state = jax.tree.map(_where, mask_state, new_state, outer_state)
+
+        def merged(m, a, x):
+            a = jnp.broadcast_to(a, x.shape)
+            arrived = a if self.tau == 0 else self.mix * x + (1 - self.mix) * a
+            return _where(m if isinstance(m, bool) else m[None], arrived, x)
+
+        local = self.treedef.unflatten(list(map(merged, masks, flat(anchor), flat(local))))
+        return anchor, outer_state, local
+
+
 def local_sgd(
     grad_fn: collectives.GradFn,
     inner_tx: optax.GradientTransformation,
@@ -189,87 +247,34 @@ def local_sgd(
     State: `collectives.LocalSGDState`, with `pending` when outer_overlap > 0: a params-shaped tree
     holding each fragment's averaged outer gradient from its send until it is applied.
     """
-    h, tau, mix = g.local_steps, g.outer_overlap, g.outer_mix
-    num = len(frags.sizes)
+    h, tau, num = g.local_steps, g.outer_overlap, len(frags.sizes)
     offsets = [(f * h) // num for f in range(num)]
     treedef = jax.tree.structure(abstract_params)
-    replica_steps = collectives.vmap_inner_steps(grad_fn, inner_tx, mesh, axes)
-    base_init = collectives.vmap_init(inner_tx, outer, mesh, axes)
     specs = treedef.flatten_up_to(param_specs)
     quantized = g.outer_quantization == "int8"
-    int8_means = [
-        _int8_mean(frags, f, mesh, axes, specs) if quantized else None for f in range(num)
-    ]
+    means = [_int8_mean(frags, f, mesh, axes, specs) if quantized else None for f in range(num)]
+    ops = _Outer(frags, treedef, outer, tau, g.outer_mix, means)
+    replica_steps = collectives.vmap_inner_steps(grad_fn, inner_tx, mesh, axes)
+    base_init = collectives.vmap_init(inner_tx, outer, mesh, axes)
 
     def init(params):
         pending = jax.tree.map(jnp.zeros_like, params) if tau > 0 else None
         return base_init(params)._replace(pending=pending)
 
-    def parts(f: int, tree: Any, axis: int) -> list:
-        return [
-            _take(x, s, axis)
-            for x, s in zip(treedef.flatten_up_to(tree), frags.sel[f])
-            if s is not None
-        ]
-
-    def outer_delta(f, anchor, local) -> list:
-        """Fragment f's averaged outer gradient anchor - mean(local): its parts only."""
-        a, x = parts(f, anchor, 0), parts(f, local, 1)
-        if quantized:
-            return int8_means[f]([ai[None] - xi for ai, xi in zip(a, x, strict=True)])
-        return [ai - jnp.mean(xi, axis=0) for ai, xi in zip(a, x, strict=True)]  # all-reduce
-
-    def written(f, full, new_parts) -> Any:
-        """`full` (a params tree) with fragment f's parts replaced by `new_parts`."""
-        it = iter(new_parts)
-        leaves = treedef.flatten_up_to(full)
-        return treedef.unflatten(
-            [x if s is None else _put(x, next(it), s) for x, s in zip(leaves, frags.sel[f])]
-        )
-
-    def apply(f, anchor, outer_state, local, delta_parts):
-        """The outer step on fragment f; the replicas' copies of it restart from (or mix with) it."""
-        delta = written(f, jax.tree.map(jnp.zeros_like, anchor), delta_parts)
-        upd, new_state = outer.update(delta, outer_state, anchor)
-        new = optax.apply_updates(anchor, upd)
-        masks = [frags.mask(f, i, len(s.shape)) for i, s in enumerate(jax.tree.leaves(anchor))]
-        anchor = treedef.unflatten(
-            [_where(m, *xs) for m, *xs in zip(masks, *map(treedef.flatten_up_to, (new, anchor)))]
-        )
-        mask_state = optax.tree_map_params(
-            outer,
-            lambda _, m: m,
-            new_state,
-            treedef.unflatten(masks),
-            transform_non_params=lambda _: True,
-        )
-        outer_state = jax.tree.map(_where, mask_state, new_state, outer_state)
-
-        def merged(m, a, x):
-            a = jnp.broadcast_to(a, x.shape)
-            return _where(
-                m if isinstance(m, bool) else m[None], a if tau == 0 else mix * x + (1 - mix) * a, x
-            )
-
-        local = treedef.unflatten(
-            [merged(*xs) for xs in zip(masks, *map(treedef.flatten_up_to, (anchor, local)))]
-        )
-        return anchor, outer_state, local
-
     def sync_now(f):  # outer_overlap = 0: send and apply in the same step (DiLoCo)
-        return lambda a, s, x: apply(f, a, s, x, outer_delta(f, a, x))
+        return lambda a, s, x: ops.apply(f, a, s, x, ops.delta(f, a, x))
 
     def send(f):
-        return lambda a, x, pending: written(f, pending, outer_delta(f, a, x))
+        return lambda a, x, pending: ops.written(f, pending, ops.delta(f, a, x))
 
     def arrive(f):
-        return lambda a, s, x, pending: apply(f, a, s, x, parts(f, pending, 0))
+        return lambda a, s, x, pending: ops.apply(f, a, s, x, ops.parts(f, pending, 0))
 
     def step(state, batch):
         local, inner, losses, norms = replica_steps(state.local_params, state.inner_state, batch)
         anchor, outer_state, pending = state.params, state.outer_state, state.pending
         c = state.step + 1  # inner steps taken
-        for f, off in enumerate(offsets):
+        for f, off in enumerate(offsets):  # each fragment's sync is its own conditional
             due = (c - off) % h == 0
             if tau == 0:
                 anchor, outer_state, local = jax.lax.cond(
@@ -283,8 +288,7 @@ def local_sgd(
                 due, arrive(f), lambda a, s, x, p: (a, s, x), anchor, outer_state, local, pending
             )
         metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(norms)}
-        new = collectives.LocalSGDState(c, anchor, outer_state, local, inner, pending)
-        return new, metrics
+        return collectives.LocalSGDState(c, anchor, outer_state, local, inner, pending), metrics
 
     return collectives.LocalSGD(init, step)
 

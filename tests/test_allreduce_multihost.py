@@ -8,8 +8,13 @@ phases cross hosts (tier dcn) and which stay inside one (tier ici).
 
 from __future__ import annotations
 
+import json
+
+import jax
 import pytest
 
+from jaxdist import checkpoint, weights
+from tests.test_allreduce import assert_equal_per_element, replica_abs_mean
 from tests.test_multihost import (
     DATA_TENSOR,
     _env,
@@ -100,3 +105,51 @@ def test_compress_over_dcn_halves_only_the_cross_host_bytes(runs):
     ref, got = losses(runs["ref"]), losses(runs["dcn_bf16"])
     assert sorted(got) == [1, 2, 3, 4]
     assert all(abs(got[s] - ref[s]) <= 1e-3 * abs(ref[s]) for s in got), (got, ref)
+
+
+# Step 0's reduced gradient, left in flight by staleness 1 and checkpointed after step 1.
+GRAD = (
+    *DATA_TENSOR,
+    "--config.grad_sync.staleness=1",
+    "--config.checkpoint.every=1",
+    "--config.train.steps=1",
+)
+
+
+@pytest.fixture(scope="module")
+def grad_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("allreduce_mp_grads")
+    w = {name: root / name for name in ("ref", "hierarchical", "ring")}
+    in_parallel(
+        (train_cmd(w["ref"], *GRAD), _env(None, None)),
+        *[
+            (
+                train_cmd(
+                    w[a],
+                    *GRAD,
+                    "--config.mesh.dcn_data=2",
+                    f"--config.grad_sync.algorithm={a}",
+                    processes=2,
+                ),
+                _env(None, None),
+            )
+            for a in ("hierarchical", "ring")
+        ],
+    )
+    return w
+
+
+@pytest.mark.parametrize("algorithm", ["hierarchical", "ring"])
+def test_two_processes_gradients_equal_one_process_xla_per_element(grad_runs, algorithm):
+    """Every element of the reduced gradient across 2 processes × 4 devices against one process's
+    xla, within the reordered-sum bound of `assert_equal_per_element` (N = 4 replicas)."""
+    ref = checkpoint.read_arrays(grad_runs["ref"] / "checkpoints", 1, prefix="in_flight")
+    got = checkpoint.read_arrays(grad_runs[algorithm] / "checkpoints", 1, prefix="in_flight")
+    assert sorted(got) == sorted(ref) and ref
+    c = weights.config_from_json(json.loads((grad_runs["ref"] / "config.json").read_text()))
+    abs_mean = jax.tree_util.tree_flatten_with_path({"in_flight": replica_abs_mean(c, 4)})[0]
+    abs_mean = {checkpoint.path_str(kp): x for kp, x in abs_mean}
+    keys = sorted(ref)
+    assert_equal_per_element(
+        [got[k] for k in keys], [ref[k] for k in keys], [abs_mean[k] for k in keys], 4, algorithm
+    )
