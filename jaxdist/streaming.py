@@ -13,9 +13,10 @@ once per H steps, but no step sends more than one fragment (about 1/F of the mod
                                 steps after it was sent, so its all-reduce may take that long;
                                 on arrival the replica's fragment becomes outer_mix * its own +
                                 (1 - outer_mix) * the new global fragment.
-  grad_sync.outer_quantization  "int8": the outer gradients (anchor - replica) cross the network
-                                as int8 with a scale per 256 values, in a reduce-scatter then
-                                all-gather (`compression.int8`), instead of an f32 all-reduce.
+  grad_sync.outer_quantization  "int8" / "int4": the outer gradients (anchor - replica) cross the
+                                network as int8 (`compression.int8`) or 4-bit levels -7..7, with
+                                an f32 scale per 256 values, in a reduce-scatter then all-gather,
+                                instead of an f32 all-reduce.
 
 F = 1, tau = 0 and no quantization is plain DiLoCo, bit for bit (tests/test_streaming_diloco.py).
 The replicas run vmapped as in `collectives.local_sgd(per_replica="vmap")`; each fragment's sync
@@ -40,7 +41,7 @@ from jaxdist.errors import ConfigError
 
 ALL = "all"  # a fragment holds the whole parameter
 PENDING = "outer_pending"  # the train state entry of the outer gradients in flight
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
 Sel = Any  # None (not in the fragment), ALL, or a tuple of layer indices
 
 
@@ -153,12 +154,61 @@ def _where(mask: Any, new: jax.Array, old: jax.Array) -> jax.Array:
     return jnp.where(mask, new, old)
 
 
-def _int8_mean(frags: Fragments, f: int, mesh: Mesh, axes: tuple[str, ...], specs: list):
-    """[outer gradients [R, ...] of fragment f's parts] -> their means, int8 on the wire: a
-    reduce-scatter (all-to-all) and an all-gather, on each device's own shard (as the compressors
-    run in the `compressed` strategy)."""
+INT4_BLOCK = 256  # values per f32 scale of the 4-bit outer gradients
+
+
+def _int4_encode(x: jax.Array) -> jax.Array:
+    """f32 [B, 256] -> uint8 [B, 132]: absmax 4-bit levels -7..7, two per byte, then the block's
+    f32 scale as 4 bytes (one buffer: one collective per phase)."""
+    scale = jnp.max(jnp.abs(x), axis=-1) / 7.0
+    q = jnp.round(x / jnp.where(scale > 0, scale, 1.0)[:, None])
+    q = jnp.clip(q, -7, 7).astype(jnp.int32) + 8  # 1..15
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(jnp.uint8)  # [B, 128]
+    return jnp.concatenate([packed, jax.lax.bitcast_convert_type(scale, jnp.uint8)], axis=1)
+
+
+def _int4_decode(payload: jax.Array) -> jax.Array:
+    half = INT4_BLOCK // 2
+    scale = jax.lax.bitcast_convert_type(payload[:, half:], jnp.float32)  # [B]
+    nibbles = payload[:, :half].astype(jnp.int32)
+    q = jnp.stack([(nibbles & 15) - 8, (nibbles >> 4) - 8], axis=-1).reshape(-1, INT4_BLOCK)
+    return q.astype(jnp.float32) * scale[:, None]
+
+
+def _int4(axes: tuple[str, ...]) -> optax.GradientTransformation:
+    """The mean over `axes` of a tree, 4-bit on the wire in both phases of a reduce-scatter
+    (all-to-all) then all-gather, as `compression.int8` runs int8; the state passes through."""
+
+    def update(tree, state, params=None):
+        del params
+        r = compression.num_replicas(axes)
+        leaves, treedef = jax.tree.flatten(tree)
+        flat = jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in leaves])
+        per = -(-flat.size // (r * INT4_BLOCK)) * INT4_BLOCK  # elements each replica reduces
+        rows = jnp.pad(flat, (0, r * per - flat.size)).reshape(r, -1, INT4_BLOCK)
+        mine = compression._all_to_all(jax.vmap(_int4_encode)(rows), axes)  # [R, per/256, 132]
+        mean = jnp.mean(jax.vmap(_int4_decode)(mine), axis=0)  # my shard, [per/256, 256]
+        full = jax.vmap(_int4_decode)(compression._gather(_int4_encode(mean), axes)).reshape(-1)
+        out, start = [], 0
+        for x in leaves:
+            out.append(full[start : start + x.size].reshape(x.shape).astype(x.dtype))
+            start += x.size
+        return treedef.unflatten(out), state
+
+    return optax.GradientTransformation(lambda params: None, update)
+
+
+def _quantized_mean(
+    frags: Fragments, f: int, mesh: Mesh, axes: tuple[str, ...], specs: list, kind: str
+):
+    """[outer gradients [R, ...] of fragment f's parts] -> their means, int8 or int4 on the wire:
+    a reduce-scatter (all-to-all) and an all-gather, on each device's own shard (as the
+    compressors run in the `compressed` strategy)."""
     idx = [i for i, s in enumerate(frags.sel[f]) if s is not None]
-    tx = compression.int8(axes, batch_dims=[int(frags.layers[i] > 0) for i in idx])
+    if kind == "int8":
+        tx = compression.int8(axes, batch_dims=[int(frags.layers[i] > 0) for i in idx])
+    else:
+        tx = _int4(axes)
     shard_axes = tuple(a for a in ("fsdp", "tensor") if mesh.shape[a] > 1)
     lead = P(axes[0] if len(axes) == 1 else axes)
     reduce = collectives._sharded_reduce(
@@ -251,8 +301,11 @@ def local_sgd(
     offsets = [(f * h) // num for f in range(num)]
     treedef = jax.tree.structure(abstract_params)
     specs = treedef.flatten_up_to(param_specs)
-    quantized = g.outer_quantization == "int8"
-    means = [_int8_mean(frags, f, mesh, axes, specs) if quantized else None for f in range(num)]
+    kind = g.outer_quantization
+    means = [
+        None if kind == "none" else _quantized_mean(frags, f, mesh, axes, specs, kind)
+        for f in range(num)
+    ]
     ops = _Outer(frags, treedef, outer, tau, g.outer_mix, means)
     replica_steps = collectives.vmap_inner_steps(grad_fn, inner_tx, mesh, axes)
     base_init = collectives.vmap_init(inner_tx, outer, mesh, axes)

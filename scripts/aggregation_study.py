@@ -181,6 +181,10 @@ STREAMING = [
         "streaming F=2, tau=1, int8",
         {"fragments": 2, "outer_overlap": 1, "outer_quantization": "int8"},
     ),
+    (
+        "streaming F=2, tau=1, int4",
+        {"fragments": 2, "outer_overlap": 1, "outer_quantization": "int4"},
+    ),
 ]
 
 

@@ -91,6 +91,18 @@ def test_peak_bytes_per_step_are_the_largest_fragment():
     _, f32 = compile_step(_cfg(fragments=2))
     ratio = streaming.peak_sync_bytes(q.as_text()) / streaming.peak_sync_bytes(f32.as_text())
     assert 0.25 < ratio < 0.27, ratio  # (1 + 4/256) / 4 = 0.254, plus chunk padding
+    _, q4 = compile_step(_cfg(fragments=2, quantization="int4"))
+    ratio = streaming.peak_sync_bytes(q4.as_text()) / streaming.peak_sync_bytes(f32.as_text())
+    assert 0.125 < ratio < 0.135, ratio  # (1/2 + 4/256) / 4 = 0.129, plus padding to R * 256
+
+
+def test_int4_blocks_round_to_the_nearest_of_15_levels():
+    x = np.random.RandomState(0).randn(8, 256).astype(np.float32)
+    x[3] = 0.0  # an all-zero block stays zero
+    y = np.asarray(streaming._int4_decode(streaming._int4_encode(x)))
+    step = np.abs(x).max(axis=1, keepdims=True) / 7
+    assert np.all(np.abs(y - x) <= step / 2 + 1e-7) and (y[3] == 0).all()
+    assert len(np.unique(y[0])) > 8  # really 4-bit levels, not a coarser code
 
 
 def test_overlapped_outer_step_lands_tau_steps_later_and_mixes():
