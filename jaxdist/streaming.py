@@ -179,21 +179,19 @@ def _int4(axes: tuple[str, ...]) -> optax.GradientTransformation:
     """The mean over `axes` of a tree, 4-bit on the wire in both phases of a reduce-scatter
     (all-to-all) then all-gather, as `compression.int8` runs int8; the state passes through."""
 
-    def update(tree, state, params=None):
-        del params
+    def one(x):  # per leaf: leaves differ in which manual axes they vary over
         r = compression.num_replicas(axes)
-        leaves, treedef = jax.tree.flatten(tree)
-        flat = jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in leaves])
-        per = -(-flat.size // (r * INT4_BLOCK)) * INT4_BLOCK  # elements each replica reduces
-        rows = jnp.pad(flat, (0, r * per - flat.size)).reshape(r, -1, INT4_BLOCK)
+        per = -(-x.size // (r * INT4_BLOCK)) * INT4_BLOCK  # elements each replica reduces
+        flat = x.reshape(-1).astype(jnp.float32)
+        rows = jnp.pad(flat, (0, r * per - x.size)).reshape(r, -1, INT4_BLOCK)
         mine = compression._all_to_all(jax.vmap(_int4_encode)(rows), axes)  # [R, per/256, 132]
         mean = jnp.mean(jax.vmap(_int4_decode)(mine), axis=0)  # my shard, [per/256, 256]
-        full = jax.vmap(_int4_decode)(compression._gather(_int4_encode(mean), axes)).reshape(-1)
-        out, start = [], 0
-        for x in leaves:
-            out.append(full[start : start + x.size].reshape(x.shape).astype(x.dtype))
-            start += x.size
-        return treedef.unflatten(out), state
+        full = jax.vmap(_int4_decode)(compression._gather(_int4_encode(mean), axes))
+        return full.reshape(-1)[: x.size].reshape(x.shape).astype(x.dtype)
+
+    def update(tree, state, params=None):
+        del params
+        return jax.tree.map(one, tree), state
 
     return optax.GradientTransformation(lambda params: None, update)
 
