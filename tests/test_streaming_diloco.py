@@ -180,14 +180,13 @@ def test_bad_streaming_config_is_one_line(fields, mesh_sizes, match):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize(
-    "quantization,tol", [("int8", 0.02), ("int4", 0.3)]
-)  # measured 0.007, 0.14
+@pytest.mark.parametrize("quantization,tol", [("int8", 0.02), ("int4", 0.3)])
 def test_quantized_outer_steps_on_data_fsdp_tensor(quantization, tol):
     """data=2 × fsdp=2 × tensor=2: after both fragments' first syncs, the anchor's move with
     quantized outer gradients stays close to the f32 run's: every tensor within `tol` of its
     largest move. Loose on purpose: each replica's outer gradient is rounded on its own block
-    maximum, which cancellation between replicas can make far larger than the mean's."""
+    maximum, which cancellation between replicas can make far larger than the mean's. Measured:
+    0.007 (int8) and 0.14 (int4) of the largest move."""
 
     def run(q):
         c = _cfg(fragments=2, quantization=q)
