@@ -6,7 +6,7 @@ at once. Streaming DiLoCo splits the parameters into F fragments and syncs fragm
 inner steps c with (c - offset_f) % H == 0, offset_f = f * H // F: every fragment is still synced
 once per H steps, but no step sends more than one fragment (about 1/F of the model). Three knobs:
 
-  grad_sync.fragments           F; the units are the layers of stacked `[L, ...]` parameters and
+  grad_sync.fragments           F; the units are one layer of a stacked `[L, ...]` parameter and
                                 every other parameter whole, packed into F fragments of about
                                 equal size (largest first, each into the lightest fragment).
   grad_sync.outer_overlap       tau: a fragment's averaged outer gradient is applied tau inner
