@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import sharding
+from jaxdist import compression, sharding
 from jaxdist.errors import ConfigError
 
 # (flat [S] buffer, axis name, axis size, hosts) -> its sum over the axis, [S] on every device.
@@ -215,17 +215,48 @@ def _unbits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16).astype(jnp.float32)
 
 
-def ring_bf16(
-    x: jax.Array, err: jax.Array, axis: str, groups: list[list[int]]
+INT8_BLOCK = 256  # values per f32 scale of the int8 per-hop codec (compression.int8's chunk)
+
+
+class Codec(NamedTuple):
+    """What one hop of a compressed ring puts on the wire."""
+
+    encode: Callable[[jax.Array], jax.Array]  # f32 [k] -> the payload
+    decode: Callable[[jax.Array], jax.Array]  # the payload -> f32 [k]
+    block: int  # k is a multiple of this: the buffer is padded to N * block
+
+
+def _int8_encode(x: jax.Array) -> jax.Array:
+    """f32 [k] -> int8 [k/256, 260]: each block's values and its f32 scale's 4 bytes, one
+    buffer so that a hop is one collective-permute."""
+    q, scale = compression.quantize_int8(x.reshape(-1, INT8_BLOCK))  # [k/256, 256], [k/256]
+    return jnp.concatenate([q, jax.lax.bitcast_convert_type(scale, jnp.int8)], axis=1)
+
+
+def _int8_decode(payload: jax.Array) -> jax.Array:
+    scale = jax.lax.bitcast_convert_type(payload[:, INT8_BLOCK:], jnp.float32)  # [k/256]
+    return compression.dequantize_int8(payload[:, :INT8_BLOCK], scale).reshape(-1)
+
+
+# grad_sync.compression names that `ring` (and `hierarchical` across hosts) run at every hop.
+CODECS: dict[str, Codec] = {
+    "bf16": Codec(_bits, _unbits, 1),
+    "int8": Codec(_int8_encode, _int8_decode, INT8_BLOCK),  # absmax scale per 256 values
+}
+
+
+def ring_per_hop(
+    x: jax.Array, err: jax.Array, axis: str, groups: list[list[int]], codec: str = "bf16"
 ) -> tuple[jax.Array, jax.Array]:
-    """`ring` along each group with bf16 on the wire at every hop and error feedback:
+    """`ring` along each group with `CODECS[codec]` on the wire at every hop and error feedback:
     ([S] sum over the group, [S + S/m] residual), m the group size.
 
-    Reduce-scatter: the partial sum a device forwards is rounded to bf16 and what the rounding
-    lost stays in its residual for that chunk (added the next time it forwards the chunk, the
-    next step). All-gather: the owner rounds its reduced chunk once (with its own residual) and the
-    bf16 bits travel unchanged, so every device, the owner too, ends with the same sum.
+    Reduce-scatter: the partial sum a device forwards is encoded and what the encoding lost stays
+    in its residual for that chunk (added the next time it forwards the chunk, the next step).
+    All-gather: the owner encodes its reduced chunk once (with its own residual) and the payload
+    travels unchanged, so every device, the owner too, ends with the same sum.
     """
+    enc, dec, _ = CODECS[codec]
     size, m, n = x.shape[0], len(groups[0]), sum(len(g) for g in groups)
     p = _pos(_rank_in_group(groups, n), axis)
     pairs = _ring_pairs(groups)
@@ -234,51 +265,54 @@ def ring_bf16(
         i = (p - k) % m
         c = jax.lax.dynamic_index_in_dim(chunks, i, keepdims=False)
         c = c + jax.lax.dynamic_index_in_dim(res, i, keepdims=False)
-        q = _bits(c)
-        res = jax.lax.dynamic_update_index_in_dim(res, c - _unbits(q), i, 0)
-        recv = _unbits(jax.lax.ppermute(q, axis, pairs))
+        q = enc(c)
+        res = jax.lax.dynamic_update_index_in_dim(res, c - dec(q), i, 0)
+        recv = dec(jax.lax.ppermute(q, axis, pairs))
         into = (p - k - 1) % m
         mine = jax.lax.dynamic_index_in_dim(chunks, into, keepdims=False)
         chunks = jax.lax.dynamic_update_index_in_dim(chunks, mine + recv, into, 0)
     own = jax.lax.dynamic_index_in_dim(chunks, (p + 1) % m, keepdims=False) + err[size:]
-    q = q_own = _bits(own)
+    q = q_own = enc(own)
     gathered = jnp.zeros((m, size // m), jnp.float32)
-    gathered = jax.lax.dynamic_update_index_in_dim(gathered, _unbits(q), (p + 1) % m, 0)
+    gathered = jax.lax.dynamic_update_index_in_dim(gathered, dec(q), (p + 1) % m, 0)
     for k in range(m - 1):
         q = jax.lax.ppermute(q, axis, pairs)
-        gathered = jax.lax.dynamic_update_index_in_dim(gathered, _unbits(q), (p - k) % m, 0)
-    new_err = jnp.concatenate([res.reshape(-1), own - _unbits(q_own)])
+        gathered = jax.lax.dynamic_update_index_in_dim(gathered, dec(q), (p - k) % m, 0)
+    new_err = jnp.concatenate([res.reshape(-1), own - dec(q_own)])
     return gathered.reshape(-1), new_err
 
 
 def _per_hop_sum(
-    x: jax.Array, err: jax.Array, axis: str, n: int, hosts: int
+    x: jax.Array, err: jax.Array, axis: str, n: int, hosts: int, codec: str = "bf16"
 ) -> tuple[jax.Array, jax.Array]:
-    """hosts = 1: `ring_bf16` over the axis (bf16 at every hop). hosts > 1: `hierarchical`,
-    exact within each host and bf16 (error feedback) only across hosts (compress_over=dcn)."""
+    """hosts = 1: `ring_per_hop` over the axis (compressed at every hop). hosts > 1:
+    `hierarchical`, exact within each host and compressed (error feedback) only across hosts
+    (compress_over=dcn)."""
     if hosts == 1:
-        return ring_bf16(x, err, axis, [list(range(n))])
+        return ring_per_hop(x, err, axis, [list(range(n))], codec)
     within, across = _groups(n, hosts, True), _groups(n, hosts, False)
-    shard, err = ring_bf16(ring_reduce_scatter(x, axis, within), err, axis, across)
+    shard, err = ring_per_hop(ring_reduce_scatter(x, axis, within), err, axis, across, codec)
     return ring_all_gather(shard, axis, within), err
 
 
-def per_hop_size(num_elements: int, n: int, hosts: int = 1) -> int:
+def per_hop_size(num_elements: int, n: int, hosts: int = 1, codec: str = "bf16") -> int:
     """Elements of one device's per-hop residual: what it forwards (the padded buffer S, or its
     S/L shard across hosts) plus the chunk it owns."""
-    padded = num_elements + (-num_elements % n)
+    padded = num_elements + (-num_elements % (n * CODECS[codec].block))
     forwarded = padded if hosts == 1 else padded // (n // hosts)
     return forwarded + padded // n
 
 
-def mean_tree_bf16(tree: Any, err: jax.Array, axis: str, hosts: int = 1) -> tuple[Any, jax.Array]:
-    """`mean_tree` with bf16 per hop (`_per_hop_sum`); `err` [per_hop_size] this device's."""
+def mean_tree_per_hop(
+    tree: Any, err: jax.Array, axis: str, hosts: int = 1, codec: str = "bf16"
+) -> tuple[Any, jax.Array]:
+    """`mean_tree` compressed per hop (`_per_hop_sum`); `err` [per_hop_size] this device's."""
     leaves, treedef = jax.tree.flatten(tree)
     n = jax.lax.axis_size(axis)
     flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
     size = flat.shape[0]
-    flat = jnp.concatenate([flat, jnp.zeros((-size % n,), jnp.float32)])
-    summed, err = _per_hop_sum(flat, err, axis, n, hosts)
+    flat = jnp.concatenate([flat, jnp.zeros((-size % (n * CODECS[codec].block),), jnp.float32)])
+    summed, err = _per_hop_sum(flat, err, axis, n, hosts, codec)
     summed = summed[:size] / n
     out, start = [], 0
     for x in leaves:
@@ -288,14 +322,14 @@ def mean_tree_bf16(tree: Any, err: jax.Array, axis: str, hosts: int = 1) -> tupl
 
 
 def per_hop_reducer(
-    mesh: Mesh, axis: str, hosts: int = 1
+    mesh: Mesh, axis: str, hosts: int = 1, codec: str = "bf16"
 ) -> Callable[[Any, jax.Array], tuple[Any, jax.Array]]:
-    """`(grads [R, ...], residual [R, E]) -> (mean grads, residual)`: bf16 per hop (`ring`), or
-    across hosts only (`hierarchical` with hosts > 1)."""
+    """`(grads [R, ...], residual [R, E]) -> (mean grads, residual)`: `codec` per hop (`ring`),
+    or across hosts only (`hierarchical` with hosts > 1)."""
 
     def reduce(grads, err):
         local = jax.tree.map(lambda g: g[0], grads)
-        mean, err = mean_tree_bf16(local, err[0], axis, hosts)
+        mean, err = mean_tree_per_hop(local, err[0], axis, hosts, codec)
         return mean, err[None]
 
     return jax.shard_map(
@@ -347,10 +381,10 @@ def check(config, mesh_shape: dict[str, int]) -> None:
     over = g.compress_over
     if over not in ("all", "dcn"):
         raise ConfigError(f"grad_sync.compress_over={over!r} is not valid; choose one of all, dcn")
-    if over == "dcn" and (name, g.compression) != ("hierarchical", "bf16"):
+    if over == "dcn" and (name != "hierarchical" or g.compression not in CODECS):
         raise ConfigError(
             "grad_sync.compress_over='dcn' compresses the cross-host stage of "
-            "algorithm='hierarchical' with compression='bf16', got algorithm="
+            f"algorithm='hierarchical' with compression in {', '.join(CODECS)}, got algorithm="
             f"{name!r}, compression={g.compression!r}"
         )
     if name == "xla":
@@ -360,23 +394,24 @@ def check(config, mesh_shape: dict[str, int]) -> None:
             f"grad_sync.algorithm={name!r} reduces over the data-parallel replicas, but "
             f"mesh.data={n}; set mesh.data > 1 or grad_sync.algorithm='xla'"
         )
-    if (name, g.compression) in (("ring", "bf16"), ("hierarchical", "bf16")):  # per hop
+    if name in ("ring", "hierarchical") and g.compression in CODECS:  # per hop
         if name == "hierarchical" and over != "dcn":
             raise ConfigError(
-                "grad_sync.algorithm='hierarchical' with compression='bf16' compresses only "
-                "across hosts: set grad_sync.compress_over='dcn'"
+                f"grad_sync.algorithm='hierarchical' with compression={g.compression!r} "
+                "compresses only across hosts: set grad_sync.compress_over='dcn'"
             )
         shards = [a for a in ("fsdp", "tensor", "pipeline") if mesh_shape[a] > 1]
         if shards:
             raise ConfigError(
-                f"grad_sync.algorithm={name!r} with compression='bf16' (per hop) needs fsdp = "
-                f"tensor = pipeline = 1, got {', '.join(f'mesh.{a}>1' for a in shards)}"
+                f"grad_sync.algorithm={name!r} with compression={g.compression!r} (per hop) "
+                f"needs fsdp = tensor = pipeline = 1, got "
+                f"{', '.join(f'mesh.{a}>1' for a in shards)}"
             )
     elif g.compression != "none" or g.local_steps > 1:
         raise ConfigError(
             f"grad_sync.algorithm={name!r} runs the exact reduction; it does not combine with "
             f"grad_sync.compression={g.compression!r} / local_steps={g.local_steps} (use 'xla'; "
-            "'ring' takes compression='bf16' per hop)"
+            "'ring' takes compression='bf16' or 'int8' per hop)"
         )
     if name == "halving_doubling" and n & (n - 1):
         raise ConfigError(

@@ -162,6 +162,7 @@ class LocalSGDState(NamedTuple):
     outer_state: Any  # outer optimizer state, replicated
     local_params: Any  # [R, ...] each replica's parameters, P(data_axes, ...)
     inner_state: Any  # [R, ...] each replica's inner optimizer state, P(data_axes, ...)
+    pending: Any = None  # streaming DiLoCo with overlap: outer gradients in flight (streaming.py)
 
 
 class LocalSGD(NamedTuple):
@@ -275,15 +276,14 @@ def _local_sgd_shard_map(grad_fn, inner_tx, outer, mesh, axes, local_steps) -> L
     )
 
     def step(state, batch):
-        metrics, anchor, outer_state, local, inner = stepped(*state, batch)
+        metrics, anchor, outer_state, local, inner = stepped(*state[:5], batch)
         return LocalSGDState(state.step + 1, anchor, outer_state, local, inner), metrics
 
     return LocalSGD(init, step)
 
 
-def _local_sgd_vmap(grad_fn, inner_tx, outer, mesh, axes, local_steps) -> LocalSGD:
-    """Local SGD with the replicas vmapped over a leading axis (`spmd_axis_name=axes`)."""
-    outer_step = _outer_step(outer)
+def vmap_init(inner_tx: optax.GradientTransformation, outer, mesh: Mesh, axes) -> Callable:
+    """params -> LocalSGDState at step 0: every replica's copy [R, ...] starts at `params`."""
 
     def init(params):
         r = math.prod(mesh.shape[a] for a in axes)
@@ -291,12 +291,25 @@ def _local_sgd_vmap(grad_fn, inner_tx, outer, mesh, axes, local_steps) -> LocalS
         inner = jax.vmap(inner_tx.init)(local)
         return LocalSGDState(jnp.zeros((), jnp.int32), params, outer.init(params), local, inner)
 
+    return init
+
+
+def vmap_inner_steps(grad_fn: GradFn, inner_tx, mesh: Mesh, axes) -> Callable:
+    """(local [R, ...], inner [R, ...], batch) -> (local, inner, losses [R], grad norms [R]): one
+    inner step of every replica on its own rows, vmapped (`spmd_axis_name=axes`)."""
+
     def inner_step(local, inner, rows):
         loss, grads = grad_fn(local, rows)
         updates, inner = inner_tx.update(grads, inner, local)
         return optax.apply_updates(local, updates), inner, loss, optax.tree.norm(grads)
 
-    replica_steps = _replica_vmap(inner_step, (0, 0), mesh, axes)
+    return _replica_vmap(inner_step, (0, 0), mesh, axes)
+
+
+def _local_sgd_vmap(grad_fn, inner_tx, outer, mesh, axes, local_steps) -> LocalSGD:
+    """Local SGD with the replicas vmapped over a leading axis (`spmd_axis_name=axes`)."""
+    outer_step = _outer_step(outer)
+    replica_steps = vmap_inner_steps(grad_fn, inner_tx, mesh, axes)
 
     def sync(anchor, outer_state, local):
         mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), local)  # all-reduce over data
@@ -312,4 +325,4 @@ def _local_sgd_vmap(grad_fn, inner_tx, outer, mesh, axes, local_steps) -> LocalS
         metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(norms)}
         return LocalSGDState(state.step + 1, anchor, outer_state, local, inner), metrics
 
-    return LocalSGD(init, step)
+    return LocalSGD(vmap_init(inner_tx, outer, mesh, axes), step)

@@ -135,6 +135,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_sync.outer_optimizer = "average"  # local SGD's outer step: average | nesterov (DiLoCo)
     c.grad_sync.outer_learning_rate = 0.7  # nesterov: DiLoCo's outer learning rate and momentum
     c.grad_sync.outer_momentum = 0.9
+    c.grad_sync.fragments = 1  # streaming DiLoCo (jaxdist/streaming.py): F fragments, staggered
+    c.grad_sync.outer_overlap = 0  # streaming: a fragment's outer step lands this many steps later
+    c.grad_sync.outer_quantization = "none"  # streaming: none | int8 | int4 outer gradients
+    c.grad_sync.outer_mix = 0.5  # streaming, overlap > 0: replica's share in the arriving fragment
     c.grad_sync.warmup_steps = 0  # topk: density warm-up; powersgd/ef_sign: dense first steps;
     # onebit_adam: Adam steps before the variance freezes
     c.grad_sync.momentum_correction = False  # topk (DGC) / ef_sign: the SGD momentum inside

@@ -10,7 +10,7 @@
   allreduce    the same per-replica path, reduced exactly by `grad_sync.algorithm` (ring, tree,
                parameter server, ...: jaxdist/allreduce.py) instead of XLA's own all-reduce.
   local_sgd    `grad_sync.local_steps` inner steps per replica, then an outer step on the average
-               (jaxdist/collectives.py, local SGD / DiLoCo).
+               (jaxdist/collectives.py, local SGD / DiLoCo; streaming DiLoCo: jaxdist/streaming.py).
 
 The first five are gradient functions behind one signature, `GradFn`:
 `(params, batch, extra) -> (loss, aux, grads, extra)`, where `extra` holds the state entries the
@@ -34,7 +34,16 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import allreduce, collectives, compression, microbatch, pipeline, sharding, staleness
+from jaxdist import (
+    allreduce,
+    collectives,
+    compression,
+    microbatch,
+    pipeline,
+    sharding,
+    staleness,
+    streaming,
+)
 from jaxdist.errors import ConfigError
 from jaxdist.state import Entry, TrainState
 from models.api import Stages
@@ -287,7 +296,7 @@ def reduced(setup: Setup) -> Strategy:
         return loss, grads
 
     grads_of = collectives._replica_grads(local_grads, mesh, DATA_AXES, _per_replica(mesh))
-    if c.grad_sync.compression == "bf16":  # ring with bf16 per hop (allreduce.check)
+    if c.grad_sync.compression in allreduce.CODECS:  # compressed per hop (allreduce.check)
         return _per_hop(setup, grads_of, schedule)
     shard_axes = _shard_axes(mesh)
     mean_of = allreduce.reducer(
@@ -302,17 +311,17 @@ def reduced(setup: Setup) -> Strategy:
 
 
 def _per_hop(setup: Setup, grads_of, schedule) -> Strategy:
-    """bf16 at every ring hop (`ring`) or across hosts only (`hierarchical`, compress_over=dcn);
-    state["grad_sync"]: each replica's residual [R, E]."""
-    mesh, r = setup.mesh, setup.mesh.shape["data"]
+    """bf16 / int8 at every ring hop (`ring`) or across hosts only (`hierarchical`,
+    compress_over=dcn); state["grad_sync"]: each replica's residual [R, E]."""
+    mesh, r, g = setup.mesh, setup.mesh.shape["data"], setup.config.grad_sync
     size = sum(math.prod(p.shape) for p in jax.tree.leaves(setup.abstract_params))
-    hosts = int(setup.config.mesh.dcn_data) if setup.config.grad_sync.compress_over == "dcn" else 1
-    e = allreduce.per_hop_size(size, r, hosts)
+    hosts = int(setup.config.mesh.dcn_data) if g.compress_over == "dcn" else 1
+    e = allreduce.per_hop_size(size, r, hosts, g.compression)
     abstract = jax.ShapeDtypeStruct((r, e), jnp.float32)
     entry = Entry.from_specs(
         abstract, P("data"), mesh, lambda params: jnp.zeros((r, e), jnp.float32)
     )
-    reduce = allreduce.per_hop_reducer(mesh, "data", hosts)
+    reduce = allreduce.per_hop_reducer(mesh, "data", hosts, g.compression)
 
     def gradients(params, batch, extra):
         loss, grads = grads_of(params, batch)
@@ -338,9 +347,16 @@ def local_sgd(setup: Setup) -> Strategy:
         loss, _, grads = base(params, local_batch)  # aux metrics: not reduced here
         return loss, grads
 
-    local = collectives.local_sgd(
-        replica_grads, setup.tx, mesh, DATA_AXES, g.local_steps, outer_tx, _per_replica(mesh)
-    )
+    if streaming.active(g):  # streaming DiLoCo: fragments, overlap, quantized outer gradients
+        frags = streaming.partition(setup.abstract_params, setup.param_axes, g.fragments)
+        local = streaming.local_sgd(
+            replica_grads, setup.tx, outer_tx, mesh, DATA_AXES, g, frags,
+            setup.abstract_params, setup.param_specs,
+        )  # fmt: skip
+    else:
+        local = collectives.local_sgd(
+            replica_grads, setup.tx, mesh, DATA_AXES, g.local_steps, outer_tx, _per_replica(mesh)
+        )
 
     def init(params):
         ls = local.init(params)
@@ -358,6 +374,7 @@ def local_sgd(setup: Setup) -> Strategy:
             state["opt_state"],
             state["local"]["params"],
             state["local"]["opt_state"],
+            state.get(streaming.PENDING),
         )
         ls, m = local.step(ls, batch)
         new = {
@@ -365,9 +382,16 @@ def local_sgd(setup: Setup) -> Strategy:
             "opt_state": ls.outer_state,
             "local": {"params": ls.local_params, "opt_state": ls.inner_state},
         }
+        if ls.pending is not None:
+            new[streaming.PENDING] = ls.pending
         return Proposal(m["loss"], m["grad_norm"], {}, new)
 
     entries = {"local": Entry.from_specs(abstract, specs, mesh, init)}
+    if streaming.active(g) and g.outer_overlap > 0:  # outer gradients in flight, like the params
+        zeros = lambda params: jax.tree.map(jnp.zeros_like, params)
+        entries[streaming.PENDING] = Entry.from_specs(
+            setup.abstract_params, setup.param_specs, mesh, zeros
+        )
     return Strategy("local_sgd", step, entries, outer_tx, schedule)
 
 
@@ -433,6 +457,7 @@ def check(config, mesh_shape: Mapping[str, int]) -> None:
             f"train.optimizer='sgd' with train.momentum > 0, not {t.optimizer!r} with momentum "
             f"{t.momentum}"
         )
+    streaming.check(g, mesh_shape)
     if g.local_steps > 1:
         _check_explicit("grad_sync.local_steps", g.local_steps, "local_steps=1", mesh_shape)
         if g.compression != "none":

@@ -10,8 +10,12 @@ Three tables (docs/AGGREGATION.md quotes them):
              on NVLink+InfiniBand (h100_nvlink_ib) and cloud Ethernet (cloud_ethernet).
   staleness  steps to `--target_loss` validation loss for each `grad_sync.staleness` in `--taus`,
              and the validation curve (plot next to the JSON).
-  per_hop    bf16 compression of the whole reduction against bf16 at every ring hop (with error
-             feedback): busiest-device bytes and validation loss after `--max_steps` steps.
+  per_hop    bf16 / int8 compression of the whole reduction against the same at every ring hop
+             (with error feedback): busiest-device bytes and validation loss after `--max_steps`
+             steps.
+  streaming  plain DiLoCo against streaming DiLoCo (fragments, overlap, int8 outer gradients) at
+             the config's `grad_sync.local_steps`: the costliest single sync and the mean bytes
+             per step (HLO), validation loss after `--max_steps` steps.
 
 No flags here: bench.py passes their values in.
 """
@@ -134,14 +138,26 @@ PER_HOP = [
     ("none", {}),
     ("bf16 (whole reduction)", {"compression": "bf16"}),
     ("ring + bf16 per hop", {"algorithm": "ring", "compression": "bf16"}),
+    ("int8 (whole reduction)", {"compression": "int8"}),
+    ("ring + int8 per hop", {"algorithm": "ring", "compression": "int8"}),
 ]
+
+
+def _val_loss_after(engine, compiled, batches, max_steps: int, eval_batches: int) -> float:
+    """Mean validation loss on `eval_batches` batches after `max_steps` steps from init."""
+    import jax
+    import numpy as np
+
+    state = engine.init()
+    for step in range(max_steps):
+        # Synchronised: hundreds of queued XLA:CPU steps can starve a collective's rendezvous.
+        state, _ = jax.block_until_ready(compiled(state, batches.get(step)))
+    val = [batches.get(i, "val") for i in range(eval_batches)]
+    return float(np.mean([float(engine.eval_step(state, v)["loss"]) for v in val]))
 
 
 def per_hop(config, m, ds, max_steps: int, eval_batches: int = 4) -> list[dict]:
     """Busiest-device bytes (HLO) and validation loss after `max_steps` for each PER_HOP row."""
-    import jax
-    import numpy as np
-
     from jaxdist import hlo_cost, mesh
 
     rows = []
@@ -150,14 +166,48 @@ def per_hop(config, m, ds, max_steps: int, eval_batches: int = 4) -> list[dict]:
         batch = batches.get(0)
         compiled = engine.train_step.lower(engine.abstract_state, batch).compile()
         _, busiest = hlo_cost.collective_phases(compiled.as_text(), mesh.mesh_shape(m))
-        state = engine.init()
-        for step in range(max_steps):
-            # Synchronised: hundreds of queued XLA:CPU steps can starve a collective's rendezvous.
-            state, _ = jax.block_until_ready(compiled(state, batches.get(step)))
-        val = [batches.get(i, "val") for i in range(eval_batches)]
-        loss = float(np.mean([float(engine.eval_step(state, v)["loss"]) for v in val]))
+        loss = _val_loss_after(engine, compiled, batches, max_steps, eval_batches)
         rows.append({"method": label, "busiest_device_bytes_per_step": busiest, "val_loss": loss})
         print(f"{label:<24}{busiest / 2**20:>10.3f} MiB busiest{loss:>9.4f} val loss", flush=True)
+    return rows
+
+
+# (label, grad_sync fields) on top of the config's local SGD / DiLoCo (grad_sync.local_steps = H).
+STREAMING = [
+    ("DiLoCo", {}),
+    ("streaming F=2", {"fragments": 2}),
+    ("streaming F=2, tau=1", {"fragments": 2, "outer_overlap": 1}),
+    (
+        "streaming F=2, tau=1, int8",
+        {"fragments": 2, "outer_overlap": 1, "outer_quantization": "int8"},
+    ),
+    (
+        "streaming F=2, tau=1, int4",
+        {"fragments": 2, "outer_overlap": 1, "outer_quantization": "int4"},
+    ),
+]
+
+
+def streaming_rows(config, m, ds, max_steps: int, eval_batches: int = 4) -> list[dict]:
+    """Per STREAMING row: the costliest single sync and the mean collective bytes per step of one
+    device (both from the compiled HLO), and validation loss after `max_steps` steps."""
+    from jaxdist import hlo_cost, streaming
+
+    h = config.grad_sync.local_steps
+    rows = []
+    for label, fields in STREAMING:
+        engine, batches = benchlib.build(_variant(config, **fields), m, ds)
+        compiled = engine.train_step.lower(engine.abstract_state, batches.get(0)).compile()
+        text = compiled.as_text()
+        peak = streaming.peak_sync_bytes(text)
+        mean = sum(hlo_cost.collective_bytes(text, conditional_period=h).values())
+        loss = _val_loss_after(engine, compiled, batches, max_steps, eval_batches)
+        rows.append({"method": label, "peak_bytes": peak, "bytes_per_step": mean, "val_loss": loss})
+        print(
+            f"{label:<30}{peak / 2**20:>9.3f} MiB peak{mean / 2**20:>9.3f} MiB/step"
+            f"{loss:>9.4f} val loss",
+            flush=True,
+        )
     return rows
 
 
@@ -212,8 +262,8 @@ def print_tables(out: dict) -> None:
 def run(
     config, *, parts, steps, warmup, taus, target, max_steps, eval_every, planner_config, out_path
 ):
-    """The study's `parts` ("algorithms": measured + predicted, "staleness", "per_hop"); the JSON
-    payload."""
+    """The study's `parts` ("algorithms": measured + predicted, "staleness", "per_hop",
+    "streaming"); the JSON payload."""
     import jax
 
     from jaxdist import data, mesh
@@ -231,6 +281,10 @@ def run(
         print_tables(out)
     if "per_hop" in parts:
         out["per_hop"] = {"steps": max_steps, "runs": per_hop(config, m, ds, max_steps)}
+    if "streaming" in parts:
+        h = config.grad_sync.local_steps
+        rows = streaming_rows(config, m, ds, max_steps)
+        out["streaming"] = {"steps": max_steps, "local_steps": h, "runs": rows}
     if "staleness" in parts:
         runs = staleness(config, m, ds, taus, target, max_steps, eval_every)
         out["staleness"] = {"target_loss": target, "runs": runs}

@@ -142,6 +142,7 @@ LAYERS = (
         "jaxdist.strategies",
         "jaxdist.state",
         "jaxdist.staleness",  # grad_sync.staleness: a state entry around a strategy's gradients
+        "jaxdist.streaming",  # streaming DiLoCo: a local SGD step built on collectives
         "jaxdist.plan",
         "jaxdist.weights",
     },
