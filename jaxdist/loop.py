@@ -73,7 +73,8 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         "compute_dtype": config.train.compute_dtype,
         "remat": config.train.remat,
     }
-    for key in ("grad_sync", "local", "in_flight"):  # compressor / local SGD / staleness state
+    # compressor / local SGD / staleness / streaming DiLoCo state
+    for key in ("grad_sync", "local", "in_flight", "outer_pending"):
         if key in st:
             record["bytes_per_device"][f"{key}_state"] = shard_bytes(st[key])
     if "grad_sync" in st:  # what compression saves against an f32 ring all-reduce of the grads
@@ -121,7 +122,12 @@ def summary(record: dict[str, Any]) -> str:
             else ""
         ),
     ]
-    extra = {"grad_sync_state": "compressor state", "local_state": "local SGD replica state"}
+    extra = {
+        "grad_sync_state": "compressor state",
+        "local_state": "local SGD replica state",
+        "in_flight_state": "stale gradients in flight",
+        "outer_pending_state": "outer gradients in flight",
+    }
     for key, what in extra.items():
         if key in b:
             lines[2] += f", {what} {metrics.human_bytes(b[key])}"

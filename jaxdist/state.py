@@ -25,7 +25,7 @@ from jaxdist import sharding
 
 
 class TrainState(TypedDict, total=False):
-    """The train state; the last two keys exist only for the strategy that owns them."""
+    """The train state; the last four keys exist only for the strategy that owns them."""
 
     step: jax.Array  # int32[] steps taken
     params: Any  # pure dict of the model's nnx.Param values
@@ -35,6 +35,7 @@ class TrainState(TypedDict, total=False):
     grad_sync: Any  # compressed gradient sync: per-replica residuals, [R, ...] over `data`
     local: Any  # local SGD: {"params", "opt_state"} of every replica, [R, ...] over `data`
     in_flight: Any  # grad_sync.staleness = tau: the last tau reduced gradients, [tau, ...]
+    outer_pending: Any  # streaming DiLoCo (jaxdist/streaming.py): outer gradients still in flight
 
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:
