@@ -269,23 +269,30 @@ def one_f_one_b_table(
     return np.stack(actions), np.stack(micros), np.stack(micros_b)
 
 
-# zb: how many more microbatches than 1F1B's p - s a stage may hold between its forward and its
-# weight-gradient pass. One more lets the W passes wait for the bubble ticks of the drain.
-ZB_EXTRA_IN_FLIGHT = 1
+# zb: how many more microbatches than p a stage may hold between its forward and its weight-gradient
+# pass, on every stage (one SPMD program sizes its stash buffers for the fullest stage, so what
+# bounds a device's memory is the largest count on any stage; 1F1B's stage 0 holds p). With p and
+# W ticks the lock-step cost of the benchmark's GPT (compiled branches: B = 1.14 F, W = 0.86 F) at
+# p = 4 is 0.94x gpipe's at m = 8, 1.04x at m = 32; the earlier bound p - s + 1 per stage, without
+# W ticks, 1.00x and 1.12x.
+ZB_EXTRA_IN_FLIGHT = 0
 
 
 def zero_bubble_table(
     p: int, m: int, extra: int = ZB_EXTRA_IN_FLIGHT
 ) -> tuple[np.ndarray, np.ndarray]:
-    """ZB-H1 ticks (Qi et al. 2023): (action, micro), [ticks, p], by simulating unit-time F, B, W.
+    """ZB-H1 ticks (Qi et al. 2023): (action, micro), [ticks, p], by simulating F, B and W.
 
     The backward is split into B (the input gradient, which the previous stage waits for) and W
-    (the weight gradient, which nobody waits for). Each tick a stage runs, in this order of
-    preference: the B of its oldest forwarded microbatch if its gradient has arrived (on the last
-    stage: its forward is done); the F of its next microbatch if its input has arrived and fewer
-    than `p - s + extra` microbatches are between their F and their W on stage s; the W of its
-    oldest microbatch past B; else it idles. W passes thus fill the ticks where 1F1B's stages wait,
-    and activation memory stays bounded like 1F1B's (`p - s` in flight there).
+    (the weight gradient, which nobody waits for). A stage can run the B of its oldest forwarded
+    microbatch if its gradient has arrived (on the last stage: its forward is done), the F of its
+    next microbatch if its input has arrived and fewer than `p + extra` microbatches are between
+    their F and their W on that stage (1F1B's activation bound), and the W of its oldest
+    microbatch past B. When every stage that can run anything can run a W, all of them do (a W
+    tick); otherwise each runs B, else F, else W. Why W ticks: in a lock-step program a tick
+    costs its slowest stage's branch, and B costs more than F and W (attention's
+    activation-activation matmuls are all in B), so a W beside another stage's B costs a B,
+    while W passes run together cost a W.
     """
     f_done = np.full((p, m), -1)
     b_done = np.full((p, m), -1)
@@ -293,22 +300,23 @@ def zero_bubble_table(
     actions, micros = [], []
     t = 0
     while min(nw) < m:
-        act_row, mic_row = np.zeros(p, np.int8), np.zeros(p, np.int32)
+        can = []  # per stage: (B, F, W) runnable this tick
         for s in range(p):
             i = nb[s]
             upstream = -1 if i >= nf[s] else (f_done[s, i] if s == p - 1 else b_done[s + 1, i])
-            if 0 <= upstream < t:
-                act_row[s], mic_row[s] = BWD, i
-                b_done[s, i] = t
-                nb[s] += 1
-                continue
             i = nf[s]
             ready = i < m and (s == 0 or 0 <= f_done[s - 1, i] < t)
-            if ready and nf[s] - nw[s] < p - s + extra:
-                act_row[s], mic_row[s] = FWD, i
-                f_done[s, i] = t
+            can.append((0 <= upstream < t, ready and nf[s] - nw[s] < p + extra, nw[s] < nb[s]))
+        w_tick = any(w for _, _, w in can) and all(w or not (b or f) for b, f, w in can)
+        act_row, mic_row = np.zeros(p, np.int8), np.zeros(p, np.int32)
+        for s, (b, f, w) in enumerate(can):
+            if b and not w_tick:
+                act_row[s], mic_row[s], b_done[s, nb[s]] = BWD, nb[s], t
+                nb[s] += 1
+            elif f and not w_tick:
+                act_row[s], mic_row[s], f_done[s, nf[s]] = FWD, nf[s], t
                 nf[s] += 1
-            elif nw[s] < nb[s]:
+            elif w:
                 act_row[s], mic_row[s] = WGT, nw[s]
                 nw[s] += 1
         actions.append(act_row)

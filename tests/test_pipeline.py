@@ -218,8 +218,9 @@ def test_1f1b_dependencies_respected():
 @pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (3, 5), (4, 4), (4, 8), (4, 32), (8, 8)])
 def test_zb_table(p, m):
     """zb: every stage runs each microbatch's F, B and W once, in dependency order; no more than
-    p - s + 1 microbatches between F and W on stage s; a smaller lock-step idle share than 1F1B;
-    the executor's slots never overwrite a live one."""
+    p microbatches between F and W on any stage (1F1B's stage 0 holds p; one SPMD program sizes
+    its buffers for the fullest stage); a smaller lock-step idle share than 1F1B; the executor's
+    slots never overwrite a live one."""
     sched = pipeline.build_schedule("zb", p, m)
     F, B, W = pipeline.FWD, pipeline.BWD, pipeline.WGT
     when = {}
@@ -241,7 +242,7 @@ def test_zb_table(p, m):
     for s in range(p):
         for t in range(sched.ticks):
             live = [i for i in range(m) if when[(F, s, i)] <= t < when[(W, s, i)]]
-            assert len(live) <= p - s + pipeline.ZB_EXTRA_IN_FLIGHT
+            assert len(live) <= p + pipeline.ZB_EXTRA_IN_FLIGHT
     if p > 1 and m > 1:  # less idle time than 1F1B's (every zb tick costs one unit)
         assert sched.bubble_fraction < pipeline.build_schedule("1f1b", p, m).bubble_fraction
     pipeline.exec_tables(sched)
