@@ -722,6 +722,13 @@ def _accumulate(acc: Any, grads: Any) -> Any:
     return jax.tree.unflatten(tree, out)
 
 
+def _send(value: jax.Array, k: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
+    """`value` sent from stage a to stage b, (a, b) = pairs[k] (k < 0: pairs[0]): one
+    collective-permute, none when a == b. `k` must be the same on every stage."""
+    hop = lambda a, b: (lambda v: v) if a == b else (lambda v: jax.lax.ppermute(v, AXIS, [(a, b)]))
+    return jax.lax.switch(jnp.maximum(k, 0), [hop(a, b) for a, b in pairs], value)
+
+
 def _tick_loop(branches, tables, x0, targets, stash, acc):
     """The ticks of an explicit-backward schedule (1f1b, zb) on one stage.
 
@@ -734,11 +741,15 @@ def _tick_loop(branches, tables, x0, targets, stash, acc):
       branches: per branch, (x, dy, targets, reads, acc) -> (y, dx, writes, acc); `reads` and
         `writes`: stash name -> one microbatch's residual leaves.
       tables: the executor tables (`exec_tables`) as [ticks, p] arrays.
-      x0: [m, b, T, D] embedded microbatches; targets: [m, b, T].
+      x0: the embedded microbatches: [m, b, T, D] on every stage, or, when `tables` has
+        `feed_src`, this stage's block [m/p, b, T, D] of them (microbatch i on stage i // (m/p)),
+        each sent to stage 0 at the tick it forwards it (point to point, no all-gather).
+      targets: [m, b, T].
       stash: stash name -> residual buffers [slots, ...]; acc: the accumulated (chunk gradients,
         head gradients, loss).
     Returns:
-      (d loss / d x0 [m, b, T, D], nonzero on stage 0 only; acc).
+      (d loss / d x0, shaped like x0: with `feed_src` each block on its owner, sent back from
+      stage 0 point to point; else [m, ...] nonzero on stage 0 only; acc).
     """
     p = tables["action"].shape[1]
     d = jax.lax.axis_index(AXIS)
@@ -748,11 +759,17 @@ def _tick_loop(branches, tables, x0, targets, stash, acc):
     shape, act_dtype = x0.shape[1:], x0.dtype
     zeros = lambda *lead: _varying(jnp.zeros((*lead, *shape), act_dtype))
     slots = tables["slots"]
+    blocks = "feed_src" in tables  # x0 / d x0 held in blocks over the stages
 
     def tick(carry, row):
         xin, gbuf, stash, dx0, acc = carry
         r = {k: v[d] for k, v in row.items()}
-        x = jnp.where(first, _take(x0, r["mf"]), _take(xin, r["x"]))
+        if blocks:  # stage 0's input from its owner (row[k][0]: the same on every stage)
+            owners = [(k, 0) for k in range(p)]
+            x_first = _send(_take(x0, row["feed_slot"][0]), row["feed_src"][0], owners)
+        else:
+            x_first = _take(x0, r["mf"])
+        x = jnp.where(first, x_first, _take(xin, r["x"]))
         dy, tgt = _take(gbuf, r["g"]), _take(targets, r["mf"])
         reads = {k: [_take(b, r["read_" + k]) for b in bufs] for k, bufs in stash.items()}
         y, dx, writes, acc = jax.lax.switch(r["action"], branches, x, dy, tgt, reads, acc)
@@ -761,7 +778,12 @@ def _tick_loop(branches, tables, x0, targets, stash, acc):
             k: [put(b, v, r["write_" + k]) for b, v in zip(bufs, writes[k])]
             for k, bufs in stash.items()
         }
-        dx0 = _put(dx0, r["mb"], dx, first & r["dx0"])
+        if blocks:  # stage 0's input gradient back to the owner of its microbatch
+            dst = row["dx_dst"][0]
+            back = _send(dx, dst, [(0, k) for k in range(p)])
+            dx0 = _put(dx0, row["dx_slot"][0], back, d == dst)
+        else:
+            dx0 = _put(dx0, r["mb"], dx, first & r["dx0"])
         # Every stage sends every tick (all must join a collective); receivers keep only arrivals.
         xin = put(xin, jax.lax.ppermute(y, AXIS, fwd_pairs), r["recv_f"])
         gbuf = put(gbuf, jax.lax.ppermute(dx, AXIS, bwd_pairs), r["recv_b"])
@@ -1044,6 +1066,35 @@ def exec_tables(sched: Schedule) -> dict[str, Any]:
                     if a == w:
                         out[f"write_{k}"][t, s] = i % slots[k]
     out["slots"] = slots
+    if _blocks(sched):
+        out.update(_feed_tables(sched, p, m))
+    return out
+
+
+def _blocks(sched: Schedule) -> bool:
+    """Whether the explicit-backward executor holds the embedded microbatches in blocks of m/p
+    over the stages (`_tick_loop`): when p divides m."""
+    return sched.microbatches % sched.stages == 0
+
+
+_FEED_KEYS = ("feed_src", "feed_slot", "dx_dst", "dx_slot")
+
+
+def _feed_tables(sched: Schedule, p: int, m: int) -> dict[str, np.ndarray]:
+    """Where stage 0's inputs come from and its input gradients go (`_tick_loop`), when the
+    embedded microbatches are held in blocks over the stages (microbatch i on stage i // (m/p),
+    its slot i % (m/p) there): per tick, the owner of the microbatch stage 0 forwards
+    (`feed_src`, -1: none) and its slot (`feed_slot`), the owner of the one it backwards
+    (`dx_dst`) and its slot (`dx_slot`). The same on every stage ([ticks, p], equal columns),
+    so every device takes the same transfer."""
+    per = m // p
+    out = {k: np.full(sched.action.shape, -1, np.int32) for k in ("feed_src", "dx_dst")}
+    out.update({k: np.zeros(sched.action.shape, np.int32) for k in ("feed_slot", "dx_slot")})
+    for t in range(sched.ticks):
+        for a, i, _ in sched.cells(t, 0):
+            src, slot = ("feed_src", "feed_slot") if a == FWD else ("dx_dst", "dx_slot")
+            if a in (FWD, BWD):
+                out[src][t], out[slot][t] = i // per, i % per
     return out
 
 
@@ -1100,6 +1151,15 @@ class _Pipe:
         return int(np.prod([self.mesh.shape[a] for a in self.batch_manual]))
 
     @property
+    def x0_blocks(self) -> bool:
+        """1f1b / zb with p dividing m: the embedded microbatches stay in blocks over the stages
+        (`_tick_loop`). Not nested in the caller's shard_map over `data` (grad_sync's explicit
+        paths): the sends are conditionals, which `hlo_cost` would take for local SGD's periodic
+        average there."""
+        explicit = not SCHEDULES[self.sched.name].autodiff_backward
+        return explicit and _blocks(self.sched) and not self.data_manual
+
+    @property
     def batch_spec(self) -> PartitionSpec:
         """Microbatched inputs [m, b, ...] of the stages' shard_map."""
         return PartitionSpec(None, self.batch_manual) if self.batch_manual else PartitionSpec()
@@ -1123,6 +1183,19 @@ class _Pipe:
     def micro_split(self, x: jax.Array, axes: tuple) -> jax.Array:
         """[B, ...] -> [m, B/m, ...]; microbatch a takes rows a, a+m, ...: no row changes device."""
         return microbatch.split_rows(x, self.sched.microbatches, axes, self.mesh)
+
+    def micro_blocks(self, x: jax.Array, axes: tuple) -> jax.Array:
+        """[B, ...] -> [m, B/m, ...] for the explicit-backward executors' blocks (`_tick_loop`):
+        within each row block of the outer split (data × fsdp), microbatch a takes the rows
+        a·b ... (a+1)·b - 1, so the m axis splits over `pipeline` in blocks of m/p microbatches
+        exactly where the outer split put those rows: no row changes device."""
+        n = int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape]))
+        n //= self.mesh.shape["data"] if self.data_manual and "data" in self.mesh.shape else 1
+        m = self.sched.microbatches
+        x = x.reshape(n, m, x.shape[0] // (n * m), *x.shape[1:]).swapaxes(0, 1)
+        x = x.reshape(m, -1, *x.shape[3:])
+        spec = sharding.logical_to_spec((None, *axes), sharding.COMPUTE_RULES, self.mesh)
+        return sharding.constrain_to(x, NamedSharding(self.mesh, PartitionSpec(AXIS, *spec[1:])))
 
     def micro_merge(self, x: jax.Array, axes: tuple) -> jax.Array:
         x = x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
@@ -1275,6 +1348,8 @@ def _stage_executor(pipe: _Pipe) -> Callable:
     kind = SCHEDULES[pipe.sched.name]
     if not kind.autodiff_backward:
         tables = exec_tables(pipe.sched)
+        if not pipe.x0_blocks:  # x0 on every stage: no sends (`_tick_loop`)
+            tables = {k: v for k, v in tables.items() if k not in _FEED_KEYS}
         stage_fn = pipe.stage_fn()
         executor = _zero_bubble if kind.split_backward else _one_f_one_b
 
@@ -1317,22 +1392,29 @@ def _backward_inside(pipe: _Pipe) -> microbatch.GradFn:
         loss, g_c, g_h, dx0 = execute(head_loss, chunks, head, x0, targets)
         g_c = psum(g_c, data) if data else g_c
         g_c = jax.tree.map(lambda g: g[None], g_c)  # [1, v, Lc, ...]
-        dx0 = psum(dx0.astype(jnp.float32), AXIS)  # float32: as in _looped_forward
+        if not blocks:  # float32: as in _looped_forward
+            dx0 = psum(dx0.astype(jnp.float32), AXIS)
         return psum(loss, manual), g_c, psum(g_h, manual), dx0
 
     P, spec = PartitionSpec, pipe.batch_spec
-    run = pipe.shard_map(body, (P(AXIS), P(), spec, spec), (P(), P(AXIS), P(), spec))
+    # 1f1b / zb with m a multiple of p: the embedded microbatches and their gradients stay in
+    # blocks over the stages, each sent to / from stage 0 when it runs it (`_tick_loop`); no
+    # stage holds the whole [m, b, T, D] batch and no all-reduce over `pipeline` sums d x0.
+    blocks = pipe.x0_blocks
+    x_spec = P(AXIS, *spec[1:]) if blocks else spec
+    run = pipe.shard_map(body, (P(AXIS), P(), x_spec, spec), (P(), P(AXIS), P(), x_spec))
 
     def gradients(params, batch):
         embed, layers, head = stages.split(params)
         with sharding.activation_rules(pipe.mesh, pipe.outer_rules):
+            split = pipe.micro_blocks if blocks else pipe.micro_split
 
             def embed_fn(e):
                 x = stages.embed(microbatch.cast_floating(e, pipe.dtype), batch["inputs"])
-                return pipe.micro_split(x, stages.activation_axes)
+                return split(x, stages.activation_axes)
 
             x0, embed_vjp = jax.vjp(embed_fn, embed)  # [m, B/m, ...]
-            targets = pipe.micro_split(batch["targets"], pipe.batch_axes["targets"])
+            targets = split(batch["targets"], pipe.batch_axes["targets"])
             loss, g_stages, g_head, dx0 = run(pipe.to_stages(layers), head, x0, targets)
             (g_embed,) = embed_vjp(dx0.astype(x0.dtype))
             grads = stages.join(g_embed, pipe.from_stages(g_stages), g_head)
@@ -1447,10 +1529,15 @@ class _LockStep:
         if self.actions is None or trips != self.actions.shape[0]:
             return None
         n = int(self.actions.max()) + 1
-        for inst in self.module.computations[body].instructions.values():
-            if inst.opcode == "conditional" and len(list(hlo_cost.callees(inst))) == n:
-                return inst
-        return None
+        size = lambda inst: sum(
+            len(self.module.computations[b].instructions) for b in hlo_cost.callees(inst)
+        )
+        found = [
+            inst
+            for inst in self.module.computations[body].instructions.values()
+            if inst.opcode == "conditional" and len(list(hlo_cost.callees(inst))) == n
+        ]  # (the point-to-point sends of `_send` are conditionals too, with a few instructions)
+        return max(found, key=size, default=None)
 
 
 def branch_lockstep(

@@ -1092,6 +1092,21 @@ def _pipeline_terms(s: _Step, out: _Terms) -> None:
         # the last stage's outputs go back to the batch split over the stages for the head
         out.add("pp: batch into / out of the stages", "collective-permute", pa, act, A, False)
         out.add("pp: batch split over stages (all-to-all)", "all-to-all", pa, act, 2 * A, False)
+    if s.one_f_one_b and s.m % s.p == 0:
+        # jaxdist.pipeline._tick_loop: the embedded microbatches stay in blocks over the stages;
+        # each goes to stage 0 and its gradient back in a switch of sends charged every tick (as
+        # jaxdist.hlo_cost counts conditionals); only the integer targets reach every stage.
+        out.add(
+            "pp: stage-0 inputs from their stage, input grads back, every tick",
+            "collective-permute",
+            pa,
+            act_chunk,
+            2 * s.ticks_1f1b * A,
+            False,
+        )
+        targets = s.rows_mb * s.model.seq_len * 4  # int32 [m, b, T]
+        out.add("pp: targets to every stage (gather)", "all-gather", pa, targets, A, False)
+        return
     out.add("pp: batch split over stages (gather)", "all-gather", pa, act, A, False)
     out.add("pp: stage-0 input grad summed over stages", "all-reduce", pa, act, A, False)
 

@@ -216,3 +216,27 @@ def test_planner_lockstep_equals_the_compiled_program(schedule):
     if schedule == "gpipe":
         assert pred.bubble == pytest.approx(3 / 11)
     assert 0 < pred.bubble < 1
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_embedded_batch_stays_in_blocks(schedule):
+    """1f1b / zb hold the embedded microbatches in blocks of m/p over the stages and send each to
+    stage 0 (and its gradient back) point to point: no all-gather carries the embedded batch (only
+    the integer targets reach every stage), no all-reduce over `pipeline` sums the input gradient
+    (the all-reduced bytes, head gradients and loss, do not grow with m), and the temp memory
+    grows by at most 5% from m = 8 to 32 (before: 10%, the [m, b, T, D] batch and its gradient
+    on every stage)."""
+    from jaxdist import metrics
+
+    per_microbatch, seq_len = 2, 16
+    temp, reduced = {}, {}
+    for m in (8, 32):
+        _, _, compiled = _compiled(schedule, m, per_microbatch, pipeline=4)
+        ops = metrics.collective_ops(compiled.as_text())
+        targets = m * per_microbatch * seq_len * 4  # int32 [m, b, T]
+        gathers = [o.bytes_per_exec * o.count for o in ops if o.kind == "all-gather"]
+        assert all(g <= targets for g in gathers), (gathers, targets)
+        reduced[m] = sum(o.bytes_per_exec * o.count for o in ops if o.kind == "all-reduce")
+        temp[m] = compiled.memory_analysis().temp_size_in_bytes
+    assert reduced[32] == reduced[8] > 0, reduced
+    assert temp[32] <= 1.05 * temp[8], temp
