@@ -1092,7 +1092,11 @@ def _pipeline_terms(s: _Step, out: _Terms) -> None:
         # the last stage's outputs go back to the batch split over the stages for the head
         out.add("pp: batch into / out of the stages", "collective-permute", pa, act, A, False)
         out.add("pp: batch split over stages (all-to-all)", "all-to-all", pa, act, 2 * A, False)
-    if s.one_f_one_b and s.m % s.p == 0:
+    from jaxdist import strategies
+
+    # (not under grad_sync's explicit paths: jaxdist.pipeline._Pipe.x0_blocks)
+    explicit_sync = strategies.choose(s.config, s.sizes) != "pipelined"
+    if s.one_f_one_b and s.m % s.p == 0 and not explicit_sync:
         # jaxdist.pipeline._tick_loop: the embedded microbatches stay in blocks over the stages;
         # each goes to stage 0 and its gradient back in a switch of sends charged every tick (as
         # jaxdist.hlo_cost counts conditionals); only the integer targets reach every stage.
