@@ -33,7 +33,8 @@ stage at every tick, and `Schedule.bubble_fraction` counts the idle entries of t
   (`layer_order`), so no layer crosses devices per step; checkpoints keep the [L] order.
 * `zb`: ZB-H1 (Qi et al. 2023): 1F1B's executor with the backward cut into the input-gradient
   pass B and the weight-gradient pass W (`_SplitVjp`), the W passes deferred into what would be
-  bubble ticks, at most p - s + 1 microbatches between a stage's F and W.
+  bubble ticks and run by all stages together (W ticks), at most p microbatches between a
+  stage's F and W.
 
 The embedding (all schedules) and, for gpipe/interleaved, the head and loss stay
 outside the stage loop: they are computed SPMD over the whole batch, with the batch additionally
@@ -41,7 +42,9 @@ split over the `pipeline` axis when it divides, so every device does 1/(data·fs
 them and no stage carries extra work. The price is moving the activations ([B, T, D]) into the
 pipeline once and out once per step. 1f1b computes head and loss inside the schedule on the last
 stage instead (zb too): its backward must start as soon as a microbatch leaves, and collecting all
-`m` outputs first would bring back the memory that grows with `m`.
+`m` outputs first would bring back the memory that grows with `m`. Both keep the embedded batch
+in blocks of m/p microbatches over the stages (when p divides m) and send each to stage 0, and its
+gradient back, point to point at the tick that needs it (`_tick_loop`).
 
 The table bubble counts idle entries as if every tick cost the same; `cost` reads what the compiled
 step executes instead: the lock-step FLOPs (per tick, the slowest stage's branch) against the ideal.
@@ -273,7 +276,7 @@ def one_f_one_b_table(
 # pass, on every stage (one SPMD program sizes its stash buffers for the fullest stage, so what
 # bounds a device's memory is the largest count on any stage; 1F1B's stage 0 holds p). With p and
 # W ticks the lock-step cost of the benchmark's GPT (compiled branches: B = 1.14 F, W = 0.86 F) at
-# p = 4 is 0.94x gpipe's at m = 8, 1.04x at m = 32; the earlier bound p - s + 1 per stage, without
+# p = 4 is 0.94x gpipe's at m = 8, 1.03x at m = 32; the earlier bound p - s + 1 per stage, without
 # W ticks, 1.00x and 1.12x.
 ZB_EXTRA_IN_FLIGHT = 0
 
