@@ -294,6 +294,7 @@ COMPRESSION_SETTINGS = [
     ("bf16", {"compression": "bf16"}, {}, "none"),
     ("int8", {"compression": "int8"}, {}, "none"),
     ("onebit_adam", {"compression": "onebit_adam", "warmup_steps": 40}, {}, "none"),
+    ("twobit_adam", {"compression": "twobit_adam", "warmup_steps": 40}, {}, "none"),
     ("powersgd", {"compression": "powersgd", "rank": 8, "warmup_steps": 40}, {}, "none"),
     (
         "topk",
