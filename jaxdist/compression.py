@@ -21,7 +21,9 @@ Wire formats (per tensor; s = per-replica shard length, R * s >= size, cut into 
   powersgd  all-reduce of P [n, r] and Q [m, r] (f32) per compressed matrix, else f32 all-reduce.
   sign      all-to-all of sign bits packed 8 per uint8 [R, s/8] + an f32 scale per chunk, then
             all-gather of packed bits [s/8] + scales.
-  twobit_adam  as sign with 2 bits per element packed 4 per uint8 [R, s/4] (+ scales).
+  onebit_adam  as sign after its Adam warm-up (f32 all-reduce before).
+  twobit_adam  as onebit_adam with 2 bits per element packed 4 per uint8 [R, s/4] (+ scales).
+  topk_adam    as topk `two_phase` after its Adam warm-up.
 
 See docs/COMPRESSION.md for when to use which.
 """
@@ -885,6 +887,30 @@ class OneBitAdamState(NamedTuple):
     server: Any  # per leaf f32 [1, *layers, s]: error re-compressing the shard this replica reduces
 
 
+def _momentum_exchange(axis_name: AxisName, chunk: int, bits: int, topk_ratio: float | None):
+    """How `onebit_adam` reduces the momenta after the freeze: (shard_of, reduce).
+
+    `shard_of(size)` is the length of a layer's server residual; `reduce(acc, es, like)` returns
+    (mean, new worker residual, new server residual): DeepSpeed's `compressed_allreduce` with
+    `bits`-bit codes, or with `topk_ratio` `topk`'s two-phase exchange (sparse reduce-scatter of
+    ceil(k / R) pairs per row, server re-sparsification, all-gather), both with error feedback.
+    """
+    if topk_ratio is None:
+        reduce = functools.partial(
+            _sign_allreduce, axis_name=axis_name, chunk=chunk, rms=True, bits=bits
+        )
+        return lambda n: shard_layout(n, num_replicas(axis_name), chunk, 8)[0], reduce
+
+    def reduce_topk(acc, es, like):
+        del like
+        flat, r = acc.reshape(-1), num_replicas(axis_name)
+        k = _topk_k(topk_ratio, flat.size)
+        mean, left, _, es = _topk_send(flat, flat, es, k, r, axis_name=axis_name, two_phase=True)
+        return mean.reshape(acc.shape), left.reshape(acc.shape), es
+
+    return lambda n: -(-n // num_replicas(axis_name)), reduce_topk
+
+
 def onebit_adam(
     axis_name: AxisName,
     freeze_step: int,
@@ -892,6 +918,7 @@ def onebit_adam(
     chunk: int = 2048,
     batch_dims: Any = None,
     bits: int = 1,
+    topk_ratio: float | None = None,
 ) -> optax.GradientTransformation:
     """1-bit Adam's communication (Tang et al., 2021; DeepSpeed `OnebitAdam`): the sync half.
 
@@ -905,6 +932,8 @@ def onebit_adam(
     Wire after the freeze: ~(1/8 + 4/chunk) bytes per element per phase (~31x fewer than f32).
     `bits=2` (`grad_sync.compression=twobit_adam`): the same scheme with the 2-bit Lloyd-Max
     code of `_twobit_compress` instead of signs, ~(1/4 + 4/chunk) bytes (~16x fewer).
+    `topk_ratio` (`grad_sync.compression=topk_adam`): the momenta go through `topk`'s two-phase
+    exchange at that density instead (8 bytes per pair, ~1 / (2 ratio) x fewer at any R).
     """
     if bits not in QUANTIZERS:
         raise ValueError(f"onebit_adam: bits={bits} must be one of {sorted(QUANTIZERS)}")
@@ -912,12 +941,12 @@ def onebit_adam(
         raise ValueError(f"onebit_adam: freeze_step={freeze_step} must be >= 0")
     if chunk <= 0 or chunk % 8:
         raise ValueError(f"onebit_adam: chunk={chunk} must be a positive multiple of 8")
-    signs = ef_sign(axis_name, chunk=chunk, batch_dims=batch_dims)
+    shard_of, reduce = _momentum_exchange(axis_name, chunk, bits, topk_ratio)
 
     def init(params):
-        base = signs.init(params)
-        zeros = jax.tree.map(lambda p: jnp.zeros((1, *p.shape), jnp.float32), params)
-        return OneBitAdamState(base.count, zeros, base.worker, base.server)
+        momentum = jax.tree.map(lambda p: jnp.zeros((1, *p.shape), jnp.float32), params)
+        server = _server_zeros(params, batch_dims, shard_of)
+        return OneBitAdamState(jnp.zeros((1,), jnp.int32), momentum, _worker_zeros(params), server)
 
     def update(grads, state, params=None):
         del params
@@ -941,9 +970,7 @@ def onebit_adam(
 
             def comp(g, m, ew, es, like):
                 acc = b1 * m + (1 - b1) * g + ew
-                mean, w, s = _sign_allreduce(
-                    acc, es, like, axis_name=axis_name, chunk=chunk, rms=True, bits=bits
-                )
+                mean, w, s = reduce(acc, es, like)
                 return mean, _varying_like(mean.astype(jnp.float32), ew), w, s
 
             def one(g, m, ew, es, like):
@@ -1075,9 +1102,12 @@ def _from_fields(name: str, axis_name: AxisName, cfg: Any, t: TrainFields):
             axis_name, error_feedback=ef, momentum_correction=mc, momentum=t.momentum,
             start_step=warmup, batch_dims=t.batch_dims,
         )  # fmt: skip
-    if name in ("onebit_adam", "twobit_adam"):
+    if name in PRECONDITIONERS:  # onebit_adam and its 2-bit and top-k codes
         bits = 2 if name == "twobit_adam" else 1
-        return onebit_adam(axis_name, warmup, b1=t.b1, batch_dims=t.batch_dims, bits=bits)
+        ratio = float(_field(cfg, "topk_ratio")) if name == "topk_adam" else None
+        return onebit_adam(
+            axis_name, warmup, b1=t.b1, batch_dims=t.batch_dims, bits=bits, topk_ratio=ratio
+        )
     if name == "int8":
         return int8(
             axis_name, stochastic_rounding=bool(_field(cfg, "stochastic_rounding")),
@@ -1110,6 +1140,7 @@ COMPRESSORS: dict[str, Any] = {
     "ef_sign": functools.partial(_from_fields, "ef_sign"),
     "onebit_adam": functools.partial(_from_fields, "onebit_adam"),
     "twobit_adam": functools.partial(_from_fields, "twobit_adam"),  # 1-bit Adam, 2-bit code
+    "topk_adam": functools.partial(_from_fields, "topk_adam"),  # 1-bit Adam, top-k momentum
     "sign": functools.partial(_from_fields, "sign"),  # deprecated: the old name of ef_sign
 }
 DEPRECATED = {"sign": "ef_sign"}  # old name -> new name; still accepted, with a warning
@@ -1122,7 +1153,9 @@ def _frozen_adam_of(cfg: Any, t: TrainFields) -> optax.GradientTransformation:
     return frozen_variance_adam(int(_field(cfg, "warmup_steps")), b1=t.b1, b2=t.b2)
 
 
-PRECONDITIONERS: dict[str, Any] = {"onebit_adam": _frozen_adam_of, "twobit_adam": _frozen_adam_of}
+PRECONDITIONERS: dict[str, Any] = dict.fromkeys(
+    ("onebit_adam", "twobit_adam", "topk_adam"), _frozen_adam_of
+)
 
 
 def check(grad_sync_cfg: Any) -> None:
