@@ -140,7 +140,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_sync.outer_quantization = "none"  # streaming: none | int8 | int4 outer gradients
     c.grad_sync.outer_mix = 0.5  # streaming, overlap > 0: replica's share in the arriving fragment
     c.grad_sync.warmup_steps = 0  # topk: density warm-up; powersgd/ef_sign: dense first steps;
-    # onebit_adam: Adam steps before the variance freezes
+    # onebit_adam / twobit_adam: Adam steps before the variance freezes
     c.grad_sync.momentum_correction = False  # topk (DGC) / ef_sign: the SGD momentum inside
     c.grad_sync.min_compression = 1.0  # powersgd: compress only where n m > this * rank (n + m)
     c.grad_sync.warm_start = True  # powersgd: reuse last step's Q (False: a fresh Gaussian Q)
