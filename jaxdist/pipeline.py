@@ -577,8 +577,9 @@ def _looped_forward(stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtu
     x0 = _varying(x0.astype(jnp.float32))
     zero = _varying(jnp.zeros(x0.shape[1:], dtype))
     outs = _varying(jnp.zeros(x0.shape, dtype))
-    # The statistics' zeros, shaped by one stage call on zeros (unused: compiled to nothing).
-    stats = jax.tree.map(lambda a: _varying(jnp.zeros_like(a)), stage_fn(chunks, 0, zero)[1])
+    # The statistics' zeros, shaped like a stage call's (traced for its shapes only).
+    shapes = jax.eval_shape(lambda: stage_fn(chunks, 0, zero)[1])
+    stats = jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, a.dtype)), shapes)
 
     def tick(carry, row):
         recv, outs, stats = carry

@@ -51,6 +51,12 @@ def test_pipeline_context_data_matches_one_device(mode, schedule):
     assert losses[-1] < losses[0]
 
 
+def _groups(mesh, axis: str) -> np.ndarray:
+    """[groups, size]: the device ids along `axis`, one row per group."""
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    return np.moveaxis(ids, mesh.axis_names.index(axis), -1).reshape(-1, mesh.shape[axis])
+
+
 def _context_permutes(c: int, mode: str) -> tuple[int, int]:
     """(forward, backward) collective-permutes over the `context` ring of the compiled gpipe
     step with pipeline=2 × context=c, layers unrolled: those whose pairs are exactly every
@@ -58,8 +64,7 @@ def _context_permutes(c: int, mode: str) -> tuple[int, int]:
     cfg = _config(mode, pipeline=2, context=c)
     cfg.model.scan_unroll = cfg.model.num_layers
     eng, compiled = compile_step(cfg)
-    ids = np.vectorize(lambda d: d.id)(eng.mesh.devices)
-    ids = np.moveaxis(ids, eng.mesh.axis_names.index("context"), -1).reshape(-1, c)
+    ids = _groups(eng.mesh, "context")
     ring = lambda step: {(int(g[j]), int(g[(j + step) % c])) for g in ids for j in range(c)}
     found = re.findall(
         r"collective-permute(?:-start)?\(.*source_target_pairs=\{(\{.*?\})\}", compiled.as_text()
@@ -146,3 +151,36 @@ def test_zb_with_experts_is_one_line():
     msg = str(e.value)
     assert msg.startswith("pipeline.schedule='zb' does not run with model.num_experts=8")
     assert "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    "schedule, axis, kind",
+    [("gpipe", "context", "all-gather"), ("1f1b", "context", "all-gather"),
+     ("gpipe", "expert", "all-to-all"), ("1f1b", "expert", "all-to-all")],
+)  # fmt: skip
+def test_planner_terms_equal_the_compiled_pipeline_step(schedule, axis, kind):
+    """The planner's K/V-gather and all-to-all bytes for pipeline=2 × `axis`=2 × data=2 (one
+    pipeline microbatch's tokens per layer run, at every tick; 1f1b: its costliest branch)
+    equal the compiled step's (the layout record's)."""
+    from jaxdist import hlo_cost, plan
+
+    if axis == "expert":
+        c = _moe_config(4.0, 2, pipeline=2, expert=2, data=2)
+    else:
+        c = _config("all_gather", pipeline=2, context=2, data=2)
+    c.pipeline.schedule = schedule
+    eng, compiled = compile_step(c)
+    text = compiled.as_text()
+    groups = {frozenset(map(int, g)) for g in _groups(eng.mesh, axis)}
+
+    def over_axis(op) -> bool:  # the op's replica groups are `axis`'s (not the pipeline's)
+        line = re.search(rf"%{re.escape(op.name)} = .*replica_groups=\{{(.*?)\}}\}}", text)
+        found = line and re.findall(r"\{([\d,]+)", line.group(1) + "}")
+        return bool(found) and {frozenset(map(int, f.split(","))) for f in found} == groups
+
+    ops = [op for op in hlo_cost.collective_ops(text) if op.kind == kind and over_axis(op)]
+    layout = plan.Layout(data=2, pipeline=2, microbatches=2, **{axis: 2})
+    terms = plan.predict(c, layout, plan.hardware("h100_nvlink_ib")).terms
+    mine = [t for t in terms if t.name.startswith(("cp:", "ep:")) and t.kind == kind]
+    want = sum(hlo_cost.ring_wire_bytes(t.kind, t.payload, t.group) * t.count for t in mine)
+    assert ops and want == pytest.approx(sum(op.wire_bytes for op in ops), rel=1e-9)
