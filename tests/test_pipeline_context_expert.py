@@ -34,7 +34,13 @@ def _reference() -> np.ndarray:
 
 @pytest.mark.parametrize(
     "mode, schedule",
-    [("ring", "gpipe"), ("all_gather", "gpipe"), ("all_gather", "1f1b"), ("ring", "interleaved")],
+    [
+        ("ring", "gpipe"),
+        ("all_gather", "gpipe"),
+        ("all_gather", "1f1b"),
+        ("all_gather", "zb"),
+        ("ring", "interleaved"),
+    ],
 )
 def test_pipeline_context_data_matches_one_device(mode, schedule):
     """pipeline=2 × context=2 × data=2: the same 4 losses as one device within 1e-5."""
@@ -138,6 +144,24 @@ def test_pipeline_expert_data_matches_one_device(schedule, factor, m):
     flat = jax.tree_util.tree_leaves_with_path(params)
     for (path, a), b in zip(flat, jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("axis", ["context", "expert"])
+def test_compressor_with_pipeline_and_context_or_expert(axis):
+    """bf16 gradient compression (the stages nested in the per-replica shard_map over `data`,
+    `make_gradients(data_manual=True)`) on pipeline=2 × `axis`=2 × data=2 equals it on
+    pipeline=2 × data=2 within 1e-5: the same replicas, each split over `axis` exactly."""
+    sizes = dict(pipeline=2, data=2)
+    if axis == "expert":
+        make = lambda **extra: _moe_config(4.0, 2, **sizes, **extra)
+    else:
+        make = lambda **extra: _config("all_gather", **sizes, **extra)
+    runs = []
+    for extra in ({}, {axis: 2}):
+        c = make(**extra)
+        c.grad_sync.compression = "bf16"
+        runs.append(train_steps(c, STEPS)[0])
+    np.testing.assert_allclose(runs[1], runs[0], rtol=0, atol=1e-5)
 
 
 def test_zb_with_experts_is_one_line():
