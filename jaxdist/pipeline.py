@@ -7,9 +7,12 @@ table) are cut into `p · v` chunks of `L / (p · v)` layers; chunk `j` runs on 
 (`v = pipeline.virtual_stages` for `interleaved`, 1 otherwise). Activations move between
 neighbouring stages with `jax.lax.ppermute` inside one `jax.shard_map` that is manual over
 `pipeline` (and `data` when it is > 1, so each replica accumulates its own gradients over the
-microbatches and they are all-reduced once per step, not once per tick); `fsdp` and `tensor` stay
-automatic inside the stage body, so the same `block` code runs with its FSDP and Megatron
-shardings.
+microbatches and they are all-reduced once per step, not once per tick; `context` and `expert`
+when > 1, so attention and MoE layers run their per-device bodies, models/attention.py and
+models/moe.py); `fsdp` and `tensor` stay automatic inside the stage body, so the same `block` code
+runs with its FSDP and Megatron shardings. A block may also return statistics
+(`Stages.aux_zero`, the MoE router's): the executors sum them over layers and microbatches and
+add their `Stages.aux_loss` term to the loss.
 
 Every schedule (`SCHEDULES`, the one registry of `pipeline.schedule` names) is a table, built here
 in numpy before tracing: for each tick and stage, which
@@ -1084,7 +1087,8 @@ class _Pipe:
       remat: `train.remat`.
       data_manual: called inside a shard_map that is already manual over `data`.
       manual: the manual axes of the stages' shard_map: `pipeline`, and `data` when the stages
-        accumulate each replica's gradients themselves (`data` > 1 and not `data_manual`).
+        accumulate each replica's gradients themselves (`data` > 1 and not `data_manual`);
+        `fsdp` with `fsdp_gather_once`; `context` and `expert` when > 1.
       inner_rules: compute rules inside the stages' shard_map (no manual axis named).
       outer_rules: compute rules for the embedding and head outside it (see `_outer_rules`).
       stage_shardings, layer_shardings: per stacked-layer leaf, its storage sharding as

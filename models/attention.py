@@ -15,9 +15,11 @@ local queries need, chosen by `model.context_attention`:
   ([T/c, T] scores per device). Simpler, fine for moderate lengths.
 
 Both run inside a `jax.shard_map` manual over `context` and the batch axes (data, fsdp, expert);
-heads stay automatic (split over `tensor` by the enclosing sharding). The backward is autodiff
-(the transpose of a `ppermute` is the reverse `ppermute`). Masks come from positions, never
-from block indices, so the same code serves any storage order.
+heads stay automatic (split over `tensor` by the enclosing sharding). Inside the pipeline's
+stages, already manual over `context` (`is_manual`), the per-device body runs directly: the
+arrays hold the device's T/c slots and `local_positions` gives their rotary positions. The
+backward is autodiff (the transpose of a `ppermute` is the reverse `ppermute`). Masks come from
+positions, never from block indices, so the same code serves any storage order.
 
 Shapes: B batch, T length, K key/value heads, G query heads per K/V head, H head dim.
 """

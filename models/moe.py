@@ -11,7 +11,9 @@ their config weights:
 * router z-loss (ST-MoE): mean over tokens of logsumexp(logits)², keeping logits small.
 
 Dispatch (`experts`) runs in a `jax.shard_map` manual over the axes that split tokens (data,
-fsdp, expert, context), so every device sorts only its own n tokens:
+fsdp, expert, context), so every device sorts only its own n tokens (inside the pipeline's
+stages, already manual over them, `sharding.token_axes()`, directly; the expert load is then
+averaged over those axes so each microbatch's losses cover its whole rows):
 
 * dropless (`model.moe_capacity_factor=0`), experts on one device: assignments sorted by expert,
   three `jax.lax.ragged_dot` grouped matmuls over the sorted rows, unsorted back.
