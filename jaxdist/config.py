@@ -334,7 +334,7 @@ def _check_ring_pipeline(config, mesh: Mapping[str, int]) -> None:
             not pipeline.schedule_kind(config.pipeline.schedule).split_backward,
             f"pipeline.schedule={config.pipeline.schedule!r} does not run with "
             f"model.num_experts={config.model.num_experts} (its split backward has no path for "
-            "the router losses); use pipeline.schedule=gpipe, 1f1b or interleaved",
+            "the router losses); use pipeline.schedule=gpipe or 1f1b",
         )
     if mesh["context"] == 1 or mesh["pipeline"] == 1 or config.model.context_attention != "ring":
         return
