@@ -319,12 +319,32 @@ def _check_context_expert(config, mesh: Mapping[str, int]) -> None:
                 config.model.name == "llama",
                 f"mesh.{axis}={mesh[axis]} needs model.name='llama' (got {config.model.name!r})",
             )
-            _need(
-                mesh["pipeline"] == 1,
-                f"mesh.{axis}={mesh[axis]} does not compose with mesh.pipeline={mesh['pipeline']} "
-                f"(the stages' shard_map would nest the {axis} one; docs/PARALLELISM.md); set "
-                "mesh.pipeline=1",
-            )
+    _check_ring_pipeline(config, mesh)
+
+
+def _check_ring_pipeline(config, mesh: Mapping[str, int]) -> None:
+    """zb has no path for MoE router losses. Ring attention in the stages needs a schedule
+    without per-stage tick branches: in a
+    `lax.switch` branch the ring's collective-permutes (one channel id for all of them) are
+    matched across stages that run different branches, and XLA:CPU mixes their data up."""
+    from jaxdist import pipeline
+
+    if mesh["pipeline"] > 1 and config.model.get("num_experts", 0):
+        _need(
+            not pipeline.schedule_kind(config.pipeline.schedule).split_backward,
+            f"pipeline.schedule={config.pipeline.schedule!r} does not run with "
+            f"model.num_experts={config.model.num_experts} (its split backward has no path for "
+            "the router losses); use pipeline.schedule=gpipe or 1f1b",
+        )
+    if mesh["context"] == 1 or mesh["pipeline"] == 1 or config.model.context_attention != "ring":
+        return
+    _need(
+        pipeline.schedule_kind(config.pipeline.schedule).autodiff_backward,
+        f"pipeline.schedule={config.pipeline.schedule!r} does not run with "
+        f"model.context_attention='ring' and mesh.context={mesh['context']} (the ring's "
+        "permutes would sit in per-stage tick branches; docs/PIPELINE.md); use "
+        "pipeline.schedule=gpipe or interleaved, or model.context_attention=all_gather",
+    )
 
 
 def to_json_dict(config: ml_collections.ConfigDict) -> dict:

@@ -1228,9 +1228,10 @@ def predict(
         compression_ratio = _topk_fraction(s)
     _grad_sync_terms(s, out, compression_ratio)
     _pipeline_terms(s, out)
-    _context_expert_terms(
-        out.add, config, s.sizes, s.rows_mb * model.seq_len, s.wire_dt(s.cdt), s.reps
-    )
+    # Per layer run, one pipeline microbatch's tokens; 1f1b / zb: every tick's costliest branch.
+    runs = s.Lp * s.ticks_1f1b * s.A if s.one_f_one_b else s.reps
+    tokens = s.chunk_rows * model.seq_len
+    _context_expert_terms(out.add, config, s.sizes, tokens, s.wire_dt(s.cdt), runs)
     memory = _memory(s)
 
     tokens = int(config.train.batch_size) * model.seq_len
