@@ -155,15 +155,20 @@ def test_onebit_adam_warmup_is_adamw_exactly(code):
             np.testing.assert_allclose(out[k], np.asarray(ref[k]), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("bits,min_ratio", [(1, 30), (2, 15)], ids=["onebit_adam", "twobit_adam"])
-def test_onebit_adam_wire_is_one_bit_after_the_freeze(bits, min_ratio):
-    """Steady state (freeze_step=0, bytes only): packed uint8 bits and f32 scales, no f32 sum."""
-    tx = C.onebit_adam("data", 0, bits=bits)
+def _compiled_sync(tx) -> str:
+    """HLO text of `sync_grads` with `tx` on BIG's shapes, R replicas (compiled, not run)."""
     params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in BIG.items()}
     stacked = {k: jax.ShapeDtypeStruct((R, *s), jnp.float32) for k, s in BIG.items()}
     state = jax.eval_shape(lambda p: C.init_global(tx, p, MESH, "data"), params)
     step = jax.jit(sync_grads(_identity_grad_fn, tx, MESH, "data"))
-    hlo = step.lower(params, stacked, state).compile().as_text()
+    return step.lower(params, stacked, state).compile().as_text()
+
+
+@pytest.mark.parametrize("bits,min_ratio", [(1, 30), (2, 15)], ids=["onebit_adam", "twobit_adam"])
+def test_onebit_adam_wire_is_one_bit_after_the_freeze(bits, min_ratio):
+    """Steady state (freeze_step=0, bytes only): packed uint8 bits and f32 scales, no f32 sum."""
+    tx = C.onebit_adam("data", 0, bits=bits)
+    hlo = _compiled_sync(tx)
     # (The one all-reduce left is the loss's pmean: 4 bytes.)
     kinds = {op.kind for op in metrics.collective_ops(hlo) if op.bytes_per_exec > 64}
     assert kinds == {"all-to-all", "all-gather"}, kinds
@@ -497,11 +502,7 @@ def test_two_phase_topk_sends_the_dense_union_where_its_pairs_would_cost_more():
 def test_topk_adam_wire_is_two_phase_topk_after_the_freeze():
     """topk_adam's steady state sends what two-phase top-k sends: the same bytes, no f32 sum."""
     tx = C.onebit_adam("data", 0, topk_ratio=0.01)
-    params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in BIG.items()}
-    stacked = {k: jax.ShapeDtypeStruct((R, *s), jnp.float32) for k, s in BIG.items()}
-    state = jax.eval_shape(lambda p: C.init_global(tx, p, MESH, "data"), params)
-    hlo = jax.jit(sync_grads(_identity_grad_fn, tx, MESH, "data"))
-    hlo = hlo.lower(params, stacked, state).compile().as_text()
+    hlo = _compiled_sync(tx)
     kinds = {op.kind for op in metrics.collective_ops(hlo) if op.bytes_per_exec > 64}
     assert kinds == {"all-to-all", "all-gather"}, kinds
     sent = _wire_bytes(tx, BIG)
