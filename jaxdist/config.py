@@ -324,9 +324,9 @@ def _check_context_expert(config, mesh: Mapping[str, int]) -> None:
 
 def _check_ring_pipeline(config, mesh: Mapping[str, int]) -> None:
     """zb has no path for MoE router losses. Ring attention in the stages needs a schedule
-    without per-stage tick branches: in a
-    `lax.switch` branch the ring's collective-permutes (one channel id for all of them) are
-    matched across stages that run different branches, and XLA:CPU mixes their data up."""
+    without per-stage tick branches: with the ring's collective-permutes inside a `lax.switch`
+    branch, 1f1b gave wrong losses from the first step on XLA:CPU (cause not established:
+    docs/PIPELINE.md)."""
     from jaxdist import pipeline
 
     if mesh["pipeline"] > 1 and config.model.get("num_experts", 0):
