@@ -21,6 +21,9 @@ Wire formats (per tensor; s = per-replica shard length, R * s >= size, cut into 
   powersgd  all-reduce of P [n, r] and Q [m, r] (f32) per compressed matrix, else f32 all-reduce.
   sign      all-to-all of sign bits packed 8 per uint8 [R, s/8] + an f32 scale per chunk, then
             all-gather of packed bits [s/8] + scales.
+  onebit_adam  as sign after its Adam warm-up (f32 all-reduce before).
+  twobit_adam  as onebit_adam with 2 bits per element packed 4 per uint8 [R, s/4] (+ scales).
+  topk_adam    as topk `two_phase` after its Adam warm-up.
 
 See docs/COMPRESSION.md for when to use which.
 """
@@ -729,28 +732,69 @@ def _sign_decompress(packed: jax.Array, scale: jax.Array, c: int) -> jax.Array:
     return jnp.where(bits, scale[..., None], -scale[..., None])
 
 
-def _sign_allreduce(acc, es, like, *, axis_name: AxisName, chunk: int, rms: bool = False):
+# The 4-level Lloyd-Max quantizer of a unit Gaussian (Max, 1960): |x| below the threshold maps to
+# the inner level, above it to the outer one; in units of the chunk's RMS.
+TWOBIT_THRESHOLD, TWOBIT_LEVELS = 0.9816, (0.4528, 1.5104)
+
+
+def _twobit_compress(x: jax.Array, valid: jax.Array, rms: bool = True):
+    """2-bit quantization over the last axis: (bits uint8 [..., c/4], scale [...], approx).
+
+    scale = ||x||_2 / sqrt(d) per chunk (d valid elements); each element keeps its sign and
+    whether |x| >= TWOBIT_THRESHOLD scale (two bit planes, packed 4 elements per byte), and
+    decompresses to +-TWOBIT_LEVELS[big] scale: the mean-squared-error optimal 2-bit code of a
+    Gaussian. Padding decompresses to 0. (`rms` is accepted for `_sign_compress`'s signature.)
+    """
+    del rms
+    d = jnp.maximum(jnp.sum(valid, axis=-1), 1).astype(jnp.float32)
+    scale = jnp.sqrt(jnp.sum(jnp.where(valid, x * x, 0), axis=-1) / d)
+    bits = jnp.stack([x >= 0, jnp.abs(x) >= TWOBIT_THRESHOLD * scale[..., None]], axis=-1)
+    approx = jnp.where(valid, _twobit_values(bits, scale), 0)
+    return jnp.packbits(bits.reshape(*x.shape[:-1], -1), axis=-1), scale, approx
+
+
+def _twobit_values(bits: jax.Array, scale: jax.Array) -> jax.Array:
+    """bits [..., c, 2] (sign, big) and scale [...] -> values [..., c]."""
+    inner, outer = TWOBIT_LEVELS
+    mag = jnp.where(bits[..., 1], outer, inner) * scale[..., None]
+    return jnp.where(bits[..., 0], mag, -mag)
+
+
+def _twobit_decompress(packed: jax.Array, scale: jax.Array, c: int) -> jax.Array:
+    bits = jnp.unpackbits(packed, axis=-1, count=2 * c).astype(bool)
+    return _twobit_values(bits.reshape(*packed.shape[:-1], c, 2), scale)
+
+
+# bits per element -> (compress, decompress) of the two-phase exchange (`_sign_allreduce`)
+QUANTIZERS = {1: (_sign_compress, _sign_decompress), 2: (_twobit_compress, _twobit_decompress)}
+
+
+def _sign_allreduce(
+    acc, es, like, *, axis_name: AxisName, chunk: int, rms: bool = False, bits: int = 1
+):
     """DeepSpeed's `compressed_allreduce` of one tensor `acc` (this replica's, worker residual
     already added): (mean over replicas, new worker residual, new server residual `[s]`).
 
-    Phase 1: cut into [R, s], 1-bit compress per chunk, all-to-all; replica j decompresses and
-    averages shard j and adds its server residual `es`. Phase 2: re-compress, all-gather.
+    Phase 1: cut into [R, s], compress per chunk to `bits` bits per element (`QUANTIZERS`),
+    all-to-all; replica j decompresses and averages shard j and adds its server residual `es`.
+    Phase 2: re-compress, all-gather.
     """
+    compress, decompress = QUANTIZERS[bits]
     r = num_replicas(axis_name)
     me = jax.lax.axis_index(_axes(axis_name))
     shard, c = shard_layout(acc.size, r, chunk, 8)
     x = _to_rows(acc, r, shard, c)  # [R, s/c, c]
     valid = (np.arange(r * shard) < acc.size).reshape(x.shape)
-    packed, scale, approx = _sign_compress(x, valid, rms)
+    packed, scale, approx = compress(x, valid, rms)
     worker_left = acc - _from_rows(approx, acc)
     packed, scale = _all_to_all(packed, axis_name), _all_to_all(scale, axis_name)
     my_valid = (me * shard + jnp.arange(shard) < acc.size).reshape(shard // c, c)
-    mean = jnp.where(my_valid, jnp.mean(_sign_decompress(packed, scale, c), axis=0), 0)
+    mean = jnp.where(my_valid, jnp.mean(decompress(packed, scale, c), axis=0), 0)
     if es is not None:
         mean = mean + es.reshape(mean.shape)
-    packed2, scale2, approx2 = _sign_compress(mean, my_valid, rms)
+    packed2, scale2, approx2 = compress(mean, my_valid, rms)
     server_left = (mean - approx2).reshape(shard)
-    full = _sign_decompress(_gather(packed2, axis_name), _gather(scale2, axis_name), c)
+    full = decompress(_gather(packed2, axis_name), _gather(scale2, axis_name), c)
     return _from_rows(full, like), worker_left, server_left
 
 
@@ -843,12 +887,38 @@ class OneBitAdamState(NamedTuple):
     server: Any  # per leaf f32 [1, *layers, s]: error re-compressing the shard this replica reduces
 
 
+def _momentum_exchange(axis_name: AxisName, chunk: int, bits: int, topk_ratio: float | None):
+    """How `onebit_adam` reduces the momenta after the freeze: (shard_of, reduce).
+
+    `shard_of(size)` is the length of a layer's server residual; `reduce(acc, es, like)` returns
+    (mean, new worker residual, new server residual): DeepSpeed's `compressed_allreduce` with
+    `bits`-bit codes, or with `topk_ratio` `topk`'s two-phase exchange (sparse reduce-scatter of
+    ceil(k / R) pairs per row, server re-sparsification, all-gather), both with error feedback.
+    """
+    if topk_ratio is None:
+        reduce = functools.partial(
+            _sign_allreduce, axis_name=axis_name, chunk=chunk, rms=True, bits=bits
+        )
+        return lambda n: shard_layout(n, num_replicas(axis_name), chunk, 8)[0], reduce
+
+    def reduce_topk(acc, es, like):
+        del like
+        flat, r = acc.reshape(-1), num_replicas(axis_name)
+        k = _topk_k(topk_ratio, flat.size)
+        mean, left, _, es = _topk_send(flat, flat, es, k, r, axis_name=axis_name, two_phase=True)
+        return mean.reshape(acc.shape), left.reshape(acc.shape), es
+
+    return lambda n: -(-n // num_replicas(axis_name)), reduce_topk
+
+
 def onebit_adam(
     axis_name: AxisName,
     freeze_step: int,
     b1: float = 0.9,
     chunk: int = 2048,
     batch_dims: Any = None,
+    bits: int = 1,
+    topk_ratio: float | None = None,
 ) -> optax.GradientTransformation:
     """1-bit Adam's communication (Tang et al., 2021; DeepSpeed `OnebitAdam`): the sync half.
 
@@ -860,17 +930,23 @@ def onebit_adam(
     element, scale ||x||_2 / sqrt(d) per chunk of `chunk`, worker and server error feedback); it
     returns that m, on which the optimizer applies the variance frozen at `freeze_step`.
     Wire after the freeze: ~(1/8 + 4/chunk) bytes per element per phase (~31x fewer than f32).
+    `bits=2` (`grad_sync.compression=twobit_adam`): the same scheme with the 2-bit Lloyd-Max
+    code of `_twobit_compress` instead of signs, ~(1/4 + 4/chunk) bytes (~16x fewer).
+    `topk_ratio` (`grad_sync.compression=topk_adam`): the momenta go through `topk`'s two-phase
+    exchange at that density instead (8 bytes per pair, ~1 / (2 ratio) x fewer at any R).
     """
+    if bits not in QUANTIZERS:
+        raise ValueError(f"onebit_adam: bits={bits} must be one of {sorted(QUANTIZERS)}")
     if freeze_step < 0:
         raise ValueError(f"onebit_adam: freeze_step={freeze_step} must be >= 0")
     if chunk <= 0 or chunk % 8:
         raise ValueError(f"onebit_adam: chunk={chunk} must be a positive multiple of 8")
-    signs = ef_sign(axis_name, chunk=chunk, batch_dims=batch_dims)
+    shard_of, reduce = _momentum_exchange(axis_name, chunk, bits, topk_ratio)
 
     def init(params):
-        base = signs.init(params)
-        zeros = jax.tree.map(lambda p: jnp.zeros((1, *p.shape), jnp.float32), params)
-        return OneBitAdamState(base.count, zeros, base.worker, base.server)
+        momentum = jax.tree.map(lambda p: jnp.zeros((1, *p.shape), jnp.float32), params)
+        server = _server_zeros(params, batch_dims, shard_of)
+        return OneBitAdamState(jnp.zeros((1,), jnp.int32), momentum, _worker_zeros(params), server)
 
     def update(grads, state, params=None):
         del params
@@ -894,9 +970,7 @@ def onebit_adam(
 
             def comp(g, m, ew, es, like):
                 acc = b1 * m + (1 - b1) * g + ew
-                mean, w, s = _sign_allreduce(
-                    acc, es, like, axis_name=axis_name, chunk=chunk, rms=True
-                )
+                mean, w, s = reduce(acc, es, like)
                 return mean, _varying_like(mean.astype(jnp.float32), ew), w, s
 
             def one(g, m, ew, es, like):
@@ -1028,8 +1102,12 @@ def _from_fields(name: str, axis_name: AxisName, cfg: Any, t: TrainFields):
             axis_name, error_feedback=ef, momentum_correction=mc, momentum=t.momentum,
             start_step=warmup, batch_dims=t.batch_dims,
         )  # fmt: skip
-    if name == "onebit_adam":
-        return onebit_adam(axis_name, warmup, b1=t.b1, batch_dims=t.batch_dims)
+    if name in PRECONDITIONERS:  # onebit_adam and its 2-bit and top-k codes
+        bits = 2 if name == "twobit_adam" else 1
+        ratio = float(_field(cfg, "topk_ratio")) if name == "topk_adam" else None
+        return onebit_adam(
+            axis_name, warmup, b1=t.b1, batch_dims=t.batch_dims, bits=bits, topk_ratio=ratio
+        )
     if name == "int8":
         return int8(
             axis_name, stochastic_rounding=bool(_field(cfg, "stochastic_rounding")),
@@ -1061,17 +1139,23 @@ COMPRESSORS: dict[str, Any] = {
     "powersgd": functools.partial(_from_fields, "powersgd"),
     "ef_sign": functools.partial(_from_fields, "ef_sign"),
     "onebit_adam": functools.partial(_from_fields, "onebit_adam"),
+    "twobit_adam": functools.partial(_from_fields, "twobit_adam"),  # 1-bit Adam, 2-bit code
+    "topk_adam": functools.partial(_from_fields, "topk_adam"),  # 1-bit Adam, top-k momentum
     "sign": functools.partial(_from_fields, "sign"),  # deprecated: the old name of ef_sign
 }
 DEPRECATED = {"sign": "ef_sign"}  # old name -> new name; still accepted, with a warning
 MOMENTUM_CORRECTED = ("topk", "ef_sign", "sign")  # can carry the SGD momentum (DGC, 1-bit SGD)
+
+
 # Compressors that replace the optimizer's preconditioner: name -> the optimizer half, built from
 # (grad_sync config, TrainFields); the strategy chains it before weight decay and the learning rate.
-PRECONDITIONERS: dict[str, Any] = {
-    "onebit_adam": lambda cfg, t: frozen_variance_adam(
-        int(_field(cfg, "warmup_steps")), b1=t.b1, b2=t.b2
-    ),
-}
+def _frozen_adam_of(cfg: Any, t: TrainFields) -> optax.GradientTransformation:
+    return frozen_variance_adam(int(_field(cfg, "warmup_steps")), b1=t.b1, b2=t.b2)
+
+
+PRECONDITIONERS: dict[str, Any] = dict.fromkeys(
+    ("onebit_adam", "twobit_adam", "topk_adam"), _frozen_adam_of
+)
 
 
 def check(grad_sync_cfg: Any) -> None:
@@ -1140,8 +1224,9 @@ def from_config(
     `rank`, `min_compression`, `warm_start`, `orthogonalization_epsilon` (powersgd), `topk_ratio`
     (topk), `error_feedback` (int8, topk, powersgd, ef_sign), `stochastic_rounding` (int8),
     `warmup_steps` (topk: density warm-up; powersgd: `start_iter`; ef_sign: `start_step`;
-    onebit_adam: the Adam steps before the variance freezes) and `momentum_correction` (topk,
-    ef_sign: the SGD `momentum` is applied inside the compressor); `betas` are Adam's (onebit_adam).
+    onebit_adam, twobit_adam: the Adam steps before the variance freezes) and
+    `momentum_correction` (topk, ef_sign: the SGD `momentum` is applied inside the compressor);
+    `betas` are Adam's (onebit_adam, twobit_adam).
     Accepts a ConfigDict or a plain dict. `batch_dims` (a tree like the params) marks stacked-layer
     axes: every compressor treats each layer as a tensor of its own.
 

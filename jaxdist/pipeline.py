@@ -7,9 +7,12 @@ table) are cut into `p · v` chunks of `L / (p · v)` layers; chunk `j` runs on 
 (`v = pipeline.virtual_stages` for `interleaved`, 1 otherwise). Activations move between
 neighbouring stages with `jax.lax.ppermute` inside one `jax.shard_map` that is manual over
 `pipeline` (and `data` when it is > 1, so each replica accumulates its own gradients over the
-microbatches and they are all-reduced once per step, not once per tick); `fsdp` and `tensor` stay
-automatic inside the stage body, so the same `block` code runs with its FSDP and Megatron
-shardings.
+microbatches and they are all-reduced once per step, not once per tick; `context` and `expert`
+when > 1, so attention and MoE layers run their per-device bodies, models/attention.py and
+models/moe.py); `fsdp` and `tensor` stay automatic inside the stage body, so the same `block` code
+runs with its FSDP and Megatron shardings. A block may also return statistics
+(`Stages.aux_zero`, the MoE router's): the executors sum them over layers and microbatches and
+add their `Stages.aux_loss` term to the loss.
 
 Every schedule (`SCHEDULES`, the one registry of `pipeline.schedule` names) is a table, built here
 in numpy before tracing: for each tick and stage, which
@@ -70,6 +73,8 @@ from models import api
 from models.api import Stages
 
 AXIS = "pipeline"
+_EXPERT = "expert"  # MoE experts' axis: manual in the stages' shard_map when > 1
+_CONTEXT = "context"  # the sequence axis: manual in the stages' shard_map when > 1
 IDLE, FWD, BWD, WGT = 0, 1, 2, 3  # WGT: zb's deferred weight-gradient pass
 FWD_BWD = 4  # 1f1b's fused tick: the backward of `micro_b` and the forward of `micro`
 _WEIGHTS = "pipeline_stage_weights"  # checkpoint name of a tick's selected stage weights
@@ -447,12 +452,13 @@ def check(config, mesh_shape: Mapping[str, int]) -> Schedule | None:
             f"model.num_layers={mc.num_layers} must be divisible by "
             f"mesh.pipeline×pipeline.virtual_stages = {p}×{v} = {p * v}"
         )
-    replicas = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
+    # `expert` splits the batch too (the stages' shard_map is manual over it).
+    replicas = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * mesh_shape.get(_EXPERT, 1)
     per_replica, rem = divmod(t.batch_size, replicas * t.grad_accum)
     if rem or per_replica % m:
         raise ConfigError(
             f"pipeline.microbatches={m} must divide the per-replica batch "
-            f"{t.batch_size}/(data×fsdp×grad_accum = {replicas * t.grad_accum}) = "
+            f"{t.batch_size}/(data×fsdp×expert×grad_accum = {replicas * t.grad_accum}) = "
             f"{t.batch_size / (replicas * t.grad_accum):g}"
         )
     return build_schedule(pc.schedule, p, m, v)  # (the tables check what only they know)
@@ -542,7 +548,8 @@ def _outer_rules(per_replica_rows: int, p: int) -> sharding.Rules:
     if per_replica_rows % p:
         return sharding.COMPUTE_RULES
     return tuple(
-        (n, ("data", "fsdp", AXIS)) if n == "batch" else (n, a) for n, a in sharding.COMPUTE_RULES
+        (n, ("data", "fsdp", _EXPERT, AXIS)) if n == "batch" else (n, a)
+        for n, a in sharding.COMPUTE_RULES
     )
 
 
@@ -565,13 +572,15 @@ def _looped_forward(stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtu
     """Forward ticks of gpipe / interleaved on one stage; returns [m, ...] final activations.
 
     Args:
-      stage_fn: (chunks [v, Lc, ...], virtual stage, x [b, T, D]) -> y (`looped_stage_fn`).
+      stage_fn: (chunks [v, Lc, ...], virtual stage, x [b, T, D]) -> (y, the blocks'
+        statistics) (`looped_stage_fn`).
       chunks: this device's chunks, every leaf [v, Lc, ...] (float32: cast per tick, so autodiff
         accumulates their gradients over the ticks in float32).
       x0: [m, b, T, D] embedded microbatches (the same on every stage; stage 0 reads them).
       valid, micro, virtual: the [ticks, p] tables of `looped_forward_table`.
     Returns:
-      [m, b, T, D]: on the last stage the outputs of the last layer chunk, zeros elsewhere.
+      ([m, b, T, D]: on the last stage the outputs of the last layer chunk, zeros elsewhere;
+      this device's statistics summed over its layers and microbatches).
     """
     d = jax.lax.axis_index(AXIS)
     ring = [(s, (s + 1) % p) for s in range(p)]
@@ -582,18 +591,22 @@ def _looped_forward(stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtu
     x0 = _varying(x0.astype(jnp.float32))
     zero = _varying(jnp.zeros(x0.shape[1:], dtype))
     outs = _varying(jnp.zeros(x0.shape, dtype))
+    # The statistics' zeros, shaped like a stage call's (traced for its shapes only).
+    shapes = jax.eval_shape(lambda: stage_fn(chunks, 0, zero)[1])
+    stats = jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, a.dtype)), shapes)
 
     def tick(carry, row):
-        recv, outs = carry
+        recv, outs, stats = carry
         ok, i, s = row[0][d], row[1][d], row[2][d]
         x = jnp.where((d == 0) & (s == 0), _take(x0, i).astype(dtype), recv)  # [b, T, D]
-        y = stage_fn(chunks, s, x)
+        y, new = stage_fn(chunks, s, x)
         outs = _put(outs, i, y, ok & (d == p - 1) & (s == v - 1))
-        return (jax.lax.ppermute(y, AXIS, ring), outs), None
+        stats = jax.tree.map(lambda a, b: a + jnp.where(ok, b, 0), stats, new)
+        return (jax.lax.ppermute(y, AXIS, ring), outs, stats), None
 
     rows = (jnp.asarray(valid), jnp.asarray(micro), jnp.asarray(virtual))
-    (_, outs), _ = jax.lax.scan(tick, (zero, outs), rows)
-    return outs
+    (_, outs, stats), _ = jax.lax.scan(tick, (zero, outs, stats), rows)
+    return outs, stats
 
 
 class _StashedVjp:
@@ -619,7 +632,9 @@ class _StashedVjp:
         if self.where is not None and where != self.where:
             raise AssertionError("stashed vjp: residual layout differs between traces")
         self.tree, self.where = tree, where
-        return out, [leaf for leaf, w in zip(leaves, where) if w < 0]
+        # Varying over every manual axis, as the stash buffers: a residual such as the context
+        # shard's index varies over `context` only.
+        return out, [_varying(leaf) for leaf, w in zip(leaves, where) if w < 0]
 
     def backward(self, fixed: list, stashed: list, cotangent):
         """The input cotangents of `forward`'s args, from its stashed residuals."""
@@ -815,7 +830,7 @@ def _buffers(slots: int, leaves: list) -> list:
     return [_varying(jnp.zeros((slots, *a.shape), a.dtype)) for a in leaves]
 
 
-def _one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, tables):
+def _one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, tables, aux_term):
     """The 1f1b ticks on one stage: loss, gradients and the gradient of the stage-0 input.
 
     A forward runs the stage under `jax.vjp` and stashes its residuals (at most p + 1 microbatches
@@ -825,7 +840,8 @@ def _one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
     backward of a microbatch in one tick (F1B1_LAST), so it stashes nothing.
 
     Args:
-      stage_fn: (layer params [Lc, ...] in the compute dtype, x [b, T, D]) -> y.
+      stage_fn: (layer params [Lc, ...] in the compute dtype, x [b, T, D]) -> (y, the blocks'
+        statistics); their `aux_term` (linear) joins the loss, its gradient the backward.
       head_loss: (head params, y, targets [b, T]) -> mean cross-entropy of the microbatch.
       chunk: this stage's layer params, every leaf [Lc, ...], float32.
       head: the head's params (final norm, projection), float32, the same on every stage.
@@ -834,28 +850,33 @@ def _one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
       dtype: the compute dtype.
       tables: `exec_tables(schedule)`.
     Returns:
-      (loss, chunk gradients, head gradients, d loss / d x0), not yet summed over the manual axes:
-      head gradients are nonzero on the last stage only, d x0 on stage 0 only; float32 gradients.
+      (loss, chunk gradients, head gradients, d loss / d x0, statistics summed over microbatches),
+      not yet summed over the manual axes: head gradients are nonzero on the last stage only,
+      d x0 on stage 0 only; float32 gradients.
     """
     chunk, head, acc, zero = _stage_inputs(chunk, head, x0, dtype)
     leaves, stage_vjp = jax.tree.leaves, _StashedVjp()
     # The stash's shapes come from tracing one forward on zeros, which compiles to nothing.
-    stash = {
-        "r": _buffers(
-            tables["slots"]["r"], stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())[1]
-        )
-    }
+    (_, stats0), r0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
+    stash = {"r": _buffers(tables["slots"]["r"], r0)}
+    stats0 = jax.tree.map(lambda a: _varying(jnp.zeros_like(a, jnp.float32)), stats0)
+    # d loss / d statistics: constant, the aux term being linear in them.
+    d_stats = jax.tree.map(_varying, jax.grad(lambda st: scale * aux_term(st))(stats0))
+    acc = (acc[0], acc[1], (acc[2], stats0))
+    add = lambda loss, stats: (
+        (loss[0] + scale * aux_term(stats), jax.tree.map(jnp.add, loss[1], stats))
+    )
 
     def idle(x, dy, tgt, reads, acc):
         return zero(), zero(), reads, acc
 
     def forward(x, dy, tgt, reads, acc):
-        y, r = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
-        return y, zero(), {"r": r}, acc
+        (y, stats), r = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
+        return y, zero(), {"r": r}, (acc[0], acc[1], add(acc[2], stats))
 
     def backward(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
-        dc, dx = stage_vjp.backward(leaves(chunk), reads["r"], dy)
+        dc, dx = stage_vjp.backward(leaves(chunk), reads["r"], (dy, d_stats))
         return zero(), dx.astype(x0.dtype), reads, (_accumulate(g_c, dc), g_h, loss)
 
     def fused(x, dy, tgt, reads, acc):
@@ -865,16 +886,21 @@ def _one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
 
     def last(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
-        fn = lambda ck, hp, x: head_loss(hp, stage_fn(ck, x), tgt)
-        mb_loss, vjp = jax.vjp(fn, chunk, head, x)
-        dc, dh, dx = vjp(_varying(jnp.float32(scale)))
-        acc = (_accumulate(g_c, dc), _accumulate(g_h, dh), loss + mb_loss * scale)
+
+        def fn(ck, hp, x):
+            y, stats = stage_fn(ck, x)
+            return head_loss(hp, y, tgt), stats
+
+        (mb_loss, stats), vjp = jax.vjp(fn, chunk, head, x)
+        dc, dh, dx = vjp((_varying(jnp.float32(scale)), d_stats))
+        loss = add((loss[0] + mb_loss * scale, loss[1]), stats)
+        acc = (_accumulate(g_c, dc), _accumulate(g_h, dh), loss)
         return zero(), dx.astype(x0.dtype), reads, acc
 
-    dx0, (g_c, g_h, loss) = _tick_loop(
+    dx0, (g_c, g_h, (loss, stats)) = _tick_loop(
         (idle, forward, backward, fused, last), tables, x0, targets, stash, acc
     )
-    return loss, g_c, g_h, dx0
+    return loss, g_c, g_h, dx0, stats
 
 
 def _zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, tables):
@@ -932,6 +958,7 @@ def _zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
 def _looped_gradients(
     stage_fn,
     head_loss,
+    aux_term,
     chunks,
     head,
     x0,
@@ -948,9 +975,10 @@ def _looped_gradients(
 
     The forward ticks of `_looped_forward`, the head and mean loss on the last stage, and their
     autodiff (the ticks in reverse), all on one stage. Same contract as `_one_f_one_b`: returns
-    (loss, chunk gradients [v, Lc, ...], head gradients, d loss / d x0), per device and not yet
-    summed over the manual axes; `chunks` is this device's [v, Lc, ...], float32. The loss is
-    the mean over this replica's rows times `scale` (1 / the replicas the caller sums over).
+    (loss, chunk gradients [v, Lc, ...], head gradients, d loss / d x0, statistics), per device
+    and not yet summed over the manual axes; `chunks` is this device's [v, Lc, ...], float32.
+    The loss is the mean over this replica's rows times `scale` (1 / the replicas the caller
+    sums over), plus `aux_term` of this device's statistics averaged over the microbatches.
     """
     d = jax.lax.axis_index(AXIS)
     # Differentiate with respect to per-device copies: the sums over the stages come after.
@@ -959,15 +987,17 @@ def _looped_gradients(
     tgt = targets.reshape(-1, *targets.shape[2:])  # [m·b, T]: microbatch-major, as outs
 
     def loss_fn(chunks, head, x0):
-        outs = _looped_forward(
+        outs, stats = _looped_forward(
             stage_fn, chunks, x0, p=p, v=v, valid=valid, micro=micro, virtual=virtual
         )
         y = outs.reshape(-1, *outs.shape[2:])  # [m·b, T, D]
         zero = lambda: _varying(jnp.zeros((), jnp.float32))
-        return jax.lax.cond(d == p - 1, lambda: scale * head_loss(head, y, tgt), zero)
+        loss = jax.lax.cond(d == p - 1, lambda: scale * head_loss(head, y, tgt), zero)
+        return loss + scale * aux_term(stats) / x0.shape[0], stats
 
-    loss, (g_c, g_h, dx0) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(chunks, head, x0)
-    return loss, g_c, g_h, dx0
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)
+    (loss, stats), (g_c, g_h, dx0) = grad_fn(chunks, head, x0)
+    return loss, g_c, g_h, dx0, stats
 
 
 def _slot_counts(spans: Mapping[str, Callable], p: int, m: int, ticks: int) -> dict[str, int]:
@@ -1119,7 +1149,8 @@ class _Pipe:
       remat: `train.remat`.
       data_manual: called inside a shard_map that is already manual over `data`.
       manual: the manual axes of the stages' shard_map: `pipeline`, and `data` when the stages
-        accumulate each replica's gradients themselves (`data` > 1 and not `data_manual`).
+        accumulate each replica's gradients themselves (`data` > 1 and not `data_manual`);
+        `fsdp` with `fsdp_gather_once`; `context` and `expert` when > 1.
       inner_rules: compute rules inside the stages' shard_map (no manual axis named).
       outer_rules: compute rules for the embedding and head outside it (see `_outer_rules`).
       stage_shardings, layer_shardings: per stacked-layer leaf, its storage sharding as
@@ -1141,7 +1172,8 @@ class _Pipe:
 
     @property
     def batch_manual(self) -> tuple[str, ...]:
-        """The manual axes that split the batch: `data`, and `fsdp` with `fsdp_gather_once`."""
+        """The manual axes that split a microbatch's tokens: `data`, `fsdp` with
+        `fsdp_gather_once`, `context` (its length)."""
         return tuple(a for a in self.manual if a != AXIS)
 
     @property
@@ -1160,12 +1192,16 @@ class _Pipe:
         paths): the sends are conditionals, which `hlo_cost` would take for local SGD's periodic
         average there."""
         explicit = not SCHEDULES[self.sched.name].autodiff_backward
-        return explicit and _blocks(self.sched) and not self.data_manual
+        split = _CONTEXT in self.manual or _EXPERT in self.manual
+        return explicit and _blocks(self.sched) and not self.data_manual and not split
 
     @property
     def batch_spec(self) -> PartitionSpec:
-        """Microbatched inputs [m, b, ...] of the stages' shard_map."""
-        return PartitionSpec(None, self.batch_manual) if self.batch_manual else PartitionSpec()
+        """Microbatched inputs [m, b, T, ...] of the stages' shard_map."""
+        rows = tuple(a for a in ("data", "fsdp", _EXPERT) if a in self.batch_manual)
+        if _CONTEXT in self.manual:
+            return PartitionSpec(None, rows or None, _CONTEXT)
+        return PartitionSpec(None, rows) if rows else PartitionSpec()
 
     def to_stages(self, layers: Any) -> Any:
         """stored [L, ...] -> [p, v, Lc, ...]: chunk j = s·p + d (layers j·Lc ...) on device d.
@@ -1200,16 +1236,57 @@ class _Pipe:
         spec = sharding.logical_to_spec((None, *axes), sharding.COMPUTE_RULES, self.mesh)
         return sharding.constrain_to(x, NamedSharding(self.mesh, PartitionSpec(AXIS, *spec[1:])))
 
+    def storage_order(self, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """inputs and targets [B, T] with the length axis in the blocks' order (`Stages.order`)."""
+        order = self.stages.order(batch["inputs"].shape[1])
+        if order is None:
+            return dict(batch)
+        put = lambda k: sharding.constrain(batch[k][:, order], self.batch_axes[k])
+        return {**batch, "inputs": put("inputs"), "targets": put("targets")}
+
     def micro_merge(self, x: jax.Array, axes: tuple) -> jax.Array:
         x = x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
         spec = sharding.logical_to_spec(axes, self.outer_rules, self.mesh)
         return sharding.constrain_to(x, NamedSharding(self.mesh, spec))
 
     def layers(self, chunk, x, remat: str = "none"):
-        """One chunk's layers [Lc, ...] (float32, cast here) applied to x, inside the shard_map."""
-        with sharding.activation_rules(jax.sharding.get_abstract_mesh(), self.inner_rules):
-            chunk = microbatch.cast_floating(chunk, self.dtype)
-            return api.scan_layers(self.stages.block, chunk, x, remat=remat)
+        """One chunk's layers [Lc, ...] (float32, cast here) applied to x, inside the shard_map:
+        (y, the blocks' statistics summed over the layers, {} without `Stages.aux_zero`)."""
+        am = jax.sharding.get_abstract_mesh()
+        with sharding.activation_rules(am, self.inner_rules):
+            with sharding.split_tokens(self.batch_manual):
+                chunk = microbatch.cast_floating(chunk, self.dtype)
+                return api.stage_layers(self.stages, chunk, x, remat=remat)
+
+    def aux_term(self, stats: dict) -> jax.Array:
+        """The blocks' statistics' term of the loss (`Stages.aux_loss`, linear in them)."""
+        return self.stages.aux_loss(stats)[0] if stats else jnp.float32(0)
+
+    def aux_total(self, stats: dict) -> dict:
+        """Per-device statistics summed over microbatches -> the batch's (their mean over the
+        token shards and microbatches, summed over the stages), the same on every device."""
+        n = self.n_summed * self.sched.microbatches
+        return jax.tree.map(lambda a: jax.lax.psum(a, self.manual) / n, stats)
+
+    def aux_metrics(self, stats: dict) -> dict:
+        return self.stages.aux_loss(stats)[1] if stats else {}
+
+    @property
+    def chunk_specs(self) -> Any:
+        """The stage chunks' specs in the stages' shard_map: split over `pipeline`, and the
+        experts' weights over a manual `expert` (each device keeps its E/ep experts)."""
+        keep = (AXIS, _EXPERT) if _EXPERT in self.manual else (AXIS,)
+        return jax.tree.map(lambda sh: sharding.spec_only(sh.spec, keep), self.stage_shardings)
+
+    def sum_chunk_grads(self, grads: Any) -> Any:
+        """Chunk gradients summed over the token-splitting manual axes, except the ones a
+        leaf is split over (an expert's gradient already holds every token routed to it)."""
+
+        def one(g, spec):
+            axes = tuple(a for a in self.batch_manual if a not in jax.tree.leaves(tuple(spec)))
+            return jax.lax.psum(g, axes) if axes else g
+
+        return jax.tree.map(one, grads, self.chunk_specs)
 
     def looped_stage_fn(self) -> Callable:
         """(this device's chunks [v, Lc, ...], virtual stage s, x) -> y for the looped ticks.
@@ -1263,7 +1340,8 @@ def _pipe(
         raise ConfigError(f"mesh.pipeline={shape.get(AXIS, 1)}: pipelining needs mesh.pipeline > 1")
     t = config.train
     n_data = shape.get("data", 1)
-    rows_per_replica = t.batch_size // (n_data * shape.get("fsdp", 1) * t.grad_accum)
+    replicas = n_data * shape.get("fsdp", 1) * shape.get(_EXPERT, 1)
+    rows_per_replica = t.batch_size // (replicas * t.grad_accum)
     # `data` is manual too: each replica accumulates its own gradients over the microbatches and
     # they are summed once per step, not once per tick (as XLA does for an automatic batch axis).
     # With data_manual the caller's shard_map owns `data` and sums (or compresses) the gradients.
@@ -1273,6 +1351,14 @@ def _pipe(
     once = bool(config.pipeline.get("fsdp_gather_once", False)) and shape.get("fsdp", 1) > 1
     if once and not data_manual:
         manual = (*manual, "fsdp")
+    # `context` is manual too: a block sees its device's T/c slots and its attention runs the
+    # per-device ring / all-gather body directly (a shard_map nested in the stages' fails in
+    # Shardy under autodiff); the loss sums over it like over `data`.
+    if shape.get(_CONTEXT, 1) > 1:
+        manual = (*manual, _CONTEXT)
+    # `expert` likewise: it splits the batch, and the MoE layers run their all-to-alls directly.
+    if shape.get(_EXPERT, 1) > 1:
+        manual = (*manual, _EXPERT)
     storage = lambda names, rules=sharding.STORAGE_RULES: NamedSharding(
         mesh, sharding.logical_to_spec(names, rules, mesh)
     )
@@ -1323,22 +1409,24 @@ def _looped_loss(pipe: _Pipe) -> Callable:
 
     def body(chunks, x0):
         chunks = jax.tree.map(lambda a: a[0], chunks)  # [v, Lc, ...]
-        outs = _looped_forward(
+        outs, stats = _looped_forward(
             stage_fn, chunks, x0, p=p, v=v, valid=valid, micro=micro, virtual=virtual
         )
-        return outs[None]
+        return outs[None], pipe.aux_total(stats)
 
     out_spec = PartitionSpec(AXIS, None, *pipe.batch_spec[1:])
-    run = pipe.shard_map(body, (PartitionSpec(AXIS), pipe.batch_spec), out_spec)
+    run = pipe.shard_map(body, (pipe.chunk_specs, pipe.batch_spec), (out_spec, PartitionSpec()))
 
     def loss_fn(params, batch):
         embed, layers, head = pipe.stages.split(params)
         with sharding.activation_rules(pipe.mesh, pipe.outer_rules):
+            batch = pipe.storage_order(batch)
             x = pipe.stages.embed(microbatch.cast_floating(embed, pipe.dtype), batch["inputs"])
-            y = run(pipe.to_stages(layers), pipe.micro_split(x, act))  # [p, m, B/m, ...]
+            y, stats = run(pipe.to_stages(layers), pipe.micro_split(x, act))  # [p, m, B/m, ...]
             y = pipe.micro_merge(y[p - 1], act)  # [B, ...]
             head = microbatch.cast_floating(head, pipe.dtype)
-            return pipe.stages.head_loss(head, y, batch["targets"]), {}
+            loss = pipe.stages.head_loss(head, y, batch["targets"]) + pipe.aux_term(stats)
+            return loss, pipe.aux_metrics(stats)
 
     return loss_fn
 
@@ -1354,15 +1442,24 @@ def _stage_executor(pipe: _Pipe) -> Callable:
         if not pipe.x0_blocks:  # x0 on every stage: no sends (`_tick_loop`)
             tables = {k: v for k, v in tables.items() if k not in _FEED_KEYS}
         stage_fn = pipe.stage_fn()
-        executor = _zero_bubble if kind.split_backward else _one_f_one_b
+        scale = 1.0 / (m * pipe.n_summed)
 
         def one_f_one_b(head_loss, chunks, head, x0, targets):
             chunk = jax.tree.map(lambda a: a[0], chunks)  # [Lc, ...]
-            loss, g_c, g_h, dx0 = executor(
-                stage_fn, head_loss, chunk, head, x0, targets,
-                scale=1.0 / (m * pipe.n_summed), dtype=pipe.dtype, tables=tables,
-            )  # fmt: skip
-            return loss, jax.tree.map(lambda g: g[None], g_c), g_h, dx0
+            if kind.split_backward:  # zb: no statistics (config.validate refuses them)
+                y_only = lambda ck, x: stage_fn(ck, x)[0]
+                out = _zero_bubble(
+                    y_only, head_loss, chunk, head, x0, targets,
+                    scale=scale, dtype=pipe.dtype, tables=tables,
+                )  # fmt: skip
+                out = (*out, {})
+            else:
+                out = _one_f_one_b(
+                    stage_fn, head_loss, chunk, head, x0, targets,
+                    scale=scale, dtype=pipe.dtype, tables=tables, aux_term=pipe.aux_term,
+                )  # fmt: skip
+            loss, g_c, g_h, dx0, stats = out
+            return loss, jax.tree.map(lambda g: g[None], g_c), g_h, dx0, stats
 
         return one_f_one_b
     valid, micro, virtual = looped_forward_table(p, m, v)
@@ -1370,7 +1467,7 @@ def _stage_executor(pipe: _Pipe) -> Callable:
 
     def looped(head_loss, chunks, head, x0, targets):
         return _looped_gradients(
-            stage_fn, head_loss, chunks, head, x0, targets,
+            stage_fn, head_loss, pipe.aux_term, chunks, head, x0, targets,
             p=p, v=v, scale=1.0 / pipe.n_summed, valid=valid, micro=micro, virtual=virtual,
         )  # fmt: skip
 
@@ -1383,7 +1480,6 @@ def _backward_inside(pipe: _Pipe) -> microbatch.GradFn:
     autodiff would take out of this shard_map as varying over the outer `data` axis too, which
     Shardy rejects). Only the embedding's backward runs outside, from the returned d loss / d x0."""
     execute, stages, manual = _stage_executor(pipe), pipe.stages, pipe.manual
-    data = tuple(a for a in manual if a != AXIS)
     psum = lambda tree, axes: jax.tree.map(lambda g: jax.lax.psum(g, axes), tree)
 
     def head_loss(hp, y, tgt):
@@ -1392,24 +1488,26 @@ def _backward_inside(pipe: _Pipe) -> microbatch.GradFn:
 
     def body(chunks, head, x0, targets):
         chunks = jax.tree.map(lambda a: a[0], chunks)  # [v, Lc, ...]
-        loss, g_c, g_h, dx0 = execute(head_loss, chunks, head, x0, targets)
-        g_c = psum(g_c, data) if data else g_c
+        loss, g_c, g_h, dx0, stats = execute(head_loss, chunks, head, x0, targets)
+        g_c = pipe.sum_chunk_grads(g_c)
         g_c = jax.tree.map(lambda g: g[None], g_c)  # [1, v, Lc, ...]
         if not blocks:  # float32: as in _looped_forward
             dx0 = psum(dx0.astype(jnp.float32), AXIS)
-        return psum(loss, manual), g_c, psum(g_h, manual), dx0
+        return psum(loss, manual), g_c, psum(g_h, manual), dx0, pipe.aux_total(stats)
 
-    P, spec = PartitionSpec, pipe.batch_spec
+    P, spec, chunk_specs = PartitionSpec, pipe.batch_spec, pipe.chunk_specs
     # 1f1b / zb with m a multiple of p: the embedded microbatches and their gradients stay in
     # blocks over the stages, each sent to / from stage 0 when it runs it (`_tick_loop`); no
     # stage holds the whole [m, b, T, D] batch and no all-reduce over `pipeline` sums d x0.
     blocks = pipe.x0_blocks
     x_spec = P(AXIS, *spec[1:]) if blocks else spec
-    run = pipe.shard_map(body, (P(AXIS), P(), x_spec, spec), (P(), P(AXIS), P(), x_spec))
+    in_specs = (chunk_specs, P(), x_spec, spec)
+    run = pipe.shard_map(body, in_specs, (P(), chunk_specs, P(), x_spec, P()))
 
     def gradients(params, batch):
         embed, layers, head = stages.split(params)
         with sharding.activation_rules(pipe.mesh, pipe.outer_rules):
+            batch = pipe.storage_order(batch)
             split = pipe.micro_blocks if blocks else pipe.micro_split
 
             def embed_fn(e):
@@ -1418,10 +1516,10 @@ def _backward_inside(pipe: _Pipe) -> microbatch.GradFn:
 
             x0, embed_vjp = jax.vjp(embed_fn, embed)  # [m, B/m, ...]
             targets = split(batch["targets"], pipe.batch_axes["targets"])
-            loss, g_stages, g_head, dx0 = run(pipe.to_stages(layers), head, x0, targets)
+            loss, g_stages, g_head, dx0, stats = run(pipe.to_stages(layers), head, x0, targets)
             (g_embed,) = embed_vjp(dx0.astype(x0.dtype))
             grads = stages.join(g_embed, pipe.from_stages(g_stages), g_head)
-        return loss, {}, grads
+        return loss, pipe.aux_metrics(stats), grads
 
     return gradients
 
@@ -1620,8 +1718,9 @@ def useful_flops(stages: Stages, params: Any, batch: Mapping[str, Any], dtype: A
             params = microbatch.cast_floating(params, dtype)
         embed, layers, head = stages.split(params)
         x = stages.embed(embed, batch["inputs"])
-        x = api.scan_layers(stages.block, layers, x)
-        return stages.head_loss(head, x, batch["targets"])
+        x, stats = api.stage_layers(stages, layers, x)
+        aux = stages.aux_loss(stats)[0] if stats else 0.0
+        return stages.head_loss(head, x, batch["targets"]) + aux
 
     text = jax.jit(jax.value_and_grad(loss)).lower(plain(params), plain(batch)).as_text("hlo")
     walk = _LockStep(hlo_cost.parse_module(text), None)

@@ -45,7 +45,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from jaxdist import compression, flops, hlo_cost, sharding
+from jaxdist import compression, flops, hlo_cost, sharding, strategies
 from jaxdist import config as config_lib
 from jaxdist.errors import ConfigError
 from models.api import abstract_model, remat_names
@@ -1092,11 +1092,11 @@ def _pipeline_terms(s: _Step, out: _Terms) -> None:
         # the last stage's outputs go back to the batch split over the stages for the head
         out.add("pp: batch into / out of the stages", "collective-permute", pa, act, A, False)
         out.add("pp: batch split over stages (all-to-all)", "all-to-all", pa, act, 2 * A, False)
-    from jaxdist import strategies
-
-    # (not under grad_sync's explicit paths: jaxdist.pipeline._Pipe.x0_blocks)
+    # (not under grad_sync's explicit paths, nor with context / expert manual in the stages:
+    # jaxdist.pipeline._Pipe.x0_blocks)
     explicit_sync = strategies.choose(s.config, s.sizes) != "pipelined"
-    if s.one_f_one_b and s.m % s.p == 0 and not explicit_sync:
+    split = s.sizes["context"] > 1 or s.sizes["expert"] > 1
+    if s.one_f_one_b and s.m % s.p == 0 and not explicit_sync and not split:
         # jaxdist.pipeline._tick_loop: the embedded microbatches stay in blocks over the stages;
         # each goes to stage 0 and its gradient back in a switch of sends charged every tick (as
         # jaxdist.hlo_cost counts conditionals); only the integer targets reach every stage.
@@ -1247,9 +1247,10 @@ def predict(
         compression_ratio = _topk_fraction(s)
     _grad_sync_terms(s, out, compression_ratio)
     _pipeline_terms(s, out)
-    _context_expert_terms(
-        out.add, config, s.sizes, s.rows_mb * model.seq_len, s.wire_dt(s.cdt), s.reps
-    )
+    # Per layer run, one pipeline microbatch's tokens; 1f1b / zb: every tick's costliest branch.
+    runs = s.Lp * s.ticks_1f1b * s.A if s.one_f_one_b else s.reps
+    tokens = s.chunk_rows * model.seq_len
+    _context_expert_terms(out.add, config, s.sizes, tokens, s.wire_dt(s.cdt), runs)
     memory = _memory(s)
 
     tokens = int(config.train.batch_size) * model.seq_len

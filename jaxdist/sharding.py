@@ -198,6 +198,34 @@ def _manual_axes() -> tuple[Any, set[str]]:
     return am, set(manual or ())
 
 
+def manual_axes() -> set[str]:
+    """The mesh axes manual where this is traced: a model op whose axis is already manual (the
+    pipeline's stages are manual over `context` and `expert` too) runs its per-shard body directly
+    instead of opening a nested `jax.shard_map`."""
+    return _manual_axes()[1]
+
+
+_tokens = threading.local()
+
+
+@contextlib.contextmanager
+def split_tokens(axes: Sequence[str]):
+    """Manual mesh axes that split the tokens of the batch a model block sees (the pipeline's
+    stages: data, fsdp, expert, context): a statistic that must cover all of them (the MoE
+    router's expert load) is combined over these axes."""
+    prev = getattr(_tokens, "value", ())
+    _tokens.value = tuple(axes)
+    try:
+        yield
+    finally:
+        _tokens.value = prev
+
+
+def token_axes() -> tuple[str, ...]:
+    """The axes of the enclosing `split_tokens` (none outside)."""
+    return getattr(_tokens, "value", ())
+
+
 _mapped = threading.local()
 
 

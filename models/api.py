@@ -118,6 +118,15 @@ class Stages:
       head_loss: (head part, x, batch["targets"]) -> mean loss over the rows of x, float32, with
         no gather over a sharded axis (see `token_cross_entropy`).
       activation_axes: logical axes of x.
+      aux_zero: None, or `like -> zero statistics` (a dict of float32 arrays, `like`'s manual
+        axis types): `block` then returns (x, statistics of its layer), each a mean over the
+        block's tokens, so that the mean over token shards (and microbatches) is the whole
+        batch's; they are summed over the layers (`stage_layers`).
+      aux_loss: (statistics summed over layers, averaged over microbatches) -> (the term added
+        to the loss, linear in the statistics; metrics). Used when `aux_zero` is set.
+      order: sequence length -> the storage order of the length axis the blocks expect (e.g.
+        ring attention's zig-zag over `mesh.context`, read from the active mesh), or None for
+        the natural order; the pipeline permutes inputs and targets by it before the embedding.
     """
 
     split: Callable[[Any], tuple[Any, Any, Any]]
@@ -126,6 +135,24 @@ class Stages:
     block: Callable[[Params, jax.Array], jax.Array]
     head_loss: Callable[[Params, jax.Array, jax.Array], jax.Array]
     activation_axes: tuple[str | None, ...] = ("batch", "length", "embed")
+    order: Callable[[int], Any] = lambda length: None
+    aux_zero: Callable[[jax.Array], dict[str, jax.Array]] | None = None
+    aux_loss: Callable[[dict[str, jax.Array]], tuple[jax.Array, dict]] | None = None
+
+
+def stage_layers(
+    stages: Stages, stacked: Params, x: jax.Array, *, remat: str = "none"
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`stages.block` over stacked layers (`scan_layers`): (x, the blocks' statistics summed over
+    the layers, {} for a family without `aux_zero`)."""
+    if stages.aux_zero is None:
+        return scan_layers(stages.block, stacked, x, remat=remat), {}
+
+    def block(lp, carry):
+        y, stats = stages.block(lp, carry[0])
+        return y, jax.tree.map(jnp.add, carry[1], stats)
+
+    return scan_layers(block, stacked, (x, stages.aux_zero(x)), remat=remat)
 
 
 def split_by_keys(

@@ -15,9 +15,11 @@ local queries need, chosen by `model.context_attention`:
   ([T/c, T] scores per device). Simpler, fine for moderate lengths.
 
 Both run inside a `jax.shard_map` manual over `context` and the batch axes (data, fsdp, expert);
-heads stay automatic (split over `tensor` by the enclosing sharding). The backward is autodiff
-(the transpose of a `ppermute` is the reverse `ppermute`). Masks come from positions, never
-from block indices, so the same code serves any storage order.
+heads stay automatic (split over `tensor` by the enclosing sharding). Inside the pipeline's
+stages, already manual over `context` (`is_manual`), the per-device body runs directly: the
+arrays hold the device's T/c slots and `local_positions` gives their rotary positions. The
+backward is autodiff (the transpose of a `ppermute` is the reverse `ppermute`). Masks come from
+positions, never from block indices, so the same code serves any storage order.
 
 Shapes: B batch, T length, K key/value heads, G query heads per K/V head, H head dim.
 """
@@ -129,21 +131,41 @@ def _local_gathered(q, k, v, *, table: np.ndarray, c: int):
     return _finish(carry, q.shape, q.dtype)
 
 
+def is_manual() -> bool:
+    """Whether `context` is already manual where this is traced (the pipeline's stages): arrays
+    then hold this device's T/c storage slots, and attention runs its per-device body directly."""
+    return AXIS in sharding.manual_axes()
+
+
+def local_positions(local_length: int, mode: str) -> tuple[np.ndarray, jax.Array]:
+    """Where `context` is manual (`is_manual`), for arrays of this device's `local_length` slots:
+    (the [T] storage order of the whole sequence, this device's positions [T/c])."""
+    c = sharding.axis_size(AXIS)
+    length = local_length * c
+    order = sequence_order(length, c, mode)
+    positions = np.arange(length) if order is None else order
+    return positions, jnp.asarray(positions.reshape(c, -1))[jax.lax.axis_index(AXIS)]
+
+
 def context_attention(q, k, v, positions: np.ndarray, mode: str) -> jax.Array:
     """Causal grouped-query attention of q [B,T,N,H] over k, v [B,T,K,H], T split over `context`.
 
     Args:
-      positions: [T] the position of each storage slot (`sequence_order`, or arange).
+      positions: [T] the position of each storage slot (`sequence_order`, or arange), of the
+        whole sequence also where `context` is manual and q holds T/c slots.
       mode: "ring" or "all_gather".
 
     Returns: [B, T, N, H] in q's dtype, sharded like q.
     """
+    local = _local_ring if mode == "ring" else _local_gathered
+    if is_manual():  # no nested shard_map: Shardy rejects its residuals under autodiff
+        c = sharding.axis_size(AXIS)
+        return local(q, k, v, table=np.asarray(positions).reshape(c, -1), c=c)
     # Manual over the batch axes too: left automatic, XLA gathers the batch around all_gather.
     # Inside per-replica gradients (compressors, local SGD) the replica axes are already split.
     mesh, batch, mapped = sharding.nested_mesh(BATCH_AXES)
     c = int(mesh.shape[AXIS])
     table = np.asarray(positions).reshape(c, -1)
-    local = _local_ring if mode == "ring" else _local_gathered
     spec = P(batch, AXIS)
     fn = jax.shard_map(
         lambda q, k, v: local(q, k, v, table=table, c=c),

@@ -185,7 +185,10 @@ def _attend(q, k, v, positions: np.ndarray | None, cfg) -> jax.Array:
 def _attention_part(lp, x, cfg, positions, c) -> jax.Array:
     """x + attention(RMSNorm(x)) on [B, T, D]."""
     with jax.named_scope("attention"):
-        pos = jnp.arange(x.shape[1]) if positions is None else jnp.asarray(positions)
+        if attention.is_manual():  # the pipeline's stages: x holds this device's T/c slots
+            positions, pos = attention.local_positions(x.shape[1], cfg.context_attention)
+        else:
+            pos = jnp.arange(x.shape[1]) if positions is None else jnp.asarray(positions)
         q, k, v = _qkv(lp, x, pos, cfg, c)
         o = constrain(_attend(q, k, v, positions, cfg), HEADS)
         return x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ACT)
@@ -225,6 +228,18 @@ def moe_block(lp: dict[str, jax.Array], carry, *, cfg, positions: np.ndarray | N
     return x, jax.tree.map(jnp.add, acc, stats)
 
 
+def moe_layer(lp: dict[str, jax.Array], x: jax.Array, *, cfg) -> tuple[jax.Array, dict]:
+    """One MoE layer as the pipeline's block: (x, this layer's router stats)."""
+    return moe_block(lp, (x, moe_stats_zero(cfg, x)), cfg=cfg)
+
+
+def moe_aux_loss(stats: dict, cfg) -> tuple[jax.Array, dict]:
+    """The weighted router losses (linear in the stats) and the metrics of stats summed over the
+    layers: the pipeline's `Stages.aux_loss`, as `moe_loss` adds them without a pipeline."""
+    mean = {k: v / cfg.num_layers for k, v in stats.items()}
+    return moe_loss(jnp.zeros((), jnp.float32), mean, cfg)
+
+
 def moe_stats_zero(cfg, like: jax.Array) -> dict[str, jax.Array]:
     """The router stats' zeros, varying over the manual axes `like` varies over (inside a
     per-replica shard_map the layers' scan carry must keep one type)."""
@@ -232,6 +247,12 @@ def moe_stats_zero(cfg, like: jax.Array) -> dict[str, jax.Array]:
     E = cfg.num_experts
     load = jnp.zeros_like(like, shape=(E,), dtype=jnp.float32)
     return {"moe_lb_loss": z, "moe_z_loss": z, "moe_load": load, "moe_dropped": z}
+
+
+def sequence_order(cfg, length: int) -> np.ndarray | None:
+    """The storage order of the sequence under context parallelism (None: natural)."""
+    c = sharding.axis_size(attention.AXIS)
+    return attention.sequence_order(length, c, cfg.context_attention)
 
 
 def embed_tokens(p: dict[str, jax.Array], tokens: jax.Array, *, embed_grad: str = "scatter"):
@@ -291,9 +312,7 @@ class Llama(nnx.Module):
         return x, jax.tree.map(lambda s: s / self.cfg.num_layers, stats)
 
     def _order(self, length: int) -> np.ndarray | None:
-        """The storage order of the sequence under context parallelism (None: natural)."""
-        c = sharding.axis_size(attention.AXIS)
-        return attention.sequence_order(length, c, self.cfg.context_attention)
+        return sequence_order(self.cfg, length)
 
     def __call__(self, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
         """Logits [B, T, V] of tokens [B, T]."""
@@ -504,10 +523,6 @@ def _check_experts(m, mesh: Mapping[str, int]) -> None:
     _need(E % ep == 0, f"model.num_experts={E} must be divisible by mesh.expert={ep}")
     cf = m.moe_capacity_factor
     _need(cf >= 0, f"model.moe_capacity_factor={cf} must be >= 0 (0 = dropless)")
-    _need(
-        mesh.get("pipeline", 1) == 1,
-        f"model.num_experts={E} does not run with mesh.pipeline={mesh.get('pipeline')} yet",
-    )
 
 
 def stages(cfg) -> api.Stages:
@@ -530,12 +545,16 @@ def stages(cfg) -> api.Stages:
             out["head"] = head["head"]
         return out
 
+    moe_layers = bool(cfg.num_experts)
     return api.Stages(
         split=split,
         join=join,
         embed=functools.partial(embed_tokens, embed_grad=cfg.embed_grad),
-        block=functools.partial(block, cfg=cfg),
+        block=functools.partial(moe_layer if moe_layers else block, cfg=cfg),
         head_loss=functools.partial(head_loss, eps=eps),
+        order=functools.partial(sequence_order, cfg),
+        aux_zero=functools.partial(moe_stats_zero, cfg) if moe_layers else None,
+        aux_loss=functools.partial(moe_aux_loss, cfg=cfg) if moe_layers else None,
     )
 
 

@@ -11,7 +11,9 @@ their config weights:
 * router z-loss (ST-MoE): mean over tokens of logsumexp(logits)², keeping logits small.
 
 Dispatch (`experts`) runs in a `jax.shard_map` manual over the axes that split tokens (data,
-fsdp, expert, context), so every device sorts only its own n tokens:
+fsdp, expert, context), so every device sorts only its own n tokens (inside the pipeline's
+stages, already manual over them, `sharding.token_axes()`, directly; the expert load is then
+averaged over those axes so each microbatch's losses cover its whole rows):
 
 * dropless (`model.moe_capacity_factor=0`), experts on one device: assignments sorted by expert,
   three `jax.lax.ragged_dot` grouped matmuls over the sorted rows, unsorted back.
@@ -63,7 +65,9 @@ def route(h: jax.Array, router: jax.Array, k: int) -> tuple[jax.Array, jax.Array
         w = w / jnp.sum(w, axis=-1, keepdims=True)
     E = router.shape[-1]
     load = jnp.mean(jax.nn.one_hot(idx, E, dtype=jnp.float32), axis=(0, 1, 2))  # [E], sums to 1
-    stats = {
+    if sharding.token_axes():  # the pipeline's stages: the load of the whole microbatch
+        load = jax.lax.pmean(load, sharding.token_axes())
+    stats = {  # each linear in this device's tokens: their mean over token shards is the batch's
         "moe_lb_loss": E * jnp.sum(jax.lax.stop_gradient(load) * jnp.mean(probs, axis=(0, 1))),
         "moe_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
         "moe_load": jax.lax.stop_gradient(load),
@@ -144,6 +148,9 @@ def experts(x, w, idx, wg, wu, wd, *, factor: float) -> tuple[jax.Array, jax.Arr
     the number of dropped assignments, int32). Runs per device over the token-splitting axes."""
     if sharding.active_mesh() is None:
         return _local_experts(x, w, idx, wg, wu, wd, ep=1, factor=factor, axes=())
+    if sharding.token_axes():  # the pipeline's stages, manual over every axis splitting tokens
+        ep = sharding.axis_size(AXIS)  # the weights are this device's E/ep experts
+        return _local_experts(x, w, idx, wg, wu, wd, ep=ep, factor=factor, axes=())
     # Inside per-replica gradients (compressors, local SGD) the replica axes are already split.
     mesh, axes, mapped = sharding.nested_mesh((*TOKEN_AXES, "context"))
     if not axes and not mapped:  # nested, and nothing else splits the tokens

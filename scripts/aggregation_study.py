@@ -13,6 +13,11 @@ Three tables (docs/AGGREGATION.md quotes them):
   per_hop    bf16 / int8 compression of the whole reduction against the same at every ring hop
              (with error feedback): busiest-device bytes and validation loss after `--max_steps`
              steps.
+  compress_over
+             `hierarchical` compressing only its cross-host stage (compress_over=dcn, bf16 /
+             int8) against compressing the whole reduction and against exact `xla`: busiest-
+             device bytes in total and across hosts, validation loss after `--max_steps` steps.
+             On one process the two hosts are emulated (`emulated_hosts`).
   streaming  plain DiLoCo against streaming DiLoCo (fragments, overlap, int8 outer gradients) at
              the config's `grad_sync.local_steps`: the costliest single sync and the mean bytes
              per step (HLO), validation loss after `--max_steps` steps.
@@ -31,11 +36,13 @@ PROFILES = ("h100_nvlink_ib", "cloud_ethernet")
 DEVICES = (8, 64, 512, 4096)
 
 
-def _variant(config, **grad_sync):
+def _variant(config, dcn_data: int | None = None, **grad_sync):
     cfg = config.copy_and_resolve_references()
     with cfg.unlocked():
         for k, v in grad_sync.items():
             cfg.grad_sync[k] = v
+        if dcn_data is not None:
+            cfg.mesh.dcn_data = dcn_data
     return cfg
 
 
@@ -156,20 +163,64 @@ def _val_loss_after(engine, compiled, batches, max_steps: int, eval_batches: int
     return float(np.mean([float(engine.eval_step(state, v)["loss"]) for v in val]))
 
 
-def per_hop(config, m, ds, max_steps: int, eval_batches: int = 4) -> list[dict]:
-    """Busiest-device bytes (HLO) and validation loss after `max_steps` for each PER_HOP row."""
+def per_hop(config, m, ds, max_steps: int, eval_batches: int = 4, rows=PER_HOP) -> list[dict]:
+    """Busiest-device bytes (HLO) and validation loss after `max_steps` for each of `rows`
+    ((label, `_variant` fields)); with `hosts` > 1 also the busiest bytes of the phases that
+    cross hosts (tier dcn), the devices of `data` split into `hosts` consecutive groups."""
     from jaxdist import hlo_cost, mesh
 
-    rows = []
-    for label, fields in PER_HOP:
+    hosts = max(int(f.get("dcn_data", 1)) for _, f in rows)
+    processes = emulated_hosts(m, hosts)
+    out = []
+    for label, fields in rows:
         engine, batches = benchlib.build(_variant(config, **fields), m, ds)
         batch = batches.get(0)
         compiled = engine.train_step.lower(engine.abstract_state, batch).compile()
-        _, busiest = hlo_cost.collective_phases(compiled.as_text(), mesh.mesh_shape(m))
+        phases, busiest = hlo_cost.collective_phases(
+            compiled.as_text(), mesh.mesh_shape(m), processes
+        )
         loss = _val_loss_after(engine, compiled, batches, max_steps, eval_batches)
-        rows.append({"method": label, "busiest_device_bytes_per_step": busiest, "val_loss": loss})
-        print(f"{label:<24}{busiest / 2**20:>10.3f} MiB busiest{loss:>9.4f} val loss", flush=True)
-    return rows
+        row = {"method": label, "busiest_device_bytes_per_step": busiest, "val_loss": loss}
+        if hosts > 1:
+            row["dcn_busiest_bytes"] = sum(p["busiest_bytes"] for p in phases if p["tier"] == "dcn")
+        out.append(row)
+        dcn = f"{row['dcn_busiest_bytes'] / 2**20:>10.3f} MiB across" if hosts > 1 else ""
+        print(
+            f"{label:<34}{busiest / 2**20:>10.3f} MiB busiest{dcn}{loss:>9.4f} val loss", flush=True
+        )
+    return out
+
+
+# (label, `_variant` fields): hierarchical exact within 2 hosts and compressed across them only,
+# against compressing the whole reduction and against exact.
+COMPRESS_OVER = [
+    ("none (xla, exact)", {}),
+    ("hierarchical, exact", {"algorithm": "hierarchical", "dcn_data": 2}),
+    ("bf16 (whole reduction)", {"compression": "bf16"}),
+    (
+        "hierarchical + bf16 across hosts",
+        {"algorithm": "hierarchical", "compression": "bf16", "compress_over": "dcn", "dcn_data": 2},
+    ),
+    ("int8 (whole reduction)", {"compression": "int8"}),
+    (
+        "hierarchical + int8 across hosts",
+        {"algorithm": "hierarchical", "compression": "int8", "compress_over": "dcn", "dcn_data": 2},
+    ),
+]
+
+
+def emulated_hosts(m, hosts: int) -> list[int]:
+    """Each device's host for the tier accounting: the process it is on when the mesh spans
+    processes, else (one process) `hosts` consecutive blocks of the `data` axis, the layout
+    `mesh.dcn_data` = `hosts` gives on that many processes (dcn-major). `hierarchical` reads its
+    hosts from `mesh.dcn_data` and compiles the same collective-permutes either way; only where
+    the devices live differs."""
+    import numpy as np
+
+    if hosts == 1 or len({d.process_index for d in m.devices.flat}) > 1:
+        return [d.process_index for d in m.devices.flat]
+    axis, local = m.axis_names.index("data"), m.shape["data"] // hosts
+    return [index[axis] // local for index, _ in np.ndenumerate(m.devices)]
 
 
 # (label, grad_sync fields) on top of the config's local SGD / DiLoCo (grad_sync.local_steps = H).
@@ -263,7 +314,7 @@ def run(
     config, *, parts, steps, warmup, taus, target, max_steps, eval_every, planner_config, out_path
 ):
     """The study's `parts` ("algorithms": measured + predicted, "staleness", "per_hop",
-    "streaming"); the JSON payload."""
+    "compress_over", "streaming"); the JSON payload."""
     import jax
 
     from jaxdist import data, mesh
@@ -281,6 +332,9 @@ def run(
         print_tables(out)
     if "per_hop" in parts:
         out["per_hop"] = {"steps": max_steps, "runs": per_hop(config, m, ds, max_steps)}
+    if "compress_over" in parts:
+        rows = per_hop(config, m, ds, max_steps, rows=COMPRESS_OVER)
+        out["compress_over"] = {"steps": max_steps, "emulated_hosts": 2, "runs": rows}
     if "streaming" in parts:
         h = config.grad_sync.local_steps
         rows = streaming_rows(config, m, ds, max_steps)

@@ -365,17 +365,18 @@ class Launcher:
         hung: tuple[int, str] | None = None
         while True:
             codes = [p.poll() for p in self.procs]
-            if failed is None and hung is None and self.signalled is None:
-                for rank, code in enumerate(codes):
-                    if code not in (None, 0):
-                        failed = (rank, code)
-                        culprit = self._culprit([_read_progress(p) for p in self.progress])
-                        if self.progress and culprit[0] != rank and "state T" in culprit[1]:
-                            blame = f"process {culprit[0]} {culprit[1]}: it stalled first; "
-                            self.failed_ranks.append(culprit[0])
-                        self.failed_ranks.append(rank)
-                        self._stop_all()
-                        break
+            dead = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if dead and failed is None and hung is None and self.signalled is None:
+                # Seen in one poll, a process killed by a signal is the cause: the others' errors
+                # (a collective's peer gone) follow from it.
+                failed = min(dead, key=lambda rc: (rc[1] >= 0, rc[0]))
+                rank = failed[0]
+                culprit = self._culprit([_read_progress(p) for p in self.progress])
+                if self.progress and culprit[0] != rank and "state T" in culprit[1]:
+                    blame = f"process {culprit[0]} {culprit[1]}: it stalled first; "
+                    self.failed_ranks.append(culprit[0])
+                self.failed_ranks.append(rank)
+                self._stop_all()
             if failed is None and hung is None and self.signalled is None:
                 hung = self._stalled()
                 if hung is not None:

@@ -120,18 +120,19 @@ def test_exact_ring_algorithm_with_context_or_expert(axis):
 
 
 @pytest.mark.parametrize(
-    "axis, want",
+    "axis, schedule, want",
     [
-        ("context", "mesh.context=2 does not compose with mesh.pipeline=2 (the stages' shard_map"),
-        ("expert", "model.num_experts=8 does not run with mesh.pipeline=2"),
+        ("context", "1f1b", "pipeline.schedule='1f1b' does not run with model.context_attention"),
+        ("expert", "zb", "pipeline.schedule='zb' does not run with model.num_experts=8"),
     ],
 )
-def test_pipeline_with_context_or_expert_is_one_line(axis, want):
+def test_pipeline_with_context_or_expert_is_one_line(axis, schedule, want):
     """What stays unsupported (docs/PARALLELISM.md says why) is refused before compiling."""
     from jaxdist import config as config_lib
     from jaxdist.errors import ConfigError
 
     c = config("none", axis == "expert", data=2, pipeline=2, **{axis: 2})
+    c.pipeline.schedule = schedule  # the rest compose (tests/test_pipeline_context_expert.py)
     with pytest.raises(ConfigError) as e:
         config_lib.validate(c, 8)
     assert str(e.value).startswith(want) and "\n" not in str(e.value), str(e.value)

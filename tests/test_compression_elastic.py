@@ -54,10 +54,12 @@ def _steps(eng, batches, state, first, n):
     "compression,fields",
     [
         ("onebit_adam", {"warmup_steps": 2}),
+        ("twobit_adam", {"warmup_steps": 2}),
+        ("topk_adam", {"warmup_steps": 2, "topk_ratio": 0.05}),
         ("topk", {"topk_ratio": 0.05}),
         ("none", {"local_steps": 2, "outer_optimizer": "nesterov"}),
     ],
-    ids=["onebit_adam", "topk", "diloco"],
+    ids=["onebit_adam", "twobit_adam", "topk_adam", "topk", "diloco"],
 )
 def test_resume_on_8_then_4_then_8_replicas_keeps_what_is_owed(tmp_path, compression, fields):
     state, step, losses = None, 0, []
@@ -101,7 +103,7 @@ def test_resume_on_8_then_4_then_8_replicas_keeps_what_is_owed(tmp_path, compres
         with checkpoint.Checkpointer(tmp_path, every=1, keep=3, config_json=None) as ckpt:
             ckpt.save(step, state, data_position=step)
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
-    if compression == "onebit_adam":  # the resumed runs were compressing (past the warm-up)
+    if compression.endswith("_adam"):  # the resumed runs were compressing (past the warm-up)
         assert np.abs(np.asarray(jax.tree.leaves(state["grad_sync"].worker)[0])).max() > 0
 
 

@@ -150,6 +150,12 @@ SHORTENED = {
         _TINY_BENCH_MODEL + " --max_steps=2",
         "five training runs of 300 steps take many minutes on 2 cores",
     ),
+    "python scripts/bench.py --study=aggregation --parts=compress_over --config.mesh.data=8 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --max_steps=300 "
+    "--out=runs/bench/compress_over.json": (
+        _TINY_BENCH_MODEL + " --max_steps=2",
+        "six training runs of 300 steps take many minutes on 2 cores",
+    ),
     "python scripts/bench.py --study=aggregation --parts=streaming "
     "--config.grad_sync.local_steps=10 --config.grad_sync.outer_optimizer=nesterov "
     "--max_steps=300 --out=runs/bench/streaming.json": (

@@ -67,6 +67,7 @@ RECIPES = {
     },
     "ef_sign": {"train.optimizer": "sgd", "grad_sync.momentum_correction": True},
     "onebit_adam": {"grad_sync.warmup_steps": 15},
+    "twobit_adam": {"grad_sync.warmup_steps": 15},  # 1-bit Adam's scheme with a 2-bit code
 }
 SGD = {"train.optimizer": "sgd", "train.learning_rate": 0.3, "train.momentum": 0.9}
 

@@ -1,0 +1,210 @@
+"""`mesh.pipeline` with `mesh.context` and `mesh.expert`: the stages' shard_map is manual over
+`context` and `expert` too, so attention runs its per-device ring / all-gather body on the block's
+T/c slots (models/attention.py) and the MoE layer its all-to-alls on the device's tokens
+(models/moe.py) instead of nesting a shard_map; the router losses leave the stages as the blocks'
+statistics (`Stages.aux_zero` / `aux_loss`). Four float32 steps equal one device within 1e-5.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from tests.helpers import compile_step, engine_for, train_steps
+from tests.test_llama import llama_config
+
+STEPS = 4
+
+
+def _config(mode: str, schedule: str = "gpipe", **mesh_sizes):
+    c = llama_config(**mesh_sizes)
+    c.model.context_attention = mode
+    c.pipeline.schedule, c.pipeline.microbatches = schedule, 2
+    return c
+
+
+@functools.cache
+def _reference() -> np.ndarray:
+    return train_steps(llama_config(), STEPS)[0]
+
+
+@pytest.mark.parametrize(
+    "mode, schedule",
+    [
+        ("ring", "gpipe"),
+        ("all_gather", "gpipe"),
+        ("all_gather", "1f1b"),
+        ("all_gather", "zb"),
+        ("ring", "interleaved"),
+    ],
+)
+def test_pipeline_context_data_matches_one_device(mode, schedule):
+    """pipeline=2 × context=2 × data=2: the same 4 losses as one device within 1e-5."""
+    c = _config(mode, schedule, pipeline=2, context=2, data=2)
+    if schedule == "interleaved":
+        c.model.num_layers, c.pipeline.virtual_stages = 4, 2
+        ref_config = llama_config()
+        ref_config.model.num_layers = 4
+        ref = train_steps(ref_config, STEPS)[0]
+    else:
+        ref = _reference()
+    losses, _ = train_steps(c, STEPS)
+    np.testing.assert_allclose(losses, ref, rtol=0, atol=1e-5)
+    assert losses[-1] < losses[0]
+
+
+def _groups(mesh, axis: str) -> np.ndarray:
+    """[groups, size]: the device ids along `axis`, one row per group."""
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    return np.moveaxis(ids, mesh.axis_names.index(axis), -1).reshape(-1, mesh.shape[axis])
+
+
+def _context_permutes(c: int, mode: str) -> tuple[int, int]:
+    """(forward, backward) collective-permutes over the `context` ring of the compiled gpipe
+    step with pipeline=2 × context=c, layers unrolled: those whose pairs are exactly every
+    device's next (previous) neighbour on the `context` axis."""
+    cfg = _config(mode, pipeline=2, context=c)
+    cfg.model.scan_unroll = cfg.model.num_layers
+    eng, compiled = compile_step(cfg)
+    ids = _groups(eng.mesh, "context")
+    ring = lambda step: {(int(g[j]), int(g[(j + step) % c])) for g in ids for j in range(c)}
+    found = re.findall(
+        r"collective-permute(?:-start)?\(.*source_target_pairs=\{(\{.*?\})\}", compiled.as_text()
+    )
+    sets = [
+        set(map(tuple, np.array(re.findall(r"\d+", f), int).reshape(-1, 2).tolist())) for f in found
+    ]
+    return sum(s == ring(1) for s in sets), sum(s == ring(-1) for s in sets)
+
+
+def test_ring_pipeline_hlo_has_c_minus_1_kv_permutes_per_layer():
+    """gpipe × ring, pipeline=2 × context=4, one layer per stage: 3 = c − 1 K/V permutes around
+    the `context` ring forward and 3 back (their transposes); all_gather has none."""
+    assert _context_permutes(4, "ring") == (3, 3)
+    assert _context_permutes(4, "all_gather") == (0, 0)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_ring_with_switching_schedule_is_one_line(schedule):
+    """Ring attention inside 1f1b / zb's per-stage tick branches is refused before compiling."""
+    from jaxdist import config as config_lib
+    from jaxdist.errors import ConfigError
+
+    c = _config("ring", schedule, pipeline=2, context=2, data=2)
+    with pytest.raises(ConfigError) as e:
+        config_lib.validate(c, 8)
+    msg = str(e.value)
+    assert msg.startswith(f"pipeline.schedule='{schedule}' does not run with") and "\n" not in msg
+
+
+def _moe_run(c) -> tuple[np.ndarray, dict]:
+    """[steps, 3]: loss, load-balancing loss, z-loss per step; the final params."""
+    eng, batches = engine_for(c)
+    state, rows = eng.init(), []
+    for i in range(STEPS):
+        state, m = eng.train_step(state, batches.get(i))
+        rows.append([float(m["loss"]), float(m["moe_lb_loss"]), float(m["moe_z_loss"])])
+    return np.array(rows), jax.device_get(eng.to_user(state)["params"])
+
+
+def _moe_config(factor: float, m: int, **mesh_sizes):
+    """tests/test_moe.py's MoE (8 experts, top-2); `m` pipeline microbatches, or on one device
+    `m` accumulation chunks (the same rows: the router losses are each chunk's)."""
+    from tests.test_moe import moe_config
+
+    c = moe_config(factor, **mesh_sizes)
+    if mesh_sizes.get("pipeline", 1) > 1:
+        c.pipeline.microbatches = m
+    else:
+        c.train.grad_accum = m
+    return c
+
+
+@functools.cache
+def _moe_reference(m: int):
+    return _moe_run(_moe_config(0.0, m))
+
+
+@pytest.mark.parametrize(
+    "schedule, factor, m",
+    [("gpipe", 4.0, 2), ("1f1b", 4.0, 2), ("1f1b", 0.0, 2), ("gpipe", 0.0, 1)],
+)
+def test_pipeline_expert_data_matches_one_device(schedule, factor, m):
+    """pipeline=2 × expert=2 × data=2, capacity E/k (every local token fits) or dropless:
+    losses, both router losses and parameters within 1e-5 of one device over 4 steps."""
+    c = _moe_config(factor, m, pipeline=2, expert=2, data=2)
+    c.pipeline.schedule = schedule
+    (ref, ref_params), (got, params) = _moe_reference(m), _moe_run(c)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)
+    assert got[-1, 0] < got[0, 0] and np.all(got[:, 1] > 0.9)  # lb loss: 1 when balanced
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    for (path, a), b in zip(flat, jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("axis", ["context", "expert"])
+def test_compressor_with_pipeline_and_context_or_expert(axis):
+    """bf16 gradient compression (the stages nested in the per-replica shard_map over `data`,
+    `make_gradients(data_manual=True)`) on pipeline=2 × `axis`=2 × data=2 equals it on
+    pipeline=2 × data=2 within 1e-5: the same replicas, each split over `axis` exactly."""
+    sizes = dict(pipeline=2, data=2)
+    if axis == "expert":
+        make = lambda **extra: _moe_config(4.0, 2, **sizes, **extra)
+    else:
+        make = lambda **extra: _config("all_gather", **sizes, **extra)
+    runs = []
+    for extra in ({}, {axis: 2}):
+        c = make(**extra)
+        c.grad_sync.compression = "bf16"
+        runs.append(train_steps(c, STEPS)[0])
+    np.testing.assert_allclose(runs[1], runs[0], rtol=0, atol=1e-5)
+
+
+def test_zb_with_experts_is_one_line():
+    from jaxdist import config as config_lib
+    from jaxdist.errors import ConfigError
+
+    c = _moe_config(0.0, 2, pipeline=2, expert=2, data=2)
+    c.pipeline.schedule = "zb"
+    with pytest.raises(ConfigError) as e:
+        config_lib.validate(c, 8)
+    msg = str(e.value)
+    assert msg.startswith("pipeline.schedule='zb' does not run with model.num_experts=8")
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    "schedule, axis, kind",
+    [("gpipe", "context", "all-gather"), ("1f1b", "context", "all-gather"),
+     ("gpipe", "expert", "all-to-all"), ("1f1b", "expert", "all-to-all")],
+)  # fmt: skip
+def test_planner_terms_equal_the_compiled_pipeline_step(schedule, axis, kind):
+    """The planner's K/V-gather and all-to-all bytes for pipeline=2 × `axis`=2 × data=2 (one
+    pipeline microbatch's tokens per layer run, at every tick; 1f1b: its costliest branch)
+    equal the compiled step's (the layout record's)."""
+    from jaxdist import hlo_cost, plan
+
+    if axis == "expert":
+        c = _moe_config(4.0, 2, pipeline=2, expert=2, data=2)
+    else:
+        c = _config("all_gather", pipeline=2, context=2, data=2)
+    c.pipeline.schedule = schedule
+    eng, compiled = compile_step(c)
+    text = compiled.as_text()
+    groups = {frozenset(map(int, g)) for g in _groups(eng.mesh, axis)}
+
+    def over_axis(op) -> bool:  # the op's replica groups are `axis`'s (not the pipeline's)
+        line = re.search(rf"%{re.escape(op.name)} = .*replica_groups=\{{(.*?)\}}\}}", text)
+        found = line and re.findall(r"\{([\d,]+)", line.group(1) + "}")
+        return bool(found) and {frozenset(map(int, f.split(","))) for f in found} == groups
+
+    ops = [op for op in hlo_cost.collective_ops(text) if op.kind == kind and over_axis(op)]
+    layout = plan.Layout(data=2, pipeline=2, microbatches=2, **{axis: 2})
+    terms = plan.predict(c, layout, plan.hardware("h100_nvlink_ib")).terms
+    mine = [t for t in terms if t.name.startswith(("cp:", "ep:")) and t.kind == kind]
+    want = sum(hlo_cost.ring_wire_bytes(t.kind, t.payload, t.group) * t.count for t in mine)
+    assert ops and want == pytest.approx(sum(op.wire_bytes for op in ops), rel=1e-9)
