@@ -740,11 +740,16 @@ def _accumulate(acc: Any, grads: Any) -> Any:
     return jax.tree.unflatten(tree, out)
 
 
-def _send(value: jax.Array, k: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
-    """`value` sent from stage a to stage b, (a, b) = pairs[k] (k < 0: pairs[0]): one
-    collective-permute, none when a == b. `k` must be the same on every stage."""
-    hop = lambda a, b: (lambda v: v) if a == b else (lambda v: jax.lax.ppermute(v, AXIS, [(a, b)]))
-    return jax.lax.switch(jnp.maximum(k, 0), [hop(a, b) for a, b in pairs], value)
+def _convey(buf: jax.Array, recv: jax.Array, value: jax.Array, step: int) -> jax.Array:
+    """One conveyor step (`_feed_tables`): every stage sends `value` to stage + `step` with one
+    collective-permute of fixed pairs, run on every tick by every stage (never in a branch: a
+    `lax.switch` whose branches permute over different pairs computed wrong values when XLA:CPU
+    loaded the program from the persistent compilation cache); buf[recv] = the arrival where
+    `recv` >= 0, the other arrivals (nothing was sent for them) dropped."""
+    p = jax.lax.axis_size(AXIS)
+    pairs = [(k, k + step) for k in range(p) if 0 <= k + step < p]
+    got = jax.lax.ppermute(value, AXIS, pairs)
+    return _put(buf, jnp.maximum(recv, 0), got, recv >= 0)
 
 
 def _tick_loop(branches, tables, x0, targets, stash, acc):
@@ -760,16 +765,17 @@ def _tick_loop(branches, tables, x0, targets, stash, acc):
         `writes`: stash name -> one microbatch's residual leaves.
       tables: the executor tables (`exec_tables`) as [ticks, p] arrays.
       x0: the embedded microbatches: [m, b, T, D] on every stage, or, when `tables` has
-        `feed_src`, this stage's block [m/p, b, T, D] of them (microbatch i on stage i // (m/p)),
-        each sent to stage 0 at the tick it forwards it (point to point, no all-gather).
+        `feed_read`, this stage's block [m/p, b, T, D] of them (microbatch i on stage i // (m/p)),
+        each carried down to stage 0 by the time it forwards it (`_feed_tables`: fixed-pair
+        permutes on every tick, no all-gather).
       targets: [m, b, T].
       stash: stash name -> residual buffers [slots, ...]; acc: the accumulated (chunk gradients,
         head gradients, loss).
     Returns:
-      (d loss / d x0, shaped like x0: with `feed_src` each block on its owner, sent back from
-      stage 0 point to point; else [m, ...] nonzero on stage 0 only; acc).
+      (d loss / d x0, shaped like x0: with `feed_read` each block on its owner, carried up
+      from stage 0; else [m, ...] nonzero on stage 0 only; acc).
     """
-    p = tables["action"].shape[1]
+    p, ticks = tables["action"].shape[1], tables["action"].shape[0]
     d = jax.lax.axis_index(AXIS)
     first = d == 0
     fwd_pairs = [(s, s + 1) for s in range(p - 1)]
@@ -777,40 +783,49 @@ def _tick_loop(branches, tables, x0, targets, stash, acc):
     shape, act_dtype = x0.shape[1:], x0.dtype
     zeros = lambda *lead: _varying(jnp.zeros((*lead, *shape), act_dtype))
     slots = tables["slots"]
-    blocks = "feed_src" in tables  # x0 / d x0 held in blocks over the stages
+    blocks = "feed_read" in tables  # x0 / d x0 held in blocks over the stages
+    at = lambda k: jnp.maximum(k, 0)
+    transit = x0.shape[0]  # with blocks: the conveyors' transit slot (`_feed_tables`)
+    # d x0 up the conveyor: stage 0 sends the fresh gradient, the others their transit slot.
+    dx_up = lambda dx0, r, dx: _convey(dx0, r["dx_recv"], jnp.where(first, dx, dx0[transit]), 1)
 
     def tick(carry, row):
-        xin, gbuf, stash, dx0, acc = carry
+        xin, gbuf, stash, feed, dx0, acc = carry
         r = {k: v[d] for k, v in row.items()}
-        if blocks:  # stage 0's input from its owner (row[k][0]: the same on every stage)
-            owners = [(k, 0) for k in range(p)]
-            x_first = _send(_take(x0, row["feed_slot"][0]), row["feed_src"][0], owners)
+        if blocks:  # feed: x0's block and the transit slot
+            x_first = _take(feed, at(r["feed_read"]))
         else:
             x_first = _take(x0, r["mf"])
         x = jnp.where(first, x_first, _take(xin, r["x"]))
         dy, tgt = _take(gbuf, r["g"]), _take(targets, r["mf"])
         reads = {k: [_take(b, r["read_" + k]) for b in bufs] for k, bufs in stash.items()}
         y, dx, writes, acc = jax.lax.switch(r["action"], branches, x, dy, tgt, reads, acc)
-        put = lambda b, v, k: _put(b, jnp.maximum(k, 0), v, k >= 0)
+        put = lambda b, v, k: _put(b, at(k), v, k >= 0)
         stash = {
             k: [put(b, v, r["write_" + k]) for b, v in zip(bufs, writes[k])]
             for k, bufs in stash.items()
         }
-        if blocks:  # stage 0's input gradient back to the owner of its microbatch
-            dst = row["dx_dst"][0]
-            back = _send(dx, dst, [(0, k) for k in range(p)])
-            dx0 = _put(dx0, row["dx_slot"][0], back, d == dst)
+        if blocks:  # stage 0's next inputs one stage down, its input gradients one stage up
+            down = _take(feed, at(r["feed_send"]))
+            feed = _convey(feed, r["feed_recv"], down, -1)
+            dx0 = dx_up(put(dx0, dx, r["dx_keep"]), r, dx)
         else:
             dx0 = _put(dx0, r["mb"], dx, first & r["dx0"])
         # Every stage sends every tick (all must join a collective); receivers keep only arrivals.
         xin = put(xin, jax.lax.ppermute(y, AXIS, fwd_pairs), r["recv_f"])
         gbuf = put(gbuf, jax.lax.ppermute(dx, AXIS, bwd_pairs), r["recv_b"])
-        return (xin, gbuf, stash, dx0, acc), None
+        return (xin, gbuf, stash, feed, dx0, acc), None
 
-    rows = {k: jnp.asarray(v) for k, v in tables.items() if k != "slots"}
-    carry = (zeros(slots["x"]), zeros(slots["g"]), stash, zeros(x0.shape[0]), acc)
+    rows = {k: jnp.asarray(v[:ticks]) for k, v in tables.items() if k != "slots"}
+    feed, dx0 = None, zeros(x0.shape[0])
+    if blocks:
+        feed, dx0 = jnp.concatenate([x0, zeros(1)]), zeros(x0.shape[0] + 1)
+    carry = (zeros(slots["x"]), zeros(slots["g"]), stash, feed, dx0, acc)
     (*_, dx0, acc), _ = jax.lax.scan(tick, carry, rows)
-    return dx0, acc
+    if blocks and len(tables["dx_recv"]) > ticks:  # drain: the last gradients up to their owners
+        step = lambda dx0, row: (dx_up(dx0, {"dx_recv": row[d]}, dx0[transit]), None)
+        dx0, _ = jax.lax.scan(step, dx0, jnp.asarray(tables["dx_recv"][ticks:]))
+    return (dx0[:transit] if blocks else dx0), acc
 
 
 def _stage_inputs(chunk, head, x0, dtype):
@@ -1110,24 +1125,49 @@ def _blocks(sched: Schedule) -> bool:
     return sched.microbatches % sched.stages == 0
 
 
-_FEED_KEYS = ("feed_src", "feed_slot", "dx_dst", "dx_slot")
+_FEED_KEYS = ("feed_read", "feed_send", "feed_recv", "dx_keep", "dx_recv")
 
 
 def _feed_tables(sched: Schedule, p: int, m: int) -> dict[str, np.ndarray]:
-    """Where stage 0's inputs come from and its input gradients go (`_tick_loop`), when the
-    embedded microbatches are held in blocks over the stages (microbatch i on stage i // (m/p),
-    its slot i % (m/p) there): per tick, the owner of the microbatch stage 0 forwards
-    (`feed_src`, -1: none) and its slot (`feed_slot`), the owner of the one it backwards
-    (`dx_dst`) and its slot (`dx_slot`). The same on every stage ([ticks, p], equal columns),
-    so every device takes the same transfer."""
-    per = m // p
-    out = {k: np.full(sched.action.shape, -1, np.int32) for k in ("feed_src", "dx_dst")}
-    out.update({k: np.zeros(sched.action.shape, np.int32) for k in ("feed_slot", "dx_slot")})
-    for t in range(sched.ticks):
+    """The conveyors that bring stage 0 its inputs and take its input gradients back
+    (`_tick_loop`) when the embedded microbatches are held in blocks over the stages: microbatch
+    i in slot i % (m/p) of stage i // (m/p), slot m/p a one-microbatch transit slot.
+
+    Every tick, one collective-permute with fixed pairs (k -> k-1) moves at most one microbatch
+    down each link and one with pairs (k -> k+1) one gradient up: no stage picks a peer at run
+    time. Microbatch i leaves stage h at tick F(i) - h (F(i): stage 0 forwards it), so it waits
+    one tick in each transit slot and arrives as stage 0 needs it; its gradient leaves stage 0 at
+    tick B(i) and goes up one stage per tick to its owner, the last ones in drain ticks after
+    the schedule's. Per stage and tick ([ticks, p], -1: none): the slot stage 0 reads its input
+    from (`feed_read`), the slot sent down (`feed_send`), the slot an arrival goes to
+    (`feed_recv`); the slot stage 0 keeps its own gradient in (`dx_keep`) and the slot an arriving
+    gradient goes to (`dx_recv`, which has ticks + drain rows). Every stage sends a gradient up
+    every tick (stage 0 the fresh one, the others their transit slot); `dx_recv` keeps arrivals."""
+    per, ticks = m // p, sched.ticks
+    when = {}  # (action, microbatch) -> tick on stage 0
+    for t in range(ticks):
         for a, i, _ in sched.cells(t, 0):
-            src, slot = ("feed_src", "feed_slot") if a == FWD else ("dx_dst", "dx_slot")
-            if a in (FWD, BWD):
-                out[src][t], out[slot][t] = i // per, i % per
+            when[a, i] = t
+    owner, slot = (lambda i: i // per), (lambda i: i % per)
+    drain = max(when[BWD, i] + owner(i) for i in range(m)) - ticks
+    out = {k: np.full((ticks, p), -1, np.int32) for k in ("feed_read", "feed_send", "feed_recv")}
+    out.update({k: np.full((ticks + max(drain, 0), p), -1, np.int32) for k in _FEED_KEYS[3:]})
+
+    def mark(table, t, s, value):
+        assert out[table][t, s] == -1, (table, t, s)  # one transfer per link and tick
+        out[table][t, s] = value
+
+    for i in range(m):
+        f, b, o = when[FWD, i], when[BWD, i], owner(i)
+        assert f >= o, (f, o)  # stage 0 forwards microbatch i no earlier than tick i
+        out["feed_read"][f, 0] = slot(i) if o == 0 else per
+        for h in range(o, 0, -1):  # from stage h to h - 1 at tick f - h
+            mark("feed_send", f - h, h, slot(i) if h == o else per)
+            mark("feed_recv", f - h, h - 1, per)
+        if o == 0:
+            out["dx_keep"][b, 0] = slot(i)
+        for h in range(o):  # from stage h to h + 1 at tick b + h
+            mark("dx_recv", b + h, h + 1, slot(i) if h + 1 == o else per)
     return out
 
 
@@ -1637,7 +1677,7 @@ class _LockStep:
             inst
             for inst in self.module.computations[body].instructions.values()
             if inst.opcode == "conditional" and len(list(hlo_cost.callees(inst))) == n
-        ]  # (the point-to-point sends of `_send` are conditionals too, with a few instructions)
+        ]  # (the largest, should another conditional have as many branches)
         return max(found, key=size, default=None)
 
 

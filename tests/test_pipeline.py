@@ -293,12 +293,12 @@ def test_data_parallel_gradients_reduced_once_and_bubble_reported():
     assert data_reduces and all(o.count == 1 for o in data_reduces), data_reduces
     permutes = [o for o in ops if o.kind == "collective-permute" and o.count > 1]
     ticks = pipeline.build_schedule("1f1b", 2, 4).ticks
-    # Per tick: an activation up and a gradient down; and, taken only at the ticks that need
-    # them, stage 0's input from the stage holding it and its input gradient back (conditional).
-    steady = [o for o in permutes if not o.conditional]
-    sends = [o for o in permutes if o.conditional]
-    assert len(steady) == 2 and all(o.count == ticks for o in steady), permutes
-    assert len(sends) == 2 and all(o.count == ticks for o in sends), permutes
+    # Per tick: an activation up and a gradient down, and the conveyors moving stage 0's next
+    # inputs one stage down and its input gradients one stage up: fixed pairs, on every tick,
+    # never in a branch (a switch over sends to different stages went wrong when loaded from
+    # the persistent compilation cache).
+    assert not [o for o in permutes if o.conditional], permutes
+    assert len(permutes) == 4 and all(o.count == ticks for o in permutes), permutes
     record = loop.layout_record(eng, compiled, c)
     assert record["bubble_fraction"] == pytest.approx(1 / 5) == eng.schedule.bubble_fraction
     assert record["pipeline"]["schedule"] == "1f1b"
@@ -336,3 +336,52 @@ def test_errors_are_one_line_config_errors(mesh, fields, match):
     with pytest.raises(ConfigError) as e:  # 3 layers over 2 stages: caught by the storage split
         train.build(c, m, dataset(c))
     assert "\n" not in str(e.value)
+
+
+@pytest.fixture
+def fresh_persistent_cache(tmp_path):
+    """The session's persistent compilation cache swapped for an empty folder, every program
+    written to it (no minimum compile time); the session's cache back afterwards."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    saved = (
+        jax.config.jax_compilation_cache_dir,
+        jax.config.jax_persistent_cache_min_compile_time_secs,
+    )
+    cc.set_cache_dir(str(tmp_path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    cc.reset_cache()
+    events = []
+    listener = lambda name, **kw: events.append(name.rsplit("/", 1)[-1])
+    jax.monitoring.register_event_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+        cc.set_cache_dir(saved[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+        cc.reset_cache()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_step_loaded_from_persistent_cache_is_bit_identical(schedule, fresh_persistent_cache):
+    """The pipelined gradients compiled fresh and loaded back from the persistent compilation
+    cache give bit-identical loss and gradients (with stage 0's inputs sent by a `lax.switch`
+    whose branches permuted over different pairs, the loaded program aborted the process)."""
+    c = _config(4, dict(pipeline=2), schedule, 8)
+    eng, batches = engine_for(c)
+    _, _, host_params, _ = _reference(c.model.num_layers)
+    params = jax.device_put(host_params, eng.state_shardings["params"])
+    fn, _ = pipeline.make_gradients(c, eng.mesh, eng.stages, eng.param_axes, eng.batch_axes)
+    batch, events = batches.get(0), fresh_persistent_cache
+    runs = []
+    for want in ("cache_misses", "cache_hits"):  # compiled and written, then loaded
+        jax.clear_caches()
+        events.clear()
+        loss, _, grads = jax.jit(fn).lower(params, batch).compile()(params, batch)
+        assert want in events, events
+        runs.append(jax.device_get((loss, grads)))
+    (loss0, grads0), (loss1, grads1) = runs
+    assert loss0 == loss1, (loss0, loss1)
+    for g0, g1 in zip(jax.tree.leaves(grads0), jax.tree.leaves(grads1), strict=True):
+        np.testing.assert_array_equal(g0, g1)
