@@ -323,19 +323,11 @@ def _check_context_expert(config, mesh: Mapping[str, int]) -> None:
 
 
 def _check_ring_pipeline(config, mesh: Mapping[str, int]) -> None:
-    """zb has no path for MoE router losses. Ring attention in the stages needs a schedule
-    without per-stage tick branches: with the ring's collective-permutes inside a `lax.switch`
-    branch, 1f1b gave wrong losses from the first step on XLA:CPU (cause not established:
-    docs/PIPELINE.md)."""
+    """Ring attention in the stages needs a schedule without per-stage tick branches: with the
+    ring's collective-permutes inside a `lax.switch` branch, 1f1b gave wrong losses from the first
+    step on XLA:CPU (cause not established: docs/PIPELINE.md)."""
     from jaxdist import pipeline
 
-    if mesh["pipeline"] > 1 and config.model.get("num_experts", 0):
-        _need(
-            not pipeline.schedule_kind(config.pipeline.schedule).split_backward,
-            f"pipeline.schedule={config.pipeline.schedule!r} does not run with "
-            f"model.num_experts={config.model.num_experts} (its split backward has no path for "
-            "the router losses); use pipeline.schedule=gpipe or 1f1b",
-        )
     if mesh["context"] == 1 or mesh["pipeline"] == 1 or config.model.context_attention != "ring":
         return
     _need(

@@ -918,7 +918,7 @@ def _one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
     return loss, g_c, g_h, dx0, stats
 
 
-def _zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, tables):
+def _zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, tables, aux_term):
     """The zb ticks on one stage: the 1f1b executor with the backward cut in two (`_SplitVjp`).
 
     A forward tick stashes the residuals of the stage's vjp in two stashes: those the input pass
@@ -926,27 +926,36 @@ def _zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
     computes the input gradient (sent to the previous stage at once) and stashes what the weight
     gradient needs from the cotangent path (`r`); the W tick, which no other stage waits for,
     computes the weight gradient. The head and loss run on the last stage's F, their residuals
-    (`h`) stashed for its B on the next tick. Args and returns: as `_one_f_one_b`.
+    (`h`) stashed for its B on the next tick. The blocks' statistics (MoE router statistics)
+    join the loss at F; their constant cotangent joins B's, as in 1f1b. Args and returns: as
+    `_one_f_one_b`.
     """
     chunk, head, acc, zero = _stage_inputs(chunk, head, x0, dtype)
     leaves, stage_vjp, head_vjp = jax.tree.leaves, _SplitVjp(), _StashedVjp()
     head_fn = lambda hp, y, tgt: head_loss(hp, y, tgt)
-    y0, rb0, rw0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
-    _, _, rr0 = stage_vjp.backward_input(leaves(chunk), rb0, y0)
+    out0, rb0, rw0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
+    _, _, rr0 = stage_vjp.backward_input(leaves(chunk), rb0, out0)
     rh0 = head_vjp.forward(head_fn, leaves(head), head, zero(), targets[0])[1]
     n = tables["slots"]
     stash = {k: _buffers(n[k], r) for k, r in dict(b=rb0, w=rw0, r=rr0, h=rh0).items()}
+    stats0 = jax.tree.map(lambda a: _varying(jnp.zeros_like(a, jnp.float32)), out0[1])
+    # d loss / d statistics: constant, the aux term being linear in them.
+    d_stats = jax.tree.map(_varying, jax.grad(lambda st: scale * aux_term(st))(stats0))
+    acc = (acc[0], acc[1], (acc[2], stats0))
+    add = lambda loss, stats: (
+        (loss[0] + scale * aux_term(stats), jax.tree.map(jnp.add, loss[1], stats))
+    )
 
     def idle(x, dy, tgt, reads, acc):
         return zero(), zero(), reads, acc
 
     def forward(x, dy, tgt, reads, acc):
-        y, rb, rw = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
-        return y, zero(), {**reads, "b": rb, "w": rw}, acc
+        (y, stats), rb, rw = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
+        return y, zero(), {**reads, "b": rb, "w": rw}, (acc[0], acc[1], add(acc[2], stats))
 
     def backward(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
-        (dx,), dw, rr = stage_vjp.backward_input(leaves(chunk), reads["b"], dy)
+        (dx,), dw, rr = stage_vjp.backward_input(leaves(chunk), reads["b"], (dy, d_stats))
         return zero(), dx.astype(x0.dtype), {**reads, "r": rr}, (_accumulate(g_c, dw), g_h, loss)
 
     def weight(x, dy, tgt, reads, acc):
@@ -957,7 +966,8 @@ def _zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
     def forward_last(x, dy, tgt, reads, acc):
         y, _, writes, (g_c, g_h, loss) = forward(x, dy, tgt, reads, acc)
         mb_loss, rh = head_vjp.forward(head_fn, leaves(head), head, y, tgt)
-        return zero(), zero(), {**writes, "h": rh}, (g_c, g_h, loss + mb_loss * scale)
+        loss = (loss[0] + mb_loss * scale, loss[1])
+        return zero(), zero(), {**writes, "h": rh}, (g_c, g_h, loss)
 
     def backward_last(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
@@ -966,8 +976,8 @@ def _zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
         return backward(x, dy.astype(x0.dtype), tgt, reads, acc)
 
     branches = (idle, forward, backward, weight, forward_last, backward_last)
-    dx0, (g_c, g_h, loss) = _tick_loop(branches, tables, x0, targets, stash, acc)
-    return loss, g_c, g_h, dx0
+    dx0, (g_c, g_h, (loss, stats)) = _tick_loop(branches, tables, x0, targets, stash, acc)
+    return loss, g_c, g_h, dx0, stats
 
 
 def _looped_gradients(
@@ -1486,18 +1496,11 @@ def _stage_executor(pipe: _Pipe) -> Callable:
 
         def one_f_one_b(head_loss, chunks, head, x0, targets):
             chunk = jax.tree.map(lambda a: a[0], chunks)  # [Lc, ...]
-            if kind.split_backward:  # zb: no statistics (config.validate refuses them)
-                y_only = lambda ck, x: stage_fn(ck, x)[0]
-                out = _zero_bubble(
-                    y_only, head_loss, chunk, head, x0, targets,
-                    scale=scale, dtype=pipe.dtype, tables=tables,
-                )  # fmt: skip
-                out = (*out, {})
-            else:
-                out = _one_f_one_b(
-                    stage_fn, head_loss, chunk, head, x0, targets,
-                    scale=scale, dtype=pipe.dtype, tables=tables, aux_term=pipe.aux_term,
-                )  # fmt: skip
+            executor = _zero_bubble if kind.split_backward else _one_f_one_b
+            out = executor(
+                stage_fn, head_loss, chunk, head, x0, targets,
+                scale=scale, dtype=pipe.dtype, tables=tables, aux_term=pipe.aux_term,
+            )  # fmt: skip
             loss, g_c, g_h, dx0, stats = out
             return loss, jax.tree.map(lambda g: g[None], g_c), g_h, dx0, stats
 
