@@ -324,8 +324,9 @@ def _check_context_expert(config, mesh: Mapping[str, int]) -> None:
 
 def _check_ring_pipeline(config, mesh: Mapping[str, int]) -> None:
     """Ring attention in the stages needs a schedule without per-stage tick branches: with the
-    ring's collective-permutes inside a `lax.switch` branch, 1f1b gave wrong losses from the first
-    step on XLA:CPU (cause not established: docs/PIPELINE.md)."""
+    ring's collective-permutes inside a `lax.switch` branch, 1f1b and zb give wrong losses from the
+    first step on XLA:CPU, with the compilation cache disabled too (cause not established:
+    docs/PIPELINE.md)."""
     from jaxdist import pipeline
 
     if mesh["context"] == 1 or mesh["pipeline"] == 1 or config.model.context_attention != "ring":

@@ -46,8 +46,9 @@ them and no stage carries extra work. The price is moving the activations ([B, T
 pipeline once and out once per step. 1f1b computes head and loss inside the schedule on the last
 stage instead (zb too): its backward must start as soon as a microbatch leaves, and collecting all
 `m` outputs first would bring back the memory that grows with `m`. Both keep the embedded batch
-in blocks of m/p microbatches over the stages (when p divides m) and send each to stage 0, and its
-gradient back, point to point at the tick that needs it (`_tick_loop`).
+in blocks of m/p microbatches over the stages (when p divides m); two conveyors of fixed-pair
+permutes, run on every tick, bring each to stage 0 as it is needed and its gradient back
+(`_feed_tables`).
 
 The table bubble counts idle entries as if every tick cost the same; `cost` reads what the compiled
 step executes instead: the lock-step FLOPs (per tick, the slowest stage's branch) against the ideal.
@@ -1239,8 +1240,7 @@ class _Pipe:
     def x0_blocks(self) -> bool:
         """1f1b / zb with p dividing m: the embedded microbatches stay in blocks over the stages
         (`_tick_loop`). Not nested in the caller's shard_map over `data` (grad_sync's explicit
-        paths): the sends are conditionals, which `hlo_cost` would take for local SGD's periodic
-        average there."""
+        paths) nor with `context` / `expert` manual: untested there, the batch is gathered."""
         explicit = not SCHEDULES[self.sched.name].autodiff_backward
         split = _CONTEXT in self.manual or _EXPERT in self.manual
         return explicit and _blocks(self.sched) and not self.data_manual and not split
@@ -1540,7 +1540,7 @@ def _backward_inside(pipe: _Pipe) -> microbatch.GradFn:
 
     P, spec, chunk_specs = PartitionSpec, pipe.batch_spec, pipe.chunk_specs
     # 1f1b / zb with m a multiple of p: the embedded microbatches and their gradients stay in
-    # blocks over the stages, each sent to / from stage 0 when it runs it (`_tick_loop`); no
+    # blocks over the stages, carried to / from stage 0 by the conveyors (`_feed_tables`); no
     # stage holds the whole [m, b, T, D] batch and no all-reduce over `pipeline` sums d x0.
     blocks = pipe.x0_blocks
     x_spec = P(AXIS, *spec[1:]) if blocks else spec

@@ -1097,11 +1097,11 @@ def _pipeline_terms(s: _Step, out: _Terms) -> None:
     explicit_sync = strategies.choose(s.config, s.sizes) != "pipelined"
     split = s.sizes["context"] > 1 or s.sizes["expert"] > 1
     if s.one_f_one_b and s.m % s.p == 0 and not explicit_sync and not split:
-        # jaxdist.pipeline._tick_loop: the embedded microbatches stay in blocks over the stages;
-        # each goes to stage 0 and its gradient back in a switch of sends charged every tick (as
-        # jaxdist.hlo_cost counts conditionals); only the integer targets reach every stage.
+        # jaxdist.pipeline._feed_tables: the embedded microbatches stay in blocks over the
+        # stages; two conveyors, one fixed-pair permute each way on every tick, bring each to
+        # stage 0 and its gradient back; only the integer targets reach every stage.
         out.add(
-            "pp: stage-0 inputs from their stage, input grads back, every tick",
+            "pp: stage-0 inputs down, input grads up (conveyors), every tick",
             "collective-permute",
             pa,
             act_chunk,
