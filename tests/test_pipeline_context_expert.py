@@ -27,34 +27,43 @@ def _config(mode: str, schedule: str = "gpipe", **mesh_sizes):
     return c
 
 
+def _assert_params_equal(params, ref_params) -> None:
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    for (path, a), b in zip(flat, jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
 @functools.cache
-def _reference() -> np.ndarray:
-    return train_steps(llama_config(), STEPS)[0]
+def _reference(num_layers: int = 2) -> tuple[np.ndarray, dict]:
+    """One device, 4 steps: (losses, final params), once per module for each layer count."""
+    c = llama_config()
+    c.model.num_layers = num_layers
+    return train_steps(c, STEPS)
 
 
 @pytest.mark.parametrize(
-    "mode, schedule",
+    "mode, schedule, other",
     [
-        ("ring", "gpipe"),
-        ("all_gather", "gpipe"),
-        ("all_gather", "1f1b"),
-        ("all_gather", "zb"),
-        ("ring", "interleaved"),
+        ("ring", "gpipe", "data"),
+        ("all_gather", "gpipe", "data"),
+        ("all_gather", "1f1b", "data"),
+        ("all_gather", "zb", "data"),
+        ("ring", "interleaved", "data"),
+        ("ring", "gpipe", "fsdp"),
+        ("all_gather", "1f1b", "tensor"),
     ],
 )
-def test_pipeline_context_data_matches_one_device(mode, schedule):
-    """pipeline=2 × context=2 × data=2: the same 4 losses as one device within 1e-5."""
-    c = _config(mode, schedule, pipeline=2, context=2, data=2)
+def test_pipeline_context_matches_one_device(mode, schedule, other):
+    """pipeline=2 × context=2 × `other`=2: the same 4 losses and final parameters as one device
+    within 1e-5."""
+    c = _config(mode, schedule, pipeline=2, context=2, **{other: 2})
     if schedule == "interleaved":
         c.model.num_layers, c.pipeline.virtual_stages = 4, 2
-        ref_config = llama_config()
-        ref_config.model.num_layers = 4
-        ref = train_steps(ref_config, STEPS)[0]
-    else:
-        ref = _reference()
-    losses, _ = train_steps(c, STEPS)
+    ref, ref_params = _reference(c.model.num_layers)
+    losses, params = train_steps(c, STEPS)
     np.testing.assert_allclose(losses, ref, rtol=0, atol=1e-5)
     assert losses[-1] < losses[0]
+    _assert_params_equal(params, ref_params)
 
 
 def _groups(mesh, axis: str) -> np.ndarray:
@@ -125,25 +134,36 @@ def _moe_config(factor: float, m: int, **mesh_sizes):
 
 
 @functools.cache
-def _moe_reference(m: int):
-    return _moe_run(_moe_config(0.0, m))
+def _moe_reference(m: int, num_layers: int = 2):
+    c = _moe_config(0.0, m)
+    c.model.num_layers = num_layers
+    return _moe_run(c)
 
 
 @pytest.mark.parametrize(
-    "schedule, factor, m",
-    [("gpipe", 4.0, 2), ("1f1b", 4.0, 2), ("1f1b", 0.0, 2), ("gpipe", 0.0, 1)],
+    "schedule, factor, m, other",
+    [
+        ("gpipe", 4.0, 2, "data"),
+        ("1f1b", 4.0, 2, "data"),
+        ("1f1b", 0.0, 2, "data"),
+        ("gpipe", 0.0, 1, "data"),
+        ("gpipe", 4.0, 2, "fsdp"),
+        ("1f1b", 4.0, 2, "tensor"),
+        ("interleaved", 4.0, 2, "data"),
+    ],
 )
-def test_pipeline_expert_data_matches_one_device(schedule, factor, m):
-    """pipeline=2 × expert=2 × data=2, capacity E/k (every local token fits) or dropless:
-    losses, both router losses and parameters within 1e-5 of one device over 4 steps."""
-    c = _moe_config(factor, m, pipeline=2, expert=2, data=2)
+def test_pipeline_expert_matches_one_device(schedule, factor, m, other):
+    """pipeline=2 × expert=2 × `other`=2, capacity E/k (every local token fits) or dropless:
+    losses, both router losses and parameters within 1e-5 of one device over 4 steps
+    (interleaved: 4 layers, 2 virtual stages)."""
+    c = _moe_config(factor, m, pipeline=2, expert=2, **{other: 2})
     c.pipeline.schedule = schedule
-    (ref, ref_params), (got, params) = _moe_reference(m), _moe_run(c)
+    if schedule == "interleaved":
+        c.model.num_layers, c.pipeline.virtual_stages = 4, 2
+    (ref, ref_params), (got, params) = _moe_reference(m, c.model.num_layers), _moe_run(c)
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)
     assert got[-1, 0] < got[0, 0] and np.all(got[:, 1] > 0.9)  # lb loss: 1 when balanced
-    flat = jax.tree_util.tree_leaves_with_path(params)
-    for (path, a), b in zip(flat, jax.tree.leaves(ref_params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+    _assert_params_equal(params, ref_params)
 
 
 @pytest.mark.parametrize("axis", ["context", "expert"])
