@@ -166,6 +166,37 @@ def test_pipeline_expert_matches_one_device(schedule, factor, m, other):
     _assert_params_equal(params, ref_params)
 
 
+@pytest.mark.parametrize("axis", ["expert", "context"])
+def test_checkpoint_restores_without_the_axis(axis, tmp_path):
+    """A pipeline=2 × `axis`=2 × data=2 state (gpipe; ring attention for context), saved, restores
+    onto pipeline=2 × data=4 and onto one device (`axis`=1) with bit-equal arrays, each on the
+    new layout's shardings."""
+    from jaxdist import checkpoint
+
+    def make(**sizes):
+        if axis == "expert":
+            return _moe_config(4.0, 2, **sizes)
+        return _config("ring", **sizes) if sizes.get("pipeline", 1) > 1 else llama_config()
+
+    eng, _ = engine_for(make(pipeline=2, data=2, **{axis: 2}))
+    state = eng.to_user(eng.init())
+    if axis == "expert":  # the experts' weights are split over `expert` when saved
+        specs = [x.sharding.spec for x in jax.tree.leaves(state["params"])]
+        assert any("expert" in jax.tree.leaves(tuple(s)) for s in specs)
+    with checkpoint.Checkpointer(tmp_path, every=1, keep=1, config_json=None) as ckpt:
+        ckpt.save(1, state, data_position=1, force=True)
+    saved = jax.device_get(state)
+    for sizes in (dict(pipeline=2, data=4), {}):
+        other, _ = engine_for(make(**sizes))
+        with checkpoint.Checkpointer(tmp_path, every=1, keep=1, config_json=None) as ckpt:
+            restored, _ = ckpt.restore(other.abstract_state)
+        got = jax.tree_util.tree_leaves_with_path(restored)
+        want = jax.tree.leaves(other.abstract_state)
+        for (path, a), b, ref in zip(got, want, jax.tree.leaves(saved), strict=True):
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim), jax.tree_util.keystr(path)
+            np.testing.assert_array_equal(a, ref, err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("axis", ["context", "expert"])
 def test_compressor_with_pipeline_and_context_or_expert(axis):
     """bf16 gradient compression (the stages nested in the per-replica shard_map over `data`,
