@@ -8,16 +8,39 @@ statistics (`Stages.aux_zero` / `aux_loss`). Four float32 steps equal one device
 from __future__ import annotations
 
 import functools
+import json
 import re
 
 import jax
 import numpy as np
 import pytest
 
-from tests.helpers import compile_step, engine_for, train_steps
+from jaxdist import config as config_lib
+from tests.helpers import compile_for, compile_step, engine_for, train_steps
 from tests.test_llama import llama_config
 
 STEPS = 4
+_ENGINES: dict[str, tuple] = {}
+
+
+def _engine(c) -> tuple:
+    """(engine, batches, compiled train step) of config `c`, built and compiled once per module:
+    the planner and checkpoint tests read the programs the training tests ran."""
+    key = json.dumps(config_lib.to_json_dict(c), sort_keys=True)
+    if key not in _ENGINES:
+        eng, batches = engine_for(c)
+        _ENGINES[key] = eng, batches, compile_for(eng, batches)
+    return _ENGINES[key]
+
+
+def _run(c, metrics: tuple[str, ...] = ("loss",)) -> tuple[np.ndarray, dict]:
+    """4 steps of `c`: [steps, len(metrics)] of those metrics per step; the final params."""
+    eng, batches, _ = _engine(c)
+    state, rows = eng.init(), []
+    for i in range(STEPS):
+        state, m = eng.train_step(state, batches.get(i))
+        rows.append([float(m[k]) for k in metrics])
+    return np.array(rows), jax.device_get(eng.to_user(state)["params"])
 
 
 def _config(mode: str, schedule: str = "gpipe", **mesh_sizes):
@@ -38,7 +61,8 @@ def _reference(num_layers: int = 2) -> tuple[np.ndarray, dict]:
     """One device, 4 steps: (losses, final params), once per module for each layer count."""
     c = llama_config()
     c.model.num_layers = num_layers
-    return train_steps(c, STEPS)
+    losses, params = _run(c)
+    return losses[:, 0], params
 
 
 @pytest.mark.parametrize(
@@ -60,7 +84,8 @@ def test_pipeline_context_matches_one_device(mode, schedule, other):
     if schedule == "interleaved":
         c.model.num_layers, c.pipeline.virtual_stages = 4, 2
     ref, ref_params = _reference(c.model.num_layers)
-    losses, params = train_steps(c, STEPS)
+    losses, params = _run(c)
+    losses = losses[:, 0]
     np.testing.assert_allclose(losses, ref, rtol=0, atol=1e-5)
     assert losses[-1] < losses[0]
     _assert_params_equal(params, ref_params)
@@ -112,12 +137,7 @@ def test_ring_with_switching_schedule_is_one_line(schedule):
 
 def _moe_run(c) -> tuple[np.ndarray, dict]:
     """[steps, 3]: loss, load-balancing loss, z-loss per step; the final params."""
-    eng, batches = engine_for(c)
-    state, rows = eng.init(), []
-    for i in range(STEPS):
-        state, m = eng.train_step(state, batches.get(i))
-        rows.append([float(m["loss"]), float(m["moe_lb_loss"]), float(m["moe_z_loss"])])
-    return np.array(rows), jax.device_get(eng.to_user(state)["params"])
+    return _run(c, ("loss", "moe_lb_loss", "moe_z_loss"))
 
 
 def _moe_config(factor: float, m: int, **mesh_sizes):
@@ -178,7 +198,7 @@ def test_checkpoint_restores_without_the_axis(axis, tmp_path):
             return _moe_config(4.0, 2, **sizes)
         return _config("ring", **sizes) if sizes.get("pipeline", 1) > 1 else llama_config()
 
-    eng, _ = engine_for(make(pipeline=2, data=2, **{axis: 2}))
+    eng = _engine(make(pipeline=2, data=2, **{axis: 2}))[0]
     state = eng.to_user(eng.init())
     if axis == "expert":  # the experts' weights are split over `expert` when saved
         specs = [x.sharding.spec for x in jax.tree.leaves(state["params"])]
@@ -244,7 +264,7 @@ def test_planner_terms_equal_the_compiled_pipeline_step(schedule, axis, kind):
     else:
         c = _config("all_gather", pipeline=2, context=2, data=2)
     c.pipeline.schedule = schedule
-    eng, compiled = compile_step(c)
+    eng, _, compiled = _engine(c)  # the training tests' program
     text = compiled.as_text()
     groups = {frozenset(map(int, g)) for g in _groups(eng.mesh, axis)}
 
