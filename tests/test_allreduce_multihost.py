@@ -12,6 +12,7 @@ its phases cross hosts (tier dcn) and which stay inside one (tier ici).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -63,23 +64,29 @@ ALL = (*EXACT, "hierarchical")
 LAUNCH_TIMEOUT_S = 1800  # every 2-process run of this file, one after another
 
 
-def _jobs() -> dict[str, tuple[int, tuple[str, ...]]]:
-    """Every run of this file: name -> (processes, train.py flags after SMALL's). Processes 0
-    means one process emulating `mesh.dcn_data` hosts (`tests/multijob.py` `emulate`)."""
-    jobs = {"ref": (1, (*DATA_TENSOR, "--config.checkpoint.every=0", STEPS))}
+def _jobs() -> dict[str, tuple[int, tuple[str, ...], dict]]:
+    """Every run of this file: name -> (processes, train.py flags after SMALL's, what
+    `tests/multijob.py` does besides training: `emulated_hosts` (one process emulating
+    `mesh.dcn_data` hosts) or `first_gradient` (step 0's reduced gradient only))."""
+    grad = {"first_gradient": True}
+    jobs = {"ref": (1, (*DATA_TENSOR, "--config.checkpoint.every=0", STEPS), {})}
     for a in ALL:
-        jobs[a] = (2, (*HYBRID, f"--config.grad_sync.algorithm={a}", STEPS))
+        jobs[a] = (2, (*HYBRID, f"--config.grad_sync.algorithm={a}", STEPS), {})
     for codec in ("bf16", "int8"):
-        jobs[f"dcn_{codec}"] = (2, (*DATA8, *dcn_only(codec), STEPS))
-        jobs[f"dcn_{codec}_emulated"] = (0, (*DATA8, *dcn_only(codec), STEPS))
-    jobs["grad_ref"] = (1, GRAD)
+        jobs[f"dcn_{codec}"] = (2, (*DATA8, *dcn_only(codec), STEPS), {})
+        jobs[f"dcn_{codec}_emulated"] = (
+            1,
+            (*DATA8, *dcn_only(codec), STEPS),
+            {"emulated_hosts": 2},
+        )
+    jobs["grad_ref"] = (1, GRAD, grad)
     for a in ("hierarchical", "ring"):
         dcn = ("--config.mesh.dcn_data=2", f"--config.grad_sync.algorithm={a}")
-        jobs[f"grad_{a}"] = (2, (*GRAD, *dcn))
+        jobs[f"grad_{a}"] = (2, (*GRAD, *dcn), grad)
     for tag, mesh in ELEMENT_MESHES.items():
         for a in ("xla", *ALL):
             flags = (*GRAD, *TINY, *_mesh_flags(mesh), "--config.mesh.dcn_data=2")
-            jobs[f"{tag}_{a}"] = (2, (*flags, f"--config.grad_sync.algorithm={a}"))
+            jobs[f"{tag}_{a}"] = (2, (*flags, f"--config.grad_sync.algorithm={a}"), grad)
     return jobs
 
 
@@ -97,11 +104,12 @@ def runs(tmp_path_factory):
     ones in one process started beside it."""
     root = tmp_path_factory.mktemp("allreduce_mp")
     by_size: dict[int, list[dict]] = {1: [], 2: []}
-    for name, (processes, flags) in _jobs().items():
-        job = {"workdir": str(root / name), "flags": [*SMALL, *flags]}
-        if processes == 0:
-            job["emulated_hosts"] = 2
-        by_size[max(processes, 1)].append(job)
+    for name, (processes, flags, mode) in _jobs().items():
+        by_size[processes].append({"workdir": str(root / name), "flags": [*SMALL, *flags], **mode})
+    # The suite's own XLA flags (tests/conftest.py: LLVM -O0, half the compile time), which
+    # test_multihost's `_env` drops: every program compared here, the one-process references
+    # computed in this process included, is compiled the same way.
+    env = {**_env(None, None), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     procs = []
     for size, jobs in by_size.items():
         (root / f"jobs{size}.json").write_text(json.dumps(jobs))
@@ -109,7 +117,7 @@ def runs(tmp_path_factory):
             subprocess.Popen(
                 _multijob(root / f"jobs{size}.json", size),
                 cwd=ROOT,
-                env=_env(None, None),
+                env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -165,13 +173,8 @@ def test_compress_over_dcn_halves_only_the_cross_host_bytes(runs):
     assert all(abs(got[s] - ref[s]) <= 1e-3 * abs(ref[s]) for s in got), (got, ref)
 
 
-# Step 0's reduced gradient, left in flight by staleness 1 and checkpointed after step 1.
-GRAD = (
-    *DATA_TENSOR,
-    "--config.grad_sync.staleness=1",
-    "--config.checkpoint.every=1",
-    "--config.train.steps=1",
-)
+# Step 0's reduced gradient, left in flight by staleness 1 after step 1 (`first_gradient`).
+GRAD = (*DATA_TENSOR, "--config.grad_sync.staleness=1", "--config.train.steps=1")
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +195,7 @@ def test_two_processes_gradients_equal_one_process_xla_per_tensor(grad_runs, alg
     (tests/test_allreduce.py `test_tensor_reductions_are_the_same_sums`). Measured here: up to
     3.4e-4 relative on one element, but 1.6e-7 of the tensor's largest element.
     """
-    ref = checkpoint.read_arrays(grad_runs["ref"] / "checkpoints", 1, prefix="in_flight")
-    got = checkpoint.read_arrays(grad_runs[algorithm] / "checkpoints", 1, prefix="in_flight")
+    ref, got = _in_flight(grad_runs["ref"]), _in_flight(grad_runs[algorithm])
     assert sorted(got) == sorted(ref) and ref
     for k, r in ref.items():
         assert np.abs(got[k] - r).max() <= 1e-6 * np.abs(r).max(), (algorithm, k)
@@ -256,7 +258,9 @@ def _flat(tree):
 
 
 def _in_flight(workdir) -> dict[str, np.ndarray]:
-    return checkpoint.read_arrays(workdir / "checkpoints", 1, prefix="in_flight")
+    """Step 0's reduced gradient by checkpoint path (`tests/multijob.py` `first_gradient`)."""
+    with np.load(workdir / "in_flight.npz", allow_pickle=False) as f:
+        return {k: f[k] for k in f.files}
 
 
 @pytest.mark.parametrize("tag", list(ELEMENT_MESHES))
@@ -305,8 +309,11 @@ def test_compress_over_dcn_on_two_processes_equals_its_emulation(runs, codec):
     run against the one-process emulation of `mesh.dcn_data=2` that scripts/aggregation_study.py
     measures (`tests/multijob.py` `emulate`). The compiled collectives are the same: every phase's
     kind, mesh axes, tier, steps and bytes, and the busiest device's total. The 4 losses are
-    within 1e-6 relative, and with bf16 bit for bit (measured: bf16 equal on every step; int8
-    equal on steps 1-3, 9.6e-8 relative apart on step 4)."""
+    within 1e-6 relative, not bit for bit: step 1's loss (no update yet) already differs by
+    8.6e-8 relative with this suite's XLA flags (LLVM -O0), though bf16's were bit-equal on all
+    4 steps and int8's on 3 of 4 with XLA's default flags (measured); a process holding 4 devices
+    computes the same forward pass differently from one holding 8, for a reason not established
+    (docs/AGGREGATION.md)."""
     real = records(runs[f"dcn_{codec}"])[0]
     emulated = json.loads((runs[f"dcn_{codec}_emulated"] / "emulated.json").read_text())
     fields = ("kind", "axes", "tier", "steps", "bytes", "busiest_bytes")
@@ -318,5 +325,3 @@ def test_compress_over_dcn_on_two_processes_equals_its_emulation(runs, codec):
     got, want = losses(runs[f"dcn_{codec}"]), {int(k): v for k, v in emulated["losses"].items()}
     assert_training_moves(want)
     assert_losses_match(got, want, [1, 2, 3, 4])
-    if codec == "bf16":
-        assert got == want
