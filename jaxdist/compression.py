@@ -933,6 +933,7 @@ def onebit_adam(
     topk_ratio: float | None = None,
     local_momentum: bool = False,
     two_phase: bool = True,
+    masking: bool = True,
 ) -> optax.GradientTransformation:
     """1-bit Adam's communication (Tang et al., 2021; DeepSpeed `OnebitAdam`): the sync half.
 
@@ -952,7 +953,8 @@ def onebit_adam(
     `local_momentum` (top-k; `grad_sync.compression=topk momentum_correction=True
     freeze_variance=True`: DGC under AdamW): after the freeze each replica keeps its own momentum
     u_i <- b1 u_i + (1 - b1) g_i (from Adam's m at the freeze), sends the top-k of u_i + worker
-    residual and zeroes u_i where it sent (DGC's momentum correction and factor masking).
+    residual and zeroes u_i where it sent (DGC's momentum correction and factor masking; with
+    `masking=False` u_i is kept whole, so the sent sum stays the sum of the gradients).
     """
     if freeze_step < 0:
         raise ValueError(f"onebit_adam: freeze_step={freeze_step} must be >= 0")
@@ -987,8 +989,8 @@ def onebit_adam(
 
             def comp(g, m, ew, es, like):
                 u = b1 * m + (1 - b1) * g  # m: the last synchronized momentum, or (DGC) u_i
-                mean, w, s, u = reduce(u + ew, es, like, u)
-                m = u if local_momentum else mean.astype(jnp.float32)
+                mean, w, s, masked = reduce(u + ew, es, like, u)
+                m = (masked if masking else u) if local_momentum else mean.astype(jnp.float32)
                 return mean, _varying_like(m, ew), w, s
 
             def one(g, m, ew, es, like):
@@ -1093,6 +1095,7 @@ _DEFAULTS = {
     "error_feedback": True,
     "warmup_steps": 0,
     "momentum_correction": False,
+    "momentum_masking": True,
     "min_compression": 1.0,
     "warm_start": True,
     "orthogonalization_epsilon": 0.0,
@@ -1136,6 +1139,7 @@ def _from_fields(name: str, axis_name: AxisName, cfg: Any, t: TrainFields):
         return onebit_adam(
             axis_name, warmup, b1=t.b1, batch_dims=t.batch_dims,
             topk_ratio=float(_field(cfg, "topk_ratio")), local_momentum=True, two_phase=two_phase,
+            masking=bool(_field(cfg, "momentum_masking")),
         )  # fmt: skip
     if name == "topk":
         return topk(
@@ -1211,6 +1215,12 @@ def check(grad_sync_cfg: Any) -> None:
                 "grad_sync.momentum_correction with freeze_variance (AdamW) applies to "
                 f"compression='topk' (DGC), not {name!r}; ef_sign's AdamW form is onebit_adam"
             )
+    dgc_adam = all(_field(grad_sync_cfg, f) for f in ("momentum_correction", "freeze_variance"))
+    if not _field(grad_sync_cfg, "momentum_masking") and not (name == "topk" and dgc_adam):
+        raise ConfigError(
+            "grad_sync.momentum_masking=False applies to compression='topk' with "
+            "momentum_correction=True and freeze_variance=True (DGC under AdamW)"
+        )
     if name == "none":
         return
     warmup, rank = _field(grad_sync_cfg, "warmup_steps"), _field(grad_sync_cfg, "rank")

@@ -316,8 +316,8 @@ COMPRESSION_SETTINGS = [
         "none",
     ),
     ("local_sgd(H=4)", {"local_steps": 4}, {}, "none"),
-    # post-local SGD: every step synchronous for the first 40 (20%), then H = 4
-    ("post_local_sgd(H=4)", {"local_steps": 4, "warmup_steps": 40}, {}, "none"),
+    # post-local SGD: every step synchronous for the first 80 (40% of 200), then H = 4
+    ("post_local_sgd(H=4)", {"local_steps": 4, "warmup_steps": 80}, {}, "none"),
     ("none+sgd", {}, _SGD, "none"),
     (
         "topk(DGC)+sgd",

@@ -85,8 +85,9 @@ def _np_topk_allreduce(acc, worker, server, ratio):
 
 
 def _np_onebit_adam(
-    grads_per_step, freeze, b1, b2, eps, chunk, bits=1, topk_ratio=None, local_momentum=False
-):
+    grads_per_step, freeze, b1, b2, eps, chunk, bits=1, topk_ratio=None, local_momentum=False,
+    masking=True,
+):  # fmt: skip
     """1-bit Adam's direction per step for one tensor: Adam for `freeze` steps, then frozen v
     (momenta exchanged with `bits`-bit codes, or top-k at `topk_ratio`; `local_momentum`: DGC,
     each worker's own momentum, zeroed where it sent)."""
@@ -109,7 +110,7 @@ def _np_onebit_adam(
             else:
                 acc = local + worker
                 m, worker, server = _np_topk_allreduce(local, worker, server, topk_ratio)
-                u = np.where(worker == acc, local, 0)  # momentum factor masking: 0 where sent
+                u = np.where(worker == acc, local, 0) if masking else local  # 0 where sent
         m_hat = m / (1 - b1**t)
         v_hat = v / (1 - b2 ** min(t, freeze))
         out.append(m_hat / (np.sqrt(v_hat) + eps))
@@ -135,6 +136,7 @@ CODES = {
     "twobit_adam": {"bits": 2},
     "topk_adam": {"topk_ratio": 0.2},
     "dgc_adam": {"topk_ratio": 0.2, "local_momentum": True},  # topk momentum_correction + AdamW
+    "dgc_adam_unmasked": {"topk_ratio": 0.2, "local_momentum": True, "masking": False},
 }
 
 
@@ -242,6 +244,10 @@ def test_onebit_adam_config_rules():
             "grad_sync.orthogonalization_epsilon",
         ),
         (
+            {"grad_sync__compression": "topk", "grad_sync__momentum_masking": False},
+            "grad_sync.momentum_masking=False applies to",
+        ),
+        (
             {
                 "grad_sync__compression": "ef_sign",
                 "grad_sync__momentum_correction": True,
@@ -263,6 +269,14 @@ def test_onebit_adam_config_rules():
     tx = C.from_config(c.grad_sync, "data")
     state = jax.eval_shape(lambda p: C.init_global(tx, p, MESH, "data"), PARAMS)
     assert isinstance(state, C.OneBitAdamState)
+    # ... and its optimizer half takes the synchronized momentum as m after the freeze (step 2)
+    c.grad_sync.warmup_steps = 1
+    pre = C.preconditioner(c.grad_sync)
+    opt_state = pre.init(PARAMS)
+    sent = [{k: jnp.full(v.shape, x, jnp.float32) for k, v in PARAMS.items()} for x in (1.0, 3.0)]
+    for u in sent:
+        _, opt_state = pre.update(u, opt_state)
+    np.testing.assert_array_equal(opt_state.mu["w"], sent[1]["w"])
 
 
 # --------------------------------------------------------------------------------------------------
