@@ -882,7 +882,7 @@ sign = ef_sign  # the old name of `ef_sign`
 
 class OneBitAdamState(NamedTuple):
     count: jax.Array  # [1] int32 steps taken (freeze at `freeze_step`)
-    momentum: Any  # params-shaped, f32 [1, ...]: Adam's m, the same on every replica
+    momentum: Any  # params-shaped, f32 [1, ...]: Adam's m, the same on every replica (DGC: u_i)
     worker: Any  # params-shaped, f32 [1, ...]: this replica's compression error
     server: Any  # per leaf f32 [1, *layers, s]: error re-compressing the shard this replica reduces
 

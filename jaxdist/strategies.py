@@ -462,7 +462,7 @@ def check(config, mesh_shape: Mapping[str, int]) -> None:
     if g.momentum_correction and not (sgd_momentum or g.freeze_variance):
         raise ConfigError(
             "grad_sync.momentum_correction moves the SGD momentum into the compressor: it needs "
-            f"train.optimizer='sgd' with train.momentum > 0 (or AdamW's, with "
+            "train.optimizer='sgd' with train.momentum > 0 (or AdamW's, with "
             f"grad_sync.freeze_variance=True), not {t.optimizer!r} with momentum {t.momentum}"
         )
     streaming.check(g, mesh_shape)

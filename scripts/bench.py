@@ -332,12 +332,12 @@ COMPRESSION_SETTINGS = [
     ),
     ("ef_sign+sgd", {"compression": "ef_sign", "momentum_correction": True}, _SGD, "none"),
     # DGC under AdamW: each replica's own Adam momentum, top-k with factor masking, frozen variance
+    # (DGC's all-gather exchange, as topk(DGC)+sgd: the same bytes)
     (
         "topk(DGC)",
         {
             "compression": "topk",
-            "topk_ratio": 0.04,
-            "topk_exchange": "two_phase",
+            "topk_ratio": 0.01,
             "momentum_correction": True,
             "freeze_variance": True,
             "warmup_steps": 60,

@@ -154,7 +154,7 @@ def test_onebit_adam_matches_host_reimplementation(code):
     assert results[-1][2].worker["w"].any() and results[-1][2].server["w"].any()
 
 
-@pytest.mark.parametrize("code", list(CODES))
+@pytest.mark.parametrize("code", [c for c in CODES if c != "dgc_adam_unmasked"])  # same warm-up
 def test_onebit_adam_warmup_is_adamw_exactly(code):
     """The first `freeze` steps are optax's Adam on the exact mean gradient."""
     freeze = 4
