@@ -190,6 +190,7 @@ def local_sgd(
     local_steps: int,
     outer_tx: optax.GradientTransformation | None = None,
     per_replica: str = "shard_map",
+    sync_steps: int = 0,
 ) -> LocalSGD:
     """Local SGD: H = `local_steps` inner steps per replica without gradient sync, then a sync.
 
@@ -199,7 +200,9 @@ def local_sgd(
     `diloco_outer()`) the outer gradient `anchor - mean(local params)` goes through `outer_tx`,
     the anchor moves by its update, and every replica restarts from the new anchor (DiLoCo).
     `outer_tx=None` is plain averaging (the same as `optax.sgd(1.0)`). H = 1 with plain averaging
-    and inner SGD is synchronous data-parallel SGD.
+    and inner SGD is synchronous data-parallel SGD. The first `sync_steps` steps sync after every
+    step (post-local SGD, Lin et al., 2020: the replicas drift most while the early gradients are
+    large; `grad_sync.warmup_steps`).
 
     `per_replica` says how the replicas' steps run: "shard_map" (manual over `data_axes`, the
     other mesh axes automatic; what pipelined gradients need) or "vmap" (`jax.vmap` over the
@@ -216,8 +219,11 @@ def local_sgd(
     if local_steps < 1:
         raise ValueError(f"local_sgd: local_steps={local_steps} must be >= 1")
     outer = optax.sgd(1.0) if outer_tx is None else outer_tx
+    if sync_steps < 0:
+        raise ValueError(f"local_sgd: sync_steps={sync_steps} must be >= 0")
     run = _local_sgd_vmap if per_replica == "vmap" else _local_sgd_shard_map
-    return run(grad_fn, inner_tx, outer, mesh, _axes(data_axes), local_steps)
+    due = lambda step: ((step + 1) % local_steps == 0) | (step < sync_steps)  # noqa: E731
+    return run(grad_fn, inner_tx, outer, mesh, _axes(data_axes), due)
 
 
 def _outer_step(outer: optax.GradientTransformation) -> Callable:
@@ -235,7 +241,7 @@ def _keep(anchor, outer_state, local):
     return anchor, outer_state, local
 
 
-def _local_sgd_shard_map(grad_fn, inner_tx, outer, mesh, axes, local_steps) -> LocalSGD:
+def _local_sgd_shard_map(grad_fn, inner_tx, outer, mesh, axes, due) -> LocalSGD:
     """Local SGD with each replica's step in a shard_map manual over `axes`."""
     lead = P(_data_spec(axes))
     outer_step = _outer_step(outer)
@@ -261,7 +267,7 @@ def _local_sgd_shard_map(grad_fn, inner_tx, outer, mesh, axes, local_steps) -> L
             return anchor, outer_state, jax.tree.map(_varying_like, anchor, local)
 
         anchor, outer_state, local = jax.lax.cond(
-            (step + 1) % local_steps == 0, sync, _keep, anchor, outer_state, local
+            due(step), sync, _keep, anchor, outer_state, local
         )
         metrics = {"loss": loss, "grad_norm": grad_norm}
         metrics = jax.lax.pmean(metrics, axes)
@@ -306,7 +312,7 @@ def vmap_inner_steps(grad_fn: GradFn, inner_tx, mesh: Mesh, axes) -> Callable:
     return _replica_vmap(inner_step, (0, 0), mesh, axes)
 
 
-def _local_sgd_vmap(grad_fn, inner_tx, outer, mesh, axes, local_steps) -> LocalSGD:
+def _local_sgd_vmap(grad_fn, inner_tx, outer, mesh, axes, due) -> LocalSGD:
     """Local SGD with the replicas vmapped over a leading axis (`spmd_axis_name=axes`)."""
     outer_step = _outer_step(outer)
     replica_steps = vmap_inner_steps(grad_fn, inner_tx, mesh, axes)
@@ -320,7 +326,7 @@ def _local_sgd_vmap(grad_fn, inner_tx, outer, mesh, axes, local_steps) -> LocalS
     def step(state, batch):
         local, inner, losses, norms = replica_steps(state.local_params, state.inner_state, batch)
         anchor, outer_state, local = jax.lax.cond(
-            (state.step + 1) % local_steps == 0, sync, _keep, state.params, state.outer_state, local
+            due(state.step), sync, _keep, state.params, state.outer_state, local
         )
         metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(norms)}
         return LocalSGDState(state.step + 1, anchor, outer_state, local, inner), metrics

@@ -882,31 +882,43 @@ sign = ef_sign  # the old name of `ef_sign`
 
 class OneBitAdamState(NamedTuple):
     count: jax.Array  # [1] int32 steps taken (freeze at `freeze_step`)
-    momentum: Any  # params-shaped, f32 [1, ...]: Adam's m, the same on every replica
+    momentum: Any  # params-shaped, f32 [1, ...]: Adam's m, the same on every replica (DGC: u_i)
     worker: Any  # params-shaped, f32 [1, ...]: this replica's compression error
     server: Any  # per leaf f32 [1, *layers, s]: error re-compressing the shard this replica reduces
 
 
-def _momentum_exchange(axis_name: AxisName, chunk: int, bits: int, topk_ratio: float | None):
+def _momentum_exchange(
+    axis_name: AxisName, chunk: int, bits: int, topk_ratio: float | None, two_phase: bool = True
+):
     """How `onebit_adam` reduces the momenta after the freeze: (shard_of, reduce).
 
-    `shard_of(size)` is the length of a layer's server residual; `reduce(acc, es, like)` returns
-    (mean, new worker residual, new server residual): DeepSpeed's `compressed_allreduce` with
-    `bits`-bit codes, or with `topk_ratio` `topk`'s two-phase exchange (sparse reduce-scatter of
-    ceil(k / R) pairs per row, server re-sparsification, all-gather), both with error feedback.
+    `shard_of(size)` is the length of a layer's server residual; `reduce(acc, es, like, u)`
+    returns (mean, new worker residual, new server residual, u zeroed where this replica sent):
+    DeepSpeed's `compressed_allreduce` with `bits`-bit codes (everything is sent: u as it was),
+    or with `topk_ratio` `topk`'s exchange (`two_phase`: sparse reduce-scatter of ceil(k / R)
+    pairs per row, server re-sparsification, all-gather; else an all-gather of each replica's k
+    pairs), both with error feedback.
     """
+    if bits not in QUANTIZERS:
+        raise ValueError(f"onebit_adam: bits={bits} must be one of {sorted(QUANTIZERS)}")
+    if chunk <= 0 or chunk % 8:
+        raise ValueError(f"onebit_adam: chunk={chunk} must be a positive multiple of 8")
     if topk_ratio is None:
-        reduce = functools.partial(
+        sign = functools.partial(
             _sign_allreduce, axis_name=axis_name, chunk=chunk, rms=True, bits=bits
         )
-        return lambda n: shard_layout(n, num_replicas(axis_name), chunk, 8)[0], reduce
+        return lambda n: shard_layout(n, num_replicas(axis_name), chunk, 8)[0], (
+            lambda acc, es, like, u: (*sign(acc, es, like), u)
+        )
 
-    def reduce_topk(acc, es, like):
+    def reduce_topk(acc, es, like, u):
         del like
         flat, r = acc.reshape(-1), num_replicas(axis_name)
         k = _topk_k(topk_ratio, flat.size)
-        mean, left, _, es = _topk_send(flat, flat, es, k, r, axis_name=axis_name, two_phase=True)
-        return mean.reshape(acc.shape), left.reshape(acc.shape), es
+        mean, left, u2, es = _topk_send(
+            flat, u.reshape(-1), es, k, r, axis_name=axis_name, two_phase=two_phase
+        )
+        return mean.reshape(acc.shape), left.reshape(acc.shape), es, u2.reshape(acc.shape)
 
     return lambda n: -(-n // num_replicas(axis_name)), reduce_topk
 
@@ -919,6 +931,9 @@ def onebit_adam(
     batch_dims: Any = None,
     bits: int = 1,
     topk_ratio: float | None = None,
+    local_momentum: bool = False,
+    two_phase: bool = True,
+    masking: bool = True,
 ) -> optax.GradientTransformation:
     """1-bit Adam's communication (Tang et al., 2021; DeepSpeed `OnebitAdam`): the sync half.
 
@@ -933,15 +948,19 @@ def onebit_adam(
     `bits=2` (`grad_sync.compression=twobit_adam`): the same scheme with the 2-bit Lloyd-Max
     code of `_twobit_compress` instead of signs, ~(1/4 + 4/chunk) bytes (~16x fewer).
     `topk_ratio` (`grad_sync.compression=topk_adam`): the momenta go through `topk`'s two-phase
-    exchange at that density instead (8 bytes per pair, ~1 / (2 ratio) x fewer at any R).
+    exchange at that density instead (8 bytes per pair, ~1 / (2 ratio) x fewer at any R;
+    `two_phase=False`: the all-gather of each replica's k pairs).
+    `local_momentum` (top-k; `grad_sync.compression=topk momentum_correction=True
+    freeze_variance=True`: DGC under AdamW): after the freeze each replica keeps its own momentum
+    u_i <- b1 u_i + (1 - b1) g_i (from Adam's m at the freeze), sends the top-k of u_i + worker
+    residual and zeroes u_i where it sent (DGC's momentum correction and factor masking; with
+    `masking=False` u_i is kept whole, so the sent sum stays the sum of the gradients).
     """
-    if bits not in QUANTIZERS:
-        raise ValueError(f"onebit_adam: bits={bits} must be one of {sorted(QUANTIZERS)}")
     if freeze_step < 0:
         raise ValueError(f"onebit_adam: freeze_step={freeze_step} must be >= 0")
-    if chunk <= 0 or chunk % 8:
-        raise ValueError(f"onebit_adam: chunk={chunk} must be a positive multiple of 8")
-    shard_of, reduce = _momentum_exchange(axis_name, chunk, bits, topk_ratio)
+    if local_momentum and topk_ratio is None:
+        raise ValueError("onebit_adam: local_momentum (DGC) needs topk_ratio")
+    shard_of, reduce = _momentum_exchange(axis_name, chunk, bits, topk_ratio, two_phase)
 
     def init(params):
         momentum = jax.tree.map(lambda p: jnp.zeros((1, *p.shape), jnp.float32), params)
@@ -969,9 +988,10 @@ def onebit_adam(
                 return mean, _varying_like(m, ew), ew, es
 
             def comp(g, m, ew, es, like):
-                acc = b1 * m + (1 - b1) * g + ew
-                mean, w, s = reduce(acc, es, like)
-                return mean, _varying_like(mean.astype(jnp.float32), ew), w, s
+                u = b1 * m + (1 - b1) * g  # m: the last synchronized momentum, or (DGC) u_i
+                mean, w, s, masked = reduce(u + ew, es, like, u)
+                m = (masked if masking else u) if local_momentum else mean.astype(jnp.float32)
+                return mean, _varying_like(m, ew), w, s
 
             def one(g, m, ew, es, like):
                 if freeze_step == 0:  # no warm-up: compiled without it (bytes of the steady state)
@@ -1075,6 +1095,7 @@ _DEFAULTS = {
     "error_feedback": True,
     "warmup_steps": 0,
     "momentum_correction": False,
+    "momentum_masking": True,
     "min_compression": 1.0,
     "warm_start": True,
     "orthogonalization_epsilon": 0.0,
@@ -1112,6 +1133,13 @@ def _from_fields(name: str, axis_name: AxisName, cfg: Any, t: TrainFields):
         return int8(
             axis_name, stochastic_rounding=bool(_field(cfg, "stochastic_rounding")),
             error_feedback=ef, batch_dims=t.batch_dims,
+        )  # fmt: skip
+    if name == "topk" and mc and _field(cfg, "freeze_variance"):  # DGC under AdamW
+        two_phase = _field(cfg, "topk_exchange") == "two_phase"
+        return onebit_adam(
+            axis_name, warmup, b1=t.b1, batch_dims=t.batch_dims,
+            topk_ratio=float(_field(cfg, "topk_ratio")), local_momentum=True, two_phase=two_phase,
+            masking=bool(_field(cfg, "momentum_masking")),
         )  # fmt: skip
     if name == "topk":
         return topk(
@@ -1182,6 +1210,17 @@ def check(grad_sync_cfg: Any) -> None:
             )
         if not _field(grad_sync_cfg, "error_feedback"):
             raise ConfigError("grad_sync.momentum_correction needs grad_sync.error_feedback=True")
+        if _field(grad_sync_cfg, "freeze_variance") and name != "topk":
+            raise ConfigError(
+                "grad_sync.momentum_correction with freeze_variance (AdamW) applies to "
+                f"compression='topk' (DGC), not {name!r}; ef_sign's AdamW form is onebit_adam"
+            )
+    dgc_adam = all(_field(grad_sync_cfg, f) for f in ("momentum_correction", "freeze_variance"))
+    if not _field(grad_sync_cfg, "momentum_masking") and not (name == "topk" and dgc_adam):
+        raise ConfigError(
+            "grad_sync.momentum_masking=False applies to compression='topk' with "
+            "momentum_correction=True and freeze_variance=True (DGC under AdamW)"
+        )
     if name == "none":
         return
     warmup, rank = _field(grad_sync_cfg, "warmup_steps"), _field(grad_sync_cfg, "rank")
@@ -1255,7 +1294,9 @@ def preconditioner(
     name = _field(grad_sync_cfg, "compression")
     if name in FREEZES_VARIANCE and _field(grad_sync_cfg, "freeze_variance"):
         warmup = int(_field(grad_sync_cfg, "warmup_steps"))
-        return frozen_variance_adam(warmup, b1=betas[0], b2=betas[1], takes="gradient")
+        # topk with momentum_correction (DGC) sends Adam's momentum, as onebit_adam does
+        takes = "momentum" if _field(grad_sync_cfg, "momentum_correction") else "gradient"
+        return frozen_variance_adam(warmup, b1=betas[0], b2=betas[1], takes=takes)
     if name not in PRECONDITIONERS:
         return None
     return PRECONDITIONERS[name](grad_sync_cfg, TrainFields(b1=betas[0], b2=betas[1]))

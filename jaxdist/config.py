@@ -140,8 +140,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_sync.outer_quantization = "none"  # streaming: none | int8 | int4 outer gradients
     c.grad_sync.outer_mix = 0.5  # streaming, overlap > 0: replica's share in the arriving fragment
     c.grad_sync.warmup_steps = 0  # topk: density warm-up; powersgd/ef_sign: dense first steps;
-    # onebit_adam / twobit_adam: Adam steps before the variance freezes
+    # onebit_adam / twobit_adam: Adam steps before the variance freezes; local SGD: synced steps
     c.grad_sync.momentum_correction = False  # topk (DGC) / ef_sign: the SGD momentum inside
+    c.grad_sync.momentum_masking = True  # DGC under AdamW: zero a replica's momentum where sent
     c.grad_sync.min_compression = 1.0  # powersgd: compress only where n m > this * rank (n + m)
     c.grad_sync.warm_start = True  # powersgd: reuse last step's Q (False: a fresh Gaussian Q)
     c.grad_sync.orthogonalization_epsilon = 0.0  # powersgd: 0 = QR; > 0 = Gram-Schmidt + eps

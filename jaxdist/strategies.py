@@ -355,7 +355,14 @@ def local_sgd(setup: Setup) -> Strategy:
         )  # fmt: skip
     else:
         local = collectives.local_sgd(
-            replica_grads, setup.tx, mesh, DATA_AXES, g.local_steps, outer_tx, _per_replica(mesh)
+            replica_grads,
+            setup.tx,
+            mesh,
+            DATA_AXES,
+            g.local_steps,
+            outer_tx,
+            _per_replica(mesh),
+            sync_steps=g.warmup_steps,
         )
 
     def init(params):
@@ -451,11 +458,12 @@ def check(config, mesh_shape: Mapping[str, int]) -> None:
             g.compression,
             compression.DEPRECATED[g.compression],
         )
-    if g.momentum_correction and not (t.optimizer == "sgd" and t.momentum > 0):
+    sgd_momentum = t.optimizer == "sgd" and t.momentum > 0
+    if g.momentum_correction and not (sgd_momentum or g.freeze_variance):
         raise ConfigError(
             "grad_sync.momentum_correction moves the SGD momentum into the compressor: it needs "
-            f"train.optimizer='sgd' with train.momentum > 0, not {t.optimizer!r} with momentum "
-            f"{t.momentum}"
+            "train.optimizer='sgd' with train.momentum > 0 (or AdamW's, with "
+            f"grad_sync.freeze_variance=True), not {t.optimizer!r} with momentum {t.momentum}"
         )
     streaming.check(g, mesh_shape)
     if g.local_steps > 1:
@@ -467,6 +475,14 @@ def check(config, mesh_shape: Mapping[str, int]) -> None:
             )
         if g.outer_learning_rate <= 0:
             raise ConfigError("grad_sync.outer_learning_rate must be > 0")
+        if not isinstance(g.warmup_steps, int) or g.warmup_steps < 0:
+            raise ConfigError(f"grad_sync.warmup_steps={g.warmup_steps} must be an integer >= 0")
+        if g.warmup_steps and streaming.active(g):
+            raise ConfigError(
+                "grad_sync.warmup_steps (local SGD's synchronous first steps) is not supported "
+                "with streaming DiLoCo (grad_sync.fragments > 1 or outer_overlap/quantization); "
+                "set grad_sync.warmup_steps=0"
+            )
         if not 0 <= g.outer_momentum < 1:
             raise ConfigError("grad_sync.outer_momentum must be in [0, 1)")
     elif g.compression != "none":

@@ -316,6 +316,8 @@ COMPRESSION_SETTINGS = [
         "none",
     ),
     ("local_sgd(H=4)", {"local_steps": 4}, {}, "none"),
+    # post-local SGD: every step synchronous for the first 80 (40% of 200), then H = 4
+    ("post_local_sgd(H=4)", {"local_steps": 4, "warmup_steps": 80}, {}, "none"),
     ("none+sgd", {}, _SGD, "none"),
     (
         "topk(DGC)+sgd",
@@ -329,6 +331,22 @@ COMPRESSION_SETTINGS = [
         "none",
     ),
     ("ef_sign+sgd", {"compression": "ef_sign", "momentum_correction": True}, _SGD, "none"),
+    # DGC under AdamW: each replica's own Adam momentum, top-k with factor masking, frozen variance
+    # (DGC's all-gather exchange, as topk(DGC)+sgd: the same bytes)
+    (
+        "topk(DGC)",
+        {
+            "compression": "topk",
+            "topk_ratio": 0.01,
+            "momentum_correction": True,
+            "freeze_variance": True,
+            "warmup_steps": 60,
+        },
+        {},
+        "none",
+    ),
+    # ef_sign's compressor on the gradient, then AdamW (error feedback; 40 dense steps first)
+    ("ef_sign", {"compression": "ef_sign", "warmup_steps": 40}, {}, "none"),
 ]
 _METHODS = flags.DEFINE_list(
     "methods", [], "--study=compression: run only these rows (labels as printed); default all."

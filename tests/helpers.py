@@ -76,11 +76,15 @@ def train_steps(c, steps: int):
 def compile_step(c):
     """(engine, compiled train step) for inspecting the compiled module; never executed."""
     eng, batches = engine_for(c)
+    return eng, compile_for(eng, batches)
+
+
+def compile_for(eng, batches):
+    """`eng`'s train step compiled for `batches`' global shapes; a later `eng.train_step` call
+    on such a batch runs this executable (jit's cache) instead of compiling again."""
     shapes = batches.global_shapes()
     dtypes = {"inputs": np.int32, "targets": np.int32}
-    return eng, eng.train_step.lower(
-        eng.abstract_state, eng.abstract_batch(shapes, dtypes)
-    ).compile()
+    return eng.train_step.lower(eng.abstract_state, eng.abstract_batch(shapes, dtypes)).compile()
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

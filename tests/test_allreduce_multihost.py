@@ -1,12 +1,20 @@
 """grad_sync.algorithm across 2 processes × 4 devices: every exact algorithm equals XLA.
 
-The 2-process runs are `scripts/launch.py` + the real `train.py` (tests/test_multihost.py's
-harness); the hybrid mesh puts data=4 over 2 hosts (mesh.dcn_data=2), so `hierarchical` reduces
-within each host, sends only its half-shard across, and the layout record shows which of its
-phases cross hosts (tier dcn) and which stay inside one (tier ici).
+The 2-process runs are `scripts/launch.py` + the real training loop (tests/test_multihost.py's
+harness): every run of this file is one job of `tests/multijob.py`, which runs them one after
+another as `scripts/train.py` would, in one launch of 2 processes (and the one-process references
+in one process beside it), so the file pays one start and one `jax.distributed` set-up instead of
+one per run. The hybrid mesh puts data=4 over 2 hosts (mesh.dcn_data=2), so `hierarchical`
+reduces within each host, sends only its half-shard across, and the layout record shows which of
+its phases cross hosts (tier dcn) and which stay inside one (tier ici).
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,13 +30,14 @@ from tests.test_allreduce import (
 )
 from tests.test_multihost import (
     DATA_TENSOR,
+    LAUNCH,
+    ROOT,
+    SMALL,
     _env,
     assert_losses_match,
     assert_training_moves,
-    in_parallel,
     losses,
     records,
-    train_cmd,
 )
 
 HYBRID = (*DATA_TENSOR, "--config.mesh.dcn_data=2", "--config.checkpoint.every=0")
@@ -40,34 +49,90 @@ DATA8 = (  # per-hop compression takes no tensor/fsdp sharding
     "--config.mesh.dcn_data=2",
     "--config.checkpoint.every=0",
 )
-DCN_BF16 = (
-    "--config.grad_sync.algorithm=hierarchical",
-    "--config.grad_sync.compression=bf16",
-    "--config.grad_sync.compress_over=dcn",
-)
 
 
+def dcn_only(codec: str) -> tuple[str, ...]:
+    return (
+        "--config.grad_sync.algorithm=hierarchical",
+        f"--config.grad_sync.compression={codec}",
+        "--config.grad_sync.compress_over=dcn",
+    )
+
+
+DCN_BF16 = dcn_only("bf16")
 ALL = (*EXACT, "hierarchical")
+LAUNCH_TIMEOUT_S = 1800  # every 2-process run of this file, one after another
 
 
-def in_chunks(jobs: list, size: int = 4) -> None:
-    """`in_parallel`, `size` jobs (2 processes each) at a time: 2 cores."""
-    for i in range(0, len(jobs), size):
-        in_parallel(*jobs[i : i + size])
+def _jobs() -> dict[str, tuple[int, tuple[str, ...], dict]]:
+    """Every run of this file: name -> (processes, train.py flags after SMALL's, what
+    `tests/multijob.py` does besides training: `emulated_hosts` (one process emulating
+    `mesh.dcn_data` hosts) or `first_gradient` (step 0's reduced gradient only))."""
+    grad = {"first_gradient": True}
+    jobs = {"ref": (1, (*DATA_TENSOR, "--config.checkpoint.every=0", STEPS), {})}
+    for a in ALL:
+        jobs[a] = (2, (*HYBRID, f"--config.grad_sync.algorithm={a}", STEPS), {})
+    for codec in ("bf16", "int8"):
+        jobs[f"dcn_{codec}"] = (2, (*DATA8, *dcn_only(codec), STEPS), {})
+        jobs[f"dcn_{codec}_emulated"] = (
+            1,
+            (*DATA8, *dcn_only(codec), STEPS),
+            {"emulated_hosts": 2},
+        )
+    jobs["grad_ref"] = (1, GRAD, grad)
+    for a in ("hierarchical", "ring"):
+        dcn = ("--config.mesh.dcn_data=2", f"--config.grad_sync.algorithm={a}")
+        jobs[f"grad_{a}"] = (2, (*GRAD, *dcn), grad)
+    for tag, mesh in ELEMENT_MESHES.items():
+        for a in ("xla", *ALL):
+            flags = (*GRAD, *TINY, *_mesh_flags(mesh), "--config.mesh.dcn_data=2")
+            jobs[f"{tag}_{a}"] = (2, (*flags, f"--config.grad_sync.algorithm={a}"), grad)
+    return jobs
+
+
+def _multijob(jobs_file, processes: int) -> list[str]:
+    job = ["python", "tests/multijob.py", str(jobs_file)]
+    if processes == 1:
+        return [sys.executable, *job[1:]]
+    launch = [sys.executable, str(LAUNCH), f"--num_processes={processes}"]
+    return [*launch, f"--devices_per_process={8 // processes}", "--grace_s=2", "--", *job]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """name -> workdir of every run in `_jobs`: the 2-process runs in one launch, the one-process
+    ones in one process started beside it."""
     root = tmp_path_factory.mktemp("allreduce_mp")
-    w = {name: root / name for name in ("ref", *ALL, "dcn_bf16")}
-    env = _env(None, None)
-    jobs = [(train_cmd(w["ref"], *DATA_TENSOR, "--config.checkpoint.every=0", STEPS), env)]
-    for a in ALL:
-        flags = (*HYBRID, f"--config.grad_sync.algorithm={a}", STEPS)
-        jobs.append((train_cmd(w[a], *flags, processes=2), env))
-    jobs.append((train_cmd(w["dcn_bf16"], *DATA8, *DCN_BF16, STEPS, processes=2), env))
-    in_chunks(jobs)
-    return w
+    by_size: dict[int, list[dict]] = {1: [], 2: []}
+    for name, (processes, flags, mode) in _jobs().items():
+        by_size[processes].append({"workdir": str(root / name), "flags": [*SMALL, *flags], **mode})
+    # The suite's own XLA flags (tests/conftest.py: LLVM -O0, half the compile time), which
+    # test_multihost's `_env` drops: every program compared here, the one-process references
+    # computed in this process included, is compiled the same way.
+    env = {**_env(None, None), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+    procs = []
+    for size, jobs in by_size.items():
+        (root / f"jobs{size}.json").write_text(json.dumps(jobs))
+        procs.append(
+            subprocess.Popen(
+                _multijob(root / f"jobs{size}.json", size),
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+            assert proc.returncode == 0, f"{proc.args}\n{out[-4000:]}"
+    finally:
+        for proc in procs:  # the other one, when one failed (launch.py stops its children)
+            if proc.poll() is None:
+                proc.terminate()
+                proc.communicate(timeout=60)
+    return {name: root / name for name in _jobs()}
 
 
 @pytest.mark.parametrize("algorithm", ALL)
@@ -108,36 +173,13 @@ def test_compress_over_dcn_halves_only_the_cross_host_bytes(runs):
     assert all(abs(got[s] - ref[s]) <= 1e-3 * abs(ref[s]) for s in got), (got, ref)
 
 
-# Step 0's reduced gradient, left in flight by staleness 1 and checkpointed after step 1.
-GRAD = (
-    *DATA_TENSOR,
-    "--config.grad_sync.staleness=1",
-    "--config.checkpoint.every=1",
-    "--config.train.steps=1",
-)
+# Step 0's reduced gradient, left in flight by staleness 1 after step 1 (`first_gradient`).
+GRAD = (*DATA_TENSOR, "--config.grad_sync.staleness=1", "--config.train.steps=1")
 
 
 @pytest.fixture(scope="module")
-def grad_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("allreduce_mp_grads")
-    w = {name: root / name for name in ("ref", "hierarchical", "ring")}
-    in_parallel(
-        (train_cmd(w["ref"], *GRAD), _env(None, None)),
-        *[
-            (
-                train_cmd(
-                    w[a],
-                    *GRAD,
-                    "--config.mesh.dcn_data=2",
-                    f"--config.grad_sync.algorithm={a}",
-                    processes=2,
-                ),
-                _env(None, None),
-            )
-            for a in ("hierarchical", "ring")
-        ],
-    )
-    return w
+def grad_runs(runs):
+    return {"ref": runs["grad_ref"]} | {a: runs[f"grad_{a}"] for a in ("hierarchical", "ring")}
 
 
 @pytest.mark.parametrize("algorithm", ["hierarchical", "ring"])
@@ -147,14 +189,11 @@ def test_two_processes_gradients_equal_one_process_xla_per_tensor(grad_runs, alg
 
     Per tensor on this job (SMALL: 1 layer, d_model 64, seq_len 32): the explicit path's vmapped
     replicas compute this GPT's embedding gradient differently from one device (a scatter-add
-    over tokens that cancel; up to 1286 u mean_k |g_k| on data=8 in one process, measured), and a
-    process holding 4 devices computes each replica's gradient differently from one holding 8
-    (`test_two_processes_gradients_equal_xla_per_element`). The tensor axis is not the cause
-    (tests/test_allreduce.py `test_tensor_reductions_are_the_same_sums`). Measured here: up to
-    3.4e-4 relative on one element, but 1.6e-7 of the tensor's largest element.
+    over tokens that cancel; up to 1286 u mean_k |g_k| on data=8 in one process, measured). The
+    tensor axis is not the cause (tests/test_allreduce.py `test_tensor_reductions_are_the_same_sums`).
+    Measured here: up to 5.4e-4 relative on one element, but 1.2e-7 of the tensor's largest.
     """
-    ref = checkpoint.read_arrays(grad_runs["ref"] / "checkpoints", 1, prefix="in_flight")
-    got = checkpoint.read_arrays(grad_runs[algorithm] / "checkpoints", 1, prefix="in_flight")
+    ref, got = _in_flight(grad_runs["ref"]), _in_flight(grad_runs[algorithm])
     assert sorted(got) == sorted(ref) and ref
     for k, r in ref.items():
         assert np.abs(got[k] - r).max() <= 1e-6 * np.abs(r).max(), (algorithm, k)
@@ -170,9 +209,14 @@ TINY = (
     "--config.model.seq_len=16",
     "--config.data.max_bytes=400000",
 )
-# Per-element meshes over 2 processes × 4 devices: data=8 (4 replicas per host), and data=4 ×
-# tensor=2 (2 replicas per host, each over 2 devices).
-ELEMENT_MESHES = {"data8": {"data": 8}, "data4_tensor2": {"data": 4, "tensor": 2}}
+# Per-element meshes over 2 processes × 4 devices: data=8 (4 replicas per host), data=4 ×
+# tensor=2 (2 replicas per host, each over 2 devices), and data=4 × fsdp=2 (2 replicas per host,
+# each holding half of every parameter: K = 8 row blocks, as on data=8).
+ELEMENT_MESHES = {
+    "data8": {"data": 8},
+    "data4_tensor2": {"data": 4, "tensor": 2},
+    "data4_fsdp2": {"data": 4, "fsdp": 2},
+}
 
 
 def _mesh_flags(mesh: dict[str, int]) -> tuple[str, ...]:
@@ -180,19 +224,10 @@ def _mesh_flags(mesh: dict[str, int]) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def element_runs(tmp_path_factory):
+def element_runs(runs):
     """Step 0's reduced gradient of xla and every exact algorithm (hierarchical included) across
-    2 processes, on both meshes."""
-    root = tmp_path_factory.mktemp("allreduce_mp_elements")
-    jobs, dirs = [], {}
-    for tag, mesh in ELEMENT_MESHES.items():
-        for a in ("xla", *ALL):
-            dirs[tag, a] = root / f"{tag}_{a}"
-            flags = (*GRAD, *TINY, *_mesh_flags(mesh), "--config.mesh.dcn_data=2")
-            cmd = train_cmd(dirs[tag, a], *flags, f"--config.grad_sync.algorithm={a}", processes=2)
-            jobs.append((cmd, _env(None, None)))
-    in_chunks(jobs)
-    return dirs
+    2 processes, on every mesh of ELEMENT_MESHES."""
+    return {(t, a): runs[f"{t}_{a}"] for t in ELEMENT_MESHES for a in ("xla", *ALL)}
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +256,9 @@ def _flat(tree):
 
 
 def _in_flight(workdir) -> dict[str, np.ndarray]:
-    return checkpoint.read_arrays(workdir / "checkpoints", 1, prefix="in_flight")
+    """Step 0's reduced gradient by checkpoint path (`tests/multijob.py` `first_gradient`)."""
+    with np.load(workdir / "in_flight.npz", allow_pickle=False) as f:
+        return {k: f[k] for k in f.files}
 
 
 @pytest.mark.parametrize("tag", list(ELEMENT_MESHES))
@@ -234,11 +271,12 @@ def test_two_processes_gradients_equal_xla_per_element(
     2(K-1) u mean_k |g_k|, K = data × fsdp row blocks (tests/test_allreduce.py
     `assert_equal_per_element` derives it; tensor=2 adds no terms); tiny_gpt_config's GPT.
 
-    Against xla on one process it cannot hold, for xla itself either: a process holding 4 devices
-    computes each replica's own gradient differently from one holding 8 (measured: 2-process xla
-    vs 1-process xla up to 26 u mean_k |g_k| on data=8 and 40 on data=4 × tensor=2, the same for
-    every algorithm, while each algorithm is within 1.5 of 2-process xla). So that comparison is
-    per tensor (`test_two_processes_xla_equals_one_process_xla_per_tensor`)."""
+    Against xla on one process it holds too, for xla itself
+    (`test_two_processes_xla_equals_one_process_xla`): measured, every algorithm within 1.3
+    u mean_k |g_k| of 2-process xla beyond 1e-6 |b|, and 2-process xla within 1.2 of 1-process
+    xla, against the bound's 14 (K = 8) and 6 (K = 4). The 26 and 40 measured there before came
+    from compiling the subprocesses with XLA's default LLVM level and this process at -O0 (the
+    suite's flag): all of them are now compiled alike (`runs`)."""
     _, abs_mean, k = one_process_xla[tag]
     ref = _in_flight(element_runs[tag, "xla"])
     got = _in_flight(element_runs[tag, algorithm])
@@ -252,13 +290,42 @@ def test_two_processes_gradients_equal_xla_per_element(
 
 
 @pytest.mark.parametrize("tag", list(ELEMENT_MESHES))
-def test_two_processes_xla_equals_one_process_xla_per_tensor(element_runs, one_process_xla, tag):
+def test_two_processes_xla_equals_one_process_xla(element_runs, one_process_xla, tag):
     """The same job on 2 processes and on one: every element within 1e-6 of its tensor's largest
-    (the multi-process tests' loss tolerance, per tensor since the per-replica gradients are
-    computed differently, above), and the one-process gradient is the one the 8-device checks
-    use (tiny_gpt_config), not another job's."""
-    one, _, _ = one_process_xla[tag]
+    (the multi-process tests' loss tolerance), and within the reordering bound |a - b| <= 1e-6 |b|
+    + 2(K-1) u mean_k |g_k| (the two programs sum the same K row blocks' gradients, across
+    processes over gloo in one, inside one process in the other); the one-process gradient is the
+    one the 8-device checks use (tiny_gpt_config), not another job's."""
+    one, abs_mean, k = one_process_xla[tag]
     two = _in_flight(element_runs[tag, "xla"])
     assert sorted(two) == sorted(one)
     for p, r in one.items():
         assert np.abs(two[p] - r).max() <= 1e-6 * np.abs(r).max(), (tag, p)
+    keys = sorted(one)
+    assert_equal_per_element(
+        [two[p] for p in keys], [one[p] for p in keys], [abs_mean[p] for p in keys], k, "xla"
+    )
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_compress_over_dcn_on_two_processes_equals_its_emulation(runs, codec):
+    """hierarchical + bf16 / int8 across hosts only, data=8 as 2 hosts × 4: the real 2-process
+    run against the one-process emulation of `mesh.dcn_data=2` that scripts/aggregation_study.py
+    measures (`tests/multijob.py` `emulate`). The compiled collectives are the same: every phase's
+    kind, mesh axes, tier, steps and bytes, and the busiest device's total. The 4 losses are
+    within 1e-6 relative, not bit for bit: at most 9.7e-8 apart, and step 1's loss (no update
+    yet) already by 8.6e-8, with this suite's XLA flags (LLVM -O0), though bf16's were bit-equal on all
+    4 steps and int8's on 3 of 4 with XLA's default flags (measured). The loss is a mean over
+    the 8 replicas, summed across processes by gloo in one run and inside one process in the
+    other: a likely cause of the last-bit difference, not established."""
+    real = records(runs[f"dcn_{codec}"])[0]
+    emulated = json.loads((runs[f"dcn_{codec}_emulated"] / "emulated.json").read_text())
+    fields = ("kind", "axes", "tier", "steps", "bytes", "busiest_bytes")
+    phases = lambda r: sorted(tuple(p[f] for f in fields) for p in r["collective_phases"])
+    assert real["processes"] == 2
+    assert phases(real) == phases(emulated), (phases(real), phases(emulated))
+    assert {p[2] for p in phases(real)} == {"ici", "dcn"}
+    assert real["busiest_device_bytes_per_step"] == emulated["busiest_device_bytes_per_step"]
+    got, want = losses(runs[f"dcn_{codec}"]), {int(k): v for k, v in emulated["losses"].items()}
+    assert_training_moves(want)
+    assert_losses_match(got, want, [1, 2, 3, 4])

@@ -651,8 +651,9 @@ def _replica_batches(batch):
     return [(x[i], y[i]) for i in range(R)]
 
 
-def _reference_local_sgd(params, batch, lr, local_steps, steps, outer):
-    """Single-device reference: each replica's SGD on its batch slice, synced every H steps."""
+def _reference_local_sgd(params, batch, lr, local_steps, steps, outer, sync_steps=0):
+    """Single-device reference: each replica's SGD on its batch slice, synced every H steps
+    (and after each of the first `sync_steps` steps)."""
     shards = _replica_batches(batch)
     grad = jax.jit(jax.grad(_linear_loss))
     anchor = jax.tree.map(np.asarray, params)
@@ -663,7 +664,7 @@ def _reference_local_sgd(params, batch, lr, local_steps, steps, outer):
             jax.tree.map(lambda p, d: p - lr * d, p, grad(p, b))
             for p, b in zip(local, shards, strict=True)
         ]
-        if (t + 1) % local_steps == 0:
+        if (t + 1) % local_steps == 0 or t < sync_steps:
             mean = jax.tree.map(lambda *xs: np.mean(np.stack(xs), 0), *local)
             delta = jax.tree.map(lambda a, m: a - m, anchor, mean)
             upd, outer_state = outer.update(delta, outer_state, anchor)
@@ -672,21 +673,33 @@ def _reference_local_sgd(params, batch, lr, local_steps, steps, outer):
     return anchor, local
 
 
-@pytest.mark.parametrize("local_steps,outer", [(1, None), (3, None), (2, "diloco")])
-def test_local_sgd_matches_reference(local_steps, outer):
+@pytest.mark.parametrize(
+    "local_steps,outer,sync_steps,per_replica",
+    [
+        (1, None, 0, "shard_map"),
+        (3, None, 0, "shard_map"),
+        (2, "diloco", 0, "shard_map"),
+        (3, "diloco", 2, "shard_map"),
+        (3, "diloco", 2, "vmap"),
+    ],
+)
+def test_local_sgd_matches_reference(local_steps, outer, sync_steps, per_replica):
     batch = _least_squares()
     params = {"w": jnp.zeros((16, 8)), "b": jnp.zeros((8,))}
-    lr, steps = 0.05, 5  # ends between syncs for H = 2, 3: replicas hold different params
+    # 5 steps end between syncs for H = 2, 3: replicas hold different params; with sync_steps=2
+    # H = 3 syncs after steps 1, 2 and 3 (post-local SGD's synchronous start), then not at 4, 5.
+    lr, steps = 0.05, 5
     outer_tx = diloco_outer() if outer else None
     algo = local_sgd(
-        jax.value_and_grad(_linear_loss), optax.sgd(lr), MESH, "data", local_steps, outer_tx
-    )
+        jax.value_and_grad(_linear_loss), optax.sgd(lr), MESH, "data", local_steps, outer_tx,
+        per_replica=per_replica, sync_steps=sync_steps,
+    )  # fmt: skip
     state = jax.jit(algo.init)(params)
     step = jax.jit(algo.step)
     for _ in range(steps):
         state, _ = step(state, batch)
     anchor, local = _reference_local_sgd(
-        params, batch, lr, local_steps, steps, outer_tx or optax.sgd(1.0)
+        params, batch, lr, local_steps, steps, outer_tx or optax.sgd(1.0), sync_steps
     )
     for k in anchor:
         np.testing.assert_allclose(state.params[k], anchor[k], rtol=0, atol=1e-5)

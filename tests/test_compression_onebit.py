@@ -84,9 +84,13 @@ def _np_topk_allreduce(acc, worker, server, ratio):
     return out.reshape(acc.shape[1:]), left.reshape(acc.shape), server
 
 
-def _np_onebit_adam(grads_per_step, freeze, b1, b2, eps, chunk, bits=1, topk_ratio=None):
+def _np_onebit_adam(
+    grads_per_step, freeze, b1, b2, eps, chunk, bits=1, topk_ratio=None, local_momentum=False,
+    masking=True,
+):  # fmt: skip
     """1-bit Adam's direction per step for one tensor: Adam for `freeze` steps, then frozen v
-    (momenta exchanged with `bits`-bit codes, or top-k at `topk_ratio`)."""
+    (momenta exchanged with `bits`-bit codes, or top-k at `topk_ratio`; `local_momentum`: DGC,
+    each worker's own momentum, zeroed where it sent)."""
     g0 = grads_per_step[0]
     n = g0[0].size
     shard = C.shard_layout(n, R, chunk, 8)[0] if topk_ratio is None else -(-n // R)
@@ -98,12 +102,15 @@ def _np_onebit_adam(grads_per_step, freeze, b1, b2, eps, chunk, bits=1, topk_rat
             gbar = g.mean(0)
             m = b1 * m + (1 - b1) * gbar
             v = b2 * v + (1 - b2) * gbar * gbar
+            u = np.broadcast_to(m, g.shape)  # DGC: every worker's momentum starts as Adam's m
         else:
-            local = b1 * m + (1 - b1) * g  # [R, ...]: each worker's own momentum
+            local = b1 * (u if local_momentum else m) + (1 - b1) * g  # [R, ...]: own momentum
             if topk_ratio is None:
                 m, worker, server = _np_compressed_allreduce(local, worker, server, chunk, bits)
             else:
+                acc = local + worker
                 m, worker, server = _np_topk_allreduce(local, worker, server, topk_ratio)
+                u = np.where(worker == acc, local, 0) if masking else local  # 0 where sent
         m_hat = m / (1 - b1**t)
         v_hat = v / (1 - b2 ** min(t, freeze))
         out.append(m_hat / (np.sqrt(v_hat) + eps))
@@ -124,7 +131,13 @@ def _run_onebit(freeze, steps, b1=0.9, b2=0.95, chunk=16, **code):
 
 # The momentum codes after the freeze: onebit_adam, twobit_adam, topk_adam (at a density where
 # "w" takes the two-phase sparse path and "b" the dense reduce of the union).
-CODES = {"onebit_adam": {"bits": 1}, "twobit_adam": {"bits": 2}, "topk_adam": {"topk_ratio": 0.2}}
+CODES = {
+    "onebit_adam": {"bits": 1},
+    "twobit_adam": {"bits": 2},
+    "topk_adam": {"topk_ratio": 0.2},
+    "dgc_adam": {"topk_ratio": 0.2, "local_momentum": True},  # topk momentum_correction + AdamW
+    "dgc_adam_unmasked": {"topk_ratio": 0.2, "local_momentum": True, "masking": False},
+}
 
 
 @pytest.mark.parametrize("code", list(CODES))
@@ -141,7 +154,7 @@ def test_onebit_adam_matches_host_reimplementation(code):
     assert results[-1][2].worker["w"].any() and results[-1][2].server["w"].any()
 
 
-@pytest.mark.parametrize("code", list(CODES))
+@pytest.mark.parametrize("code", [c for c in CODES if c != "dgc_adam_unmasked"])  # same warm-up
 def test_onebit_adam_warmup_is_adamw_exactly(code):
     """The first `freeze` steps are optax's Adam on the exact mean gradient."""
     freeze = 4
@@ -230,11 +243,40 @@ def test_onebit_adam_config_rules():
             {"grad_sync__compression": "powersgd", "grad_sync__orthogonalization_epsilon": -1.0},
             "grad_sync.orthogonalization_epsilon",
         ),
+        (
+            {"grad_sync__compression": "topk", "grad_sync__momentum_masking": False},
+            "grad_sync.momentum_masking=False applies to",
+        ),
+        (
+            {
+                "grad_sync__compression": "ef_sign",
+                "grad_sync__momentum_correction": True,
+                "grad_sync__freeze_variance": True,
+                "grad_sync__warmup_steps": 5,
+            },
+            "applies to compression='topk' (DGC)",
+        ),
     ]:
         with pytest.raises(ConfigError, match=re.escape(match)) as e:
             config_lib.validate(cfg(**fields), R)
         assert "\n" not in str(e.value)
     assert isinstance(ml_collections.ConfigDict, type)
+    # DGC under AdamW: topk's momentum correction with the variance frozen is accepted and is
+    # 1-bit Adam's scheme with each replica's own momentum (dgc_adam in CODES).
+    dgc = {"compression": "topk", "momentum_correction": True, "freeze_variance": True}
+    c = cfg(**{f"grad_sync__{k}": v for k, v in dgc.items()}, grad_sync__warmup_steps=5)
+    config_lib.validate(c, R)
+    tx = C.from_config(c.grad_sync, "data")
+    state = jax.eval_shape(lambda p: C.init_global(tx, p, MESH, "data"), PARAMS)
+    assert isinstance(state, C.OneBitAdamState)
+    # ... and its optimizer half takes the synchronized momentum as m after the freeze (step 2)
+    c.grad_sync.warmup_steps = 1
+    pre = C.preconditioner(c.grad_sync)
+    opt_state = pre.init(PARAMS)
+    sent = [{k: jnp.full(v.shape, x, jnp.float32) for k, v in PARAMS.items()} for x in (1.0, 3.0)]
+    for u in sent:
+        _, opt_state = pre.update(u, opt_state)
+    np.testing.assert_array_equal(opt_state.mu["w"], sent[1]["w"])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -158,6 +158,7 @@ def test_local_sgd_on_data_fsdp_tensor_matches_data_only():
         ("grad_sync.compression", "int8", {}, "compression='none'"),
         ("grad_sync.outer_optimizer", "adam", {}, "grad_sync.outer_optimizer"),
         ("grad_sync.outer_momentum", 1.0, {}, "outer_momentum"),
+        ("grad_sync.warmup_steps", -1, {}, "warmup_steps=-1 must be an integer >= 0"),
         (None, None, {"tensor": 2, "pipeline": 2}, "needs fsdp = tensor = 1"),
     ],
 )
@@ -173,3 +174,8 @@ def test_local_sgd_bad_config_is_one_line(field, value, mesh_sizes, match):
     c.grad_sync.local_steps = 2
     with pytest.raises(ConfigError, match="mesh.data=1"):
         config_lib.validate(c, 8)
+    c = local_config(2)  # post-local SGD's synchronous start is plain local SGD's only
+    c.grad_sync.warmup_steps, c.grad_sync.fragments = 4, 2
+    with pytest.raises(ConfigError, match="warmup_steps=0") as e:
+        config_lib.validate(c, n_devices(c))
+    assert "\n" not in str(e.value)

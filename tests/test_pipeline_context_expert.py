@@ -8,16 +8,39 @@ statistics (`Stages.aux_zero` / `aux_loss`). Four float32 steps equal one device
 from __future__ import annotations
 
 import functools
+import json
 import re
 
 import jax
 import numpy as np
 import pytest
 
-from tests.helpers import compile_step, engine_for, train_steps
+from jaxdist import config as config_lib
+from tests.helpers import compile_for, compile_step, engine_for, train_steps
 from tests.test_llama import llama_config
 
 STEPS = 4
+_ENGINES: dict[str, tuple] = {}
+
+
+def _engine(c) -> tuple:
+    """(engine, batches, compiled train step) of config `c`, built and compiled once per module:
+    the planner and checkpoint tests read the programs the training tests ran."""
+    key = json.dumps(config_lib.to_json_dict(c), sort_keys=True)
+    if key not in _ENGINES:
+        eng, batches = engine_for(c)
+        _ENGINES[key] = eng, batches, compile_for(eng, batches)
+    return _ENGINES[key]
+
+
+def _run(c, metrics: tuple[str, ...] = ("loss",)) -> tuple[np.ndarray, dict]:
+    """4 steps of `c`: [steps, len(metrics)] of those metrics per step; the final params."""
+    eng, batches, _ = _engine(c)
+    state, rows = eng.init(), []
+    for i in range(STEPS):
+        state, m = eng.train_step(state, batches.get(i))
+        rows.append([float(m[k]) for k in metrics])
+    return np.array(rows), jax.device_get(eng.to_user(state)["params"])
 
 
 def _config(mode: str, schedule: str = "gpipe", **mesh_sizes):
@@ -27,34 +50,45 @@ def _config(mode: str, schedule: str = "gpipe", **mesh_sizes):
     return c
 
 
+def _assert_params_equal(params, ref_params) -> None:
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    for (path, a), b in zip(flat, jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
 @functools.cache
-def _reference() -> np.ndarray:
-    return train_steps(llama_config(), STEPS)[0]
+def _reference(num_layers: int = 2) -> tuple[np.ndarray, dict]:
+    """One device, 4 steps: (losses, final params), once per module for each layer count."""
+    c = llama_config()
+    c.model.num_layers = num_layers
+    losses, params = _run(c)
+    return losses[:, 0], params
 
 
 @pytest.mark.parametrize(
-    "mode, schedule",
+    "mode, schedule, other",
     [
-        ("ring", "gpipe"),
-        ("all_gather", "gpipe"),
-        ("all_gather", "1f1b"),
-        ("all_gather", "zb"),
-        ("ring", "interleaved"),
+        ("ring", "gpipe", "data"),
+        ("all_gather", "gpipe", "data"),
+        ("all_gather", "1f1b", "data"),
+        ("all_gather", "zb", "data"),
+        ("ring", "interleaved", "data"),
+        ("ring", "gpipe", "fsdp"),
+        ("all_gather", "1f1b", "tensor"),
     ],
 )
-def test_pipeline_context_data_matches_one_device(mode, schedule):
-    """pipeline=2 × context=2 × data=2: the same 4 losses as one device within 1e-5."""
-    c = _config(mode, schedule, pipeline=2, context=2, data=2)
+def test_pipeline_context_matches_one_device(mode, schedule, other):
+    """pipeline=2 × context=2 × `other`=2: the same 4 losses and final parameters as one device
+    within 1e-5."""
+    c = _config(mode, schedule, pipeline=2, context=2, **{other: 2})
     if schedule == "interleaved":
         c.model.num_layers, c.pipeline.virtual_stages = 4, 2
-        ref_config = llama_config()
-        ref_config.model.num_layers = 4
-        ref = train_steps(ref_config, STEPS)[0]
-    else:
-        ref = _reference()
-    losses, _ = train_steps(c, STEPS)
+    ref, ref_params = _reference(c.model.num_layers)
+    losses, params = _run(c)
+    losses = losses[:, 0]
     np.testing.assert_allclose(losses, ref, rtol=0, atol=1e-5)
     assert losses[-1] < losses[0]
+    _assert_params_equal(params, ref_params)
 
 
 def _groups(mesh, axis: str) -> np.ndarray:
@@ -103,12 +137,7 @@ def test_ring_with_switching_schedule_is_one_line(schedule):
 
 def _moe_run(c) -> tuple[np.ndarray, dict]:
     """[steps, 3]: loss, load-balancing loss, z-loss per step; the final params."""
-    eng, batches = engine_for(c)
-    state, rows = eng.init(), []
-    for i in range(STEPS):
-        state, m = eng.train_step(state, batches.get(i))
-        rows.append([float(m["loss"]), float(m["moe_lb_loss"]), float(m["moe_z_loss"])])
-    return np.array(rows), jax.device_get(eng.to_user(state)["params"])
+    return _run(c, ("loss", "moe_lb_loss", "moe_z_loss"))
 
 
 def _moe_config(factor: float, m: int, **mesh_sizes):
@@ -125,25 +154,67 @@ def _moe_config(factor: float, m: int, **mesh_sizes):
 
 
 @functools.cache
-def _moe_reference(m: int):
-    return _moe_run(_moe_config(0.0, m))
+def _moe_reference(m: int, num_layers: int = 2):
+    c = _moe_config(0.0, m)
+    c.model.num_layers = num_layers
+    return _moe_run(c)
 
 
 @pytest.mark.parametrize(
-    "schedule, factor, m",
-    [("gpipe", 4.0, 2), ("1f1b", 4.0, 2), ("1f1b", 0.0, 2), ("gpipe", 0.0, 1)],
+    "schedule, factor, m, other",
+    [
+        ("gpipe", 4.0, 2, "data"),
+        ("1f1b", 4.0, 2, "data"),
+        ("1f1b", 0.0, 2, "data"),
+        ("gpipe", 0.0, 1, "data"),
+        ("gpipe", 4.0, 2, "fsdp"),
+        ("1f1b", 4.0, 2, "tensor"),
+        ("interleaved", 4.0, 2, "data"),
+    ],
 )
-def test_pipeline_expert_data_matches_one_device(schedule, factor, m):
-    """pipeline=2 × expert=2 × data=2, capacity E/k (every local token fits) or dropless:
-    losses, both router losses and parameters within 1e-5 of one device over 4 steps."""
-    c = _moe_config(factor, m, pipeline=2, expert=2, data=2)
+def test_pipeline_expert_matches_one_device(schedule, factor, m, other):
+    """pipeline=2 × expert=2 × `other`=2, capacity E/k (every local token fits) or dropless:
+    losses, both router losses and parameters within 1e-5 of one device over 4 steps
+    (interleaved: 4 layers, 2 virtual stages)."""
+    c = _moe_config(factor, m, pipeline=2, expert=2, **{other: 2})
     c.pipeline.schedule = schedule
-    (ref, ref_params), (got, params) = _moe_reference(m), _moe_run(c)
+    if schedule == "interleaved":
+        c.model.num_layers, c.pipeline.virtual_stages = 4, 2
+    (ref, ref_params), (got, params) = _moe_reference(m, c.model.num_layers), _moe_run(c)
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)
     assert got[-1, 0] < got[0, 0] and np.all(got[:, 1] > 0.9)  # lb loss: 1 when balanced
-    flat = jax.tree_util.tree_leaves_with_path(params)
-    for (path, a), b in zip(flat, jax.tree.leaves(ref_params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+    _assert_params_equal(params, ref_params)
+
+
+@pytest.mark.parametrize("axis", ["expert", "context"])
+def test_checkpoint_restores_without_the_axis(axis, tmp_path):
+    """A pipeline=2 × `axis`=2 × data=2 state (gpipe; ring attention for context), saved, restores
+    onto pipeline=2 × data=4 and onto one device (`axis`=1) with bit-equal arrays, each on the
+    new layout's shardings."""
+    from jaxdist import checkpoint
+
+    def make(**sizes):
+        if axis == "expert":
+            return _moe_config(4.0, 2, **sizes)
+        return _config("ring", **sizes) if sizes.get("pipeline", 1) > 1 else llama_config()
+
+    eng = _engine(make(pipeline=2, data=2, **{axis: 2}))[0]
+    state = eng.to_user(eng.init())
+    if axis == "expert":  # the experts' weights are split over `expert` when saved
+        specs = [x.sharding.spec for x in jax.tree.leaves(state["params"])]
+        assert any("expert" in jax.tree.leaves(tuple(s)) for s in specs)
+    with checkpoint.Checkpointer(tmp_path, every=1, keep=1, config_json=None) as ckpt:
+        ckpt.save(1, state, data_position=1, force=True)
+    saved = jax.device_get(state)
+    for sizes in (dict(pipeline=2, data=4), {}):
+        other, _ = engine_for(make(**sizes))
+        with checkpoint.Checkpointer(tmp_path, every=1, keep=1, config_json=None) as ckpt:
+            restored, _ = ckpt.restore(other.abstract_state)
+        got = jax.tree_util.tree_leaves_with_path(restored)
+        want = jax.tree.leaves(other.abstract_state)
+        for (path, a), b, ref in zip(got, want, jax.tree.leaves(saved), strict=True):
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim), jax.tree_util.keystr(path)
+            np.testing.assert_array_equal(a, ref, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("axis", ["context", "expert"])
@@ -180,7 +251,7 @@ def test_planner_terms_equal_the_compiled_pipeline_step(schedule, axis, kind):
     else:
         c = _config("all_gather", pipeline=2, context=2, data=2)
     c.pipeline.schedule = schedule
-    eng, compiled = compile_step(c)
+    eng, _, compiled = _engine(c)  # the training tests' program
     text = compiled.as_text()
     groups = {frozenset(map(int, g)) for g in _groups(eng.mesh, axis)}
 
@@ -201,4 +272,4 @@ def test_zb_expert_data_matches_one_device():
     """zb with experts: the router statistics join the loss at F and their cotangent B's (the
     split backward), so pipeline=2 × expert=2 × data=2, dropless, equals one device within 1e-5
     as gpipe and 1f1b do (it was refused in one line before)."""
-    test_pipeline_expert_data_matches_one_device("zb", 0.0, 2)
+    test_pipeline_expert_matches_one_device("zb", 0.0, 2, "data")
