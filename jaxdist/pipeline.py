@@ -68,7 +68,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist import hlo_cost, microbatch, sharding
+from jaxdist import aligned_switch, hlo_cost, microbatch, sharding
 from jaxdist.errors import ConfigError
 from models import api
 from models.api import Stages
@@ -800,7 +800,7 @@ def _tick_loop(branches, tables, x0, targets, stash, acc):
         x = jnp.where(first, x_first, _take(xin, r["x"]))
         dy, tgt = _take(gbuf, r["g"]), _take(targets, r["mf"])
         reads = {k: [_take(b, r["read_" + k]) for b in bufs] for k, bufs in stash.items()}
-        y, dx, writes, acc = jax.lax.switch(r["action"], branches, x, dy, tgt, reads, acc)
+        y, dx, writes, acc = aligned_switch.switch(r["action"], branches, x, dy, tgt, reads, acc)
         put = lambda b, v, k: _put(b, at(k), v, k >= 0)
         stash = {
             k: [put(b, v, r["write_" + k]) for b, v in zip(bufs, writes[k])]

@@ -119,25 +119,6 @@ def test_exact_ring_algorithm_with_context_or_expert(axis):
         np.testing.assert_allclose(p, r, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize(
-    "axis, schedule, want",
-    [
-        ("context", "1f1b", "pipeline.schedule='1f1b' does not run with model.context_attention"),
-        ("context", "zb", "pipeline.schedule='zb' does not run with model.context_attention"),
-    ],
-)
-def test_pipeline_with_context_or_expert_is_one_line(axis, schedule, want):
-    """What stays unsupported (docs/PARALLELISM.md says why) is refused before compiling."""
-    from jaxdist import config as config_lib
-    from jaxdist.errors import ConfigError
-
-    c = config("none", axis == "expert", data=2, pipeline=2, **{axis: 2})
-    c.pipeline.schedule = schedule  # the rest compose (tests/test_pipeline_context_expert.py)
-    with pytest.raises(ConfigError) as e:
-        config_lib.validate(c, 8)
-    assert str(e.value).startswith(want) and "\n" not in str(e.value), str(e.value)
-
-
 @functools.cache
 def _data_parallel_bytes(compression: str, axis: str) -> float:
     """Bytes per step of the compiled step's reductions whose groups span 4 or more devices: over

@@ -166,6 +166,7 @@ LAYERS = (
         "jaxdist.token_shards",
     },
     {"jaxdist.sharding", "jaxdist.mesh", "jaxdist.config", "jaxdist.xla_flags"},
+    {"jaxdist.aligned_switch"},  # lax.switch with as many collective-permutes in every branch
     {"jaxdist", "jaxdist.errors"},
 )
 # config.validate reads each choice's names and rules from the module that owns them: imports

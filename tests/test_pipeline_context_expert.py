@@ -75,6 +75,8 @@ def _reference(num_layers: int = 2) -> tuple[np.ndarray, dict]:
         ("ring", "interleaved", "data"),
         ("ring", "gpipe", "fsdp"),
         ("all_gather", "1f1b", "tensor"),
+        ("ring", "1f1b", "data"),
+        ("ring", "zb", "data"),
     ],
 )
 def test_pipeline_context_matches_one_device(mode, schedule, other):
@@ -122,17 +124,34 @@ def test_ring_pipeline_hlo_has_c_minus_1_kv_permutes_per_layer():
     assert _context_permutes(4, "all_gather") == (0, 0)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
-def test_ring_with_switching_schedule_is_one_line(schedule):
-    """Ring attention inside 1f1b / zb's per-stage tick branches is refused before compiling."""
-    from jaxdist import config as config_lib
-    from jaxdist.errors import ConfigError
+@pytest.mark.parametrize("schedule, kv", [("1f1b", [0, 1, 1, 2, 2]), ("zb", [0, 1, 1, 0, 1, 1])])
+def test_ring_in_tick_branches_has_aligned_permutes(schedule, kv):
+    """1f1b / zb × ring, the training test's program (pipeline=2 × context=2 × data=2, one layer
+    per stage): each branch of the tick switch runs c − 1 = 1 K/V permute around the `context`
+    ring per layer and pass (`kv`: idle, F, B, then FB and the last stage's F+B, or zb's W, F and
+    B of the last stage), and every branch runs as many collective-permutes in all
+    (jaxdist/aligned_switch.py), which XLA:CPU needs to pair the conveyors' permutes."""
+    from jaxdist import hlo_cost, pipeline
 
     c = _config("ring", schedule, pipeline=2, context=2, data=2)
-    with pytest.raises(ConfigError) as e:
-        config_lib.validate(c, 8)
-    msg = str(e.value)
-    assert msg.startswith(f"pipeline.schedule='{schedule}' does not run with") and "\n" not in msg
+    eng, _, compiled = _engine(c)  # the training test's program
+    text, sched = compiled.as_text(), pipeline.schedule_for(c, eng.mesh)
+    ids = _groups(eng.mesh, "context")
+    ring = {(int(g[j]), int(g[(j + 1) % 2])) for g in ids for j in range(2)}
+
+    def kv_hop(inst, comp) -> float:  # a K/V block (not a scalar) around the context ring
+        if inst.opcode not in ("collective-permute", "collective-permute-start"):
+            return 0.0
+        pairs = np.array(re.findall(r"\d+", inst.attrs["source_target_pairs"]), int)
+        return float(
+            set(map(tuple, pairs.reshape(-1, 2).tolist())) == ring and "[]" not in inst.shape
+        )
+
+    walk = pipeline._LockStep(hlo_cost.parse_module(text), pipeline.executed_actions(sched), kv_hop)
+    walk.comp(walk.module.entry)
+    assert walk.branches == kv
+    counts = pipeline.branch_counts(text, sched, "collective-permute")
+    assert len(set(counts)) == 1 and counts[0] >= max(kv), counts
 
 
 def _moe_run(c) -> tuple[np.ndarray, dict]:
