@@ -93,12 +93,20 @@ def _padded(branch: Callable, extra: int, spec: tuple) -> Callable:
 
 def switch(index: jax.Array, branches: Sequence[Callable], *operands: Any) -> Any:
     """`jax.lax.switch(index, branches, *operands)` with every branch running as many
-    collective-permutes as the one that runs most (module docstring)."""
-    found = [permutes(jax.make_jaxpr(b)(*operands).jaxpr) for b in branches]
+    collective-permutes as the one that runs most (module docstring). Each branch is traced once:
+    the switch runs the traced jaxprs."""
+    traced = [jax.make_jaxpr(b, return_shape=True)(*operands) for b in branches]
+    found = [permutes(closed.jaxpr) for closed, _ in traced]
     most = max(n for n, _ in found)
     spec = next((s for _, s in found if s), None)
-    if spec is not None and len({n for n, _ in found}) > 1:
-        branches = [
-            b if n == most else _padded(b, most - n, spec) for b, (n, _) in zip(branches, found)
-        ]
-    return jax.lax.switch(index, branches, *operands)
+
+    def replay(closed, shape):
+        tree = jax.tree.structure(shape)
+        run = jax.extend.core.jaxpr_as_fun(closed)
+        return lambda *ops: jax.tree.unflatten(tree, run(*jax.tree.leaves(ops)))
+
+    out = []
+    for (closed, shape), (n, _) in zip(traced, found):
+        b = replay(closed, shape)
+        out.append(b if spec is None or n == most else _padded(b, most - n, spec))
+    return jax.lax.switch(index, out, *operands)
