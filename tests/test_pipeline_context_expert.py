@@ -124,34 +124,50 @@ def test_ring_pipeline_hlo_has_c_minus_1_kv_permutes_per_layer():
     assert _context_permutes(4, "all_gather") == (0, 0)
 
 
-@pytest.mark.parametrize("schedule, kv", [("1f1b", [0, 1, 1, 2, 2]), ("zb", [0, 1, 1, 0, 1, 1])])
-def test_ring_in_tick_branches_has_aligned_permutes(schedule, kv):
-    """1f1b / zb × ring, the training test's program (pipeline=2 × context=2 × data=2, one layer
-    per stage): each branch of the tick switch runs c − 1 = 1 K/V permute around the `context`
-    ring per layer and pass (`kv`: idle, F, B, then FB and the last stage's F+B, or zb's W, F and
-    B of the last stage), and every branch runs as many collective-permutes in all
-    (jaxdist/aligned_switch.py), which XLA:CPU needs to pair the conveyors' permutes."""
+@pytest.mark.parametrize(
+    "schedule, c, fwd, bwd",
+    [
+        ("1f1b", 4, [0, 3, 0, 3, 3], [0, 0, 3, 3, 3]),
+        ("zb", 2, [0, 1, 1, 0, 1, 1], [0, 1, 1, 0, 1, 1]),  # c = 2: both directions the same pairs
+    ],
+)
+def test_ring_in_tick_branches_has_aligned_permutes(schedule, c, fwd, bwd):
+    """1f1b / zb × ring, pipeline=2 × context=c (× data=2 for c = 2: the training test's program;
+    c = 4 also trains like one device within 1e-5, 4 steps), one layer per stage: each branch of the tick switch runs c − 1 K/V permutes around the
+    `context` ring per layer and pass, forward (`fwd`) and back (`bwd`), per branch: idle, F, B,
+    then 1f1b's FB and the last stage's F+B, or zb's W, F and B of the last stage; and every
+    branch runs as many collective-permutes in all (jaxdist/aligned_switch.py), which XLA:CPU
+    needs to pair the conveyors' permutes."""
     from jaxdist import hlo_cost, pipeline
 
-    c = _config("ring", schedule, pipeline=2, context=2, data=2)
-    eng, _, compiled = _engine(c)  # the training test's program
-    text, sched = compiled.as_text(), pipeline.schedule_for(c, eng.mesh)
+    cfg = _config("ring", schedule, pipeline=2, context=c, data=8 // (2 * c))
+    eng, _, compiled = _engine(cfg)
+    text, sched = compiled.as_text(), pipeline.schedule_for(cfg, eng.mesh)
     ids = _groups(eng.mesh, "context")
-    ring = {(int(g[j]), int(g[(j + 1) % 2])) for g in ids for j in range(2)}
 
-    def kv_hop(inst, comp) -> float:  # a K/V block (not a scalar) around the context ring
-        if inst.opcode not in ("collective-permute", "collective-permute-start"):
-            return 0.0
-        pairs = np.array(re.findall(r"\d+", inst.attrs["source_target_pairs"]), int)
-        return float(
-            set(map(tuple, pairs.reshape(-1, 2).tolist())) == ring and "[]" not in inst.shape
+    def kv_hops(step: int) -> list[float]:  # K/V blocks (not scalars) around the context ring
+        ring = {(int(g[j]), int(g[(j + step) % c])) for g in ids for j in range(c)}
+
+        def hop(inst, comp) -> float:
+            if inst.opcode not in ("collective-permute", "collective-permute-start"):
+                return 0.0
+            pairs = np.array(re.findall(r"\d+", inst.attrs["source_target_pairs"]), int)
+            found = set(map(tuple, pairs.reshape(-1, 2).tolist()))
+            return float(found == ring and "[]" not in inst.shape)
+
+        walk = pipeline._LockStep(
+            hlo_cost.parse_module(text), pipeline.executed_actions(sched), hop
         )
+        walk.comp(walk.module.entry)
+        return walk.branches
 
-    walk = pipeline._LockStep(hlo_cost.parse_module(text), pipeline.executed_actions(sched), kv_hop)
-    walk.comp(walk.module.entry)
-    assert walk.branches == kv
+    assert (kv_hops(1), kv_hops(-1)) == (fwd, bwd)
     counts = pipeline.branch_counts(text, sched, "collective-permute")
-    assert len(set(counts)) == 1 and counts[0] >= max(kv), counts
+    assert len(set(counts)) == 1 and counts[0] >= max(fwd), counts
+    if c > 2:  # c = 2 trains in test_pipeline_context_matches_one_device; c hops here
+        (ref, ref_params), (losses, params) = _reference(), _run(cfg)
+        np.testing.assert_allclose(losses[:, 0], ref, rtol=0, atol=1e-5)
+        _assert_params_equal(params, ref_params)
 
 
 def _moe_run(c) -> tuple[np.ndarray, dict]:
