@@ -347,6 +347,19 @@ COMPRESSION_SETTINGS = [
     ),
     # ef_sign's compressor on the gradient, then AdamW (error feedback; 40 dense steps first)
     ("ef_sign", {"compression": "ef_sign", "warmup_steps": 40}, {}, "none"),
+    # ef_sign under AdamW as DGC is: each replica's own Adam momentum, 1-bit with ef_sign's scale
+    # and both error feedbacks, frozen variance (error-compensated 1-bit local-momentum Adam)
+    (
+        "ef_sign(local_adam)",
+        {
+            "compression": "ef_sign",
+            "momentum_correction": True,
+            "freeze_variance": True,
+            "warmup_steps": 40,
+        },
+        {},
+        "none",
+    ),
 ]
 _METHODS = flags.DEFINE_list(
     "methods", [], "--study=compression: run only these rows (labels as printed); default all."
