@@ -355,7 +355,7 @@ COMPRESSION_SETTINGS = [
             "compression": "ef_sign",
             "momentum_correction": True,
             "freeze_variance": True,
-            "warmup_steps": 40,
+            "warmup_steps": 60,
         },
         {},
         "none",

@@ -577,3 +577,26 @@ def test_ef_sign_under_adamw_from_config_is_local_momentum_with_the_l1_scale():
         for k in SHAPES:
             np.testing.assert_array_equal(a[k], b[k])
     assert not np.allclose(got[-1][0]["w"], got[-2][0]["w"])  # the compressed steps moved
+
+
+def test_sgd_nesterov_from_config_and_refused_with_momentum_correction():
+    """`train.nesterov` (the momentum-SGD baseline's tuning): v <- mu v + g, step -lr (g + mu v)."""
+    from jaxdist import config as config_lib
+    from jaxdist import optim
+
+    c = config_lib.base_config()
+    with c.unlocked():
+        c.train.update(optimizer="sgd", nesterov=True, schedule="constant", warmup_steps=0)
+        c.train.update(weight_decay=0.0, grad_clip=0.0, learning_rate=0.1, momentum=0.9)
+    tx, _ = optim.build(c.train, {"w": ("embed", "mlp")})
+    grads = [np.random.default_rng(i).normal(size=(3, 2)).astype(F32) for i in range(3)]
+    params = {"w": jnp.zeros((3, 2))}
+    state, v = tx.init(params), np.zeros((3, 2), F32)
+    for g in grads:
+        out, state = tx.update({"w": jnp.asarray(g)}, state, params)
+        v = 0.9 * v + g
+        np.testing.assert_allclose(out["w"], -0.1 * (g + 0.9 * v), rtol=1e-6, atol=1e-7)
+    c.mesh.data, c.runtime.cpu_devices, c.model.name = R, R, "mlp"
+    c.grad_sync.update(compression="ef_sign", momentum_correction=True)
+    with pytest.raises(ConfigError, match=re.escape("train.nesterov=False")):
+        config_lib.validate(c, R)
