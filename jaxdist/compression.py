@@ -1271,7 +1271,8 @@ def from_config(
     (topk), `error_feedback` (int8, topk, powersgd, ef_sign), `stochastic_rounding` (int8),
     `warmup_steps` (topk: density warm-up; powersgd: `start_iter`; ef_sign: `start_step`;
     onebit_adam, twobit_adam: the Adam steps before the variance freezes) and
-    `momentum_correction` (topk, ef_sign: the SGD `momentum` is applied inside the compressor);
+    `momentum_correction` (topk, ef_sign: the SGD `momentum` is applied inside the compressor;
+    with `freeze_variance` under AdamW each replica's own Adam momentum: DGC, 1-bit local Adam);
     `betas` are Adam's (onebit_adam, twobit_adam).
     Accepts a ConfigDict or a plain dict. `batch_dims` (a tree like the params) marks stacked-layer
     axes: every compressor treats each layer as a tensor of its own.
@@ -1297,11 +1298,11 @@ def preconditioner(
     grad_sync_cfg: Any, betas: tuple[float, float] = (0.9, 0.95)
 ) -> optax.GradientTransformation | None:
     """The optimizer half that replaces Adam's moments, else None: onebit_adam's, or with
-    `freeze_variance` (topk, powersgd) Adam whose variance freezes after `warmup_steps`."""
+    `freeze_variance` (topk, powersgd, ef_sign) Adam whose variance freezes after `warmup_steps`."""
     name = _field(grad_sync_cfg, "compression")
     if name in FREEZES_VARIANCE and _field(grad_sync_cfg, "freeze_variance"):
         warmup = int(_field(grad_sync_cfg, "warmup_steps"))
-        # topk with momentum_correction (DGC) sends Adam's momentum, as onebit_adam does
+        # topk / ef_sign with momentum_correction send each replica's Adam momentum
         takes = "momentum" if _field(grad_sync_cfg, "momentum_correction") else "gradient"
         return frozen_variance_adam(warmup, b1=betas[0], b2=betas[1], takes=takes)
     if name not in PRECONDITIONERS:
