@@ -888,14 +888,19 @@ class OneBitAdamState(NamedTuple):
 
 
 def _momentum_exchange(
-    axis_name: AxisName, chunk: int, bits: int, topk_ratio: float | None, two_phase: bool = True
+    axis_name: AxisName,
+    chunk: int,
+    bits: int,
+    topk_ratio: float | None,
+    two_phase: bool = True,
+    rms: bool = True,
 ):
     """How `onebit_adam` reduces the momenta after the freeze: (shard_of, reduce).
 
     `shard_of(size)` is the length of a layer's server residual; `reduce(acc, es, like, u)`
     returns (mean, new worker residual, new server residual, u zeroed where this replica sent):
-    DeepSpeed's `compressed_allreduce` with `bits`-bit codes (everything is sent: u as it was),
-    or with `topk_ratio` `topk`'s exchange (`two_phase`: sparse reduce-scatter of ceil(k / R)
+    DeepSpeed's `compressed_allreduce` with `bits`-bit codes (everything is sent: u as it was;
+    `rms=False`: ef_sign's scale ||x||_1 / d instead of ||x||_2 / sqrt(d)), or with `topk_ratio` `topk`'s exchange (`two_phase`: sparse reduce-scatter of ceil(k / R)
     pairs per row, server re-sparsification, all-gather; else an all-gather of each replica's k
     pairs), both with error feedback.
     """
@@ -905,7 +910,7 @@ def _momentum_exchange(
         raise ValueError(f"onebit_adam: chunk={chunk} must be a positive multiple of 8")
     if topk_ratio is None:
         sign = functools.partial(
-            _sign_allreduce, axis_name=axis_name, chunk=chunk, rms=True, bits=bits
+            _sign_allreduce, axis_name=axis_name, chunk=chunk, rms=rms, bits=bits
         )
         return lambda n: shard_layout(n, num_replicas(axis_name), chunk, 8)[0], (
             lambda acc, es, like, u: (*sign(acc, es, like), u)
@@ -934,6 +939,7 @@ def onebit_adam(
     local_momentum: bool = False,
     two_phase: bool = True,
     masking: bool = True,
+    rms: bool = True,
 ) -> optax.GradientTransformation:
     """1-bit Adam's communication (Tang et al., 2021; DeepSpeed `OnebitAdam`): the sync half.
 
@@ -955,12 +961,14 @@ def onebit_adam(
     u_i <- b1 u_i + (1 - b1) g_i (from Adam's m at the freeze), sends the top-k of u_i + worker
     residual and zeroes u_i where it sent (DGC's momentum correction and factor masking; with
     `masking=False` u_i is kept whole, so the sent sum stays the sum of the gradients).
+    `local_momentum` with the sign code (`grad_sync.compression=ef_sign momentum_correction=True
+    freeze_variance=True`, with `rms=False`: ef_sign's L1 scale): each replica's own momentum
+    u_i, sent as 1-bit signs of u_i + worker residual with both error feedbacks and never masked
+    (signs send every coordinate): error-compensated 1-bit local-momentum Adam.
     """
     if freeze_step < 0:
         raise ValueError(f"onebit_adam: freeze_step={freeze_step} must be >= 0")
-    if local_momentum and topk_ratio is None:
-        raise ValueError("onebit_adam: local_momentum (DGC) needs topk_ratio")
-    shard_of, reduce = _momentum_exchange(axis_name, chunk, bits, topk_ratio, two_phase)
+    shard_of, reduce = _momentum_exchange(axis_name, chunk, bits, topk_ratio, two_phase, rms)
 
     def init(params):
         momentum = jax.tree.map(lambda p: jnp.zeros((1, *p.shape), jnp.float32), params)
@@ -1118,6 +1126,10 @@ class TrainFields(NamedTuple):
 def _from_fields(name: str, axis_name: AxisName, cfg: Any, t: TrainFields):
     ef, warmup = bool(_field(cfg, "error_feedback")), int(_field(cfg, "warmup_steps"))
     mc = bool(_field(cfg, "momentum_correction"))
+    if name in ("ef_sign", "sign") and mc and _field(cfg, "freeze_variance"):  # under AdamW
+        return onebit_adam(
+            axis_name, warmup, b1=t.b1, batch_dims=t.batch_dims, local_momentum=True, rms=False
+        )
     if name in ("ef_sign", "sign"):
         return ef_sign(
             axis_name, error_feedback=ef, momentum_correction=mc, momentum=t.momentum,
@@ -1210,11 +1222,6 @@ def check(grad_sync_cfg: Any) -> None:
             )
         if not _field(grad_sync_cfg, "error_feedback"):
             raise ConfigError("grad_sync.momentum_correction needs grad_sync.error_feedback=True")
-        if _field(grad_sync_cfg, "freeze_variance") and name != "topk":
-            raise ConfigError(
-                "grad_sync.momentum_correction with freeze_variance (AdamW) applies to "
-                f"compression='topk' (DGC), not {name!r}; ef_sign's AdamW form is onebit_adam"
-            )
     dgc_adam = all(_field(grad_sync_cfg, f) for f in ("momentum_correction", "freeze_variance"))
     if not _field(grad_sync_cfg, "momentum_masking") and not (name == "topk" and dgc_adam):
         raise ConfigError(
@@ -1264,7 +1271,8 @@ def from_config(
     (topk), `error_feedback` (int8, topk, powersgd, ef_sign), `stochastic_rounding` (int8),
     `warmup_steps` (topk: density warm-up; powersgd: `start_iter`; ef_sign: `start_step`;
     onebit_adam, twobit_adam: the Adam steps before the variance freezes) and
-    `momentum_correction` (topk, ef_sign: the SGD `momentum` is applied inside the compressor);
+    `momentum_correction` (topk, ef_sign: the SGD `momentum` is applied inside the compressor;
+    with `freeze_variance` under AdamW each replica's own Adam momentum: DGC, 1-bit local Adam);
     `betas` are Adam's (onebit_adam, twobit_adam).
     Accepts a ConfigDict or a plain dict. `batch_dims` (a tree like the params) marks stacked-layer
     axes: every compressor treats each layer as a tensor of its own.
@@ -1290,11 +1298,11 @@ def preconditioner(
     grad_sync_cfg: Any, betas: tuple[float, float] = (0.9, 0.95)
 ) -> optax.GradientTransformation | None:
     """The optimizer half that replaces Adam's moments, else None: onebit_adam's, or with
-    `freeze_variance` (topk, powersgd) Adam whose variance freezes after `warmup_steps`."""
+    `freeze_variance` (topk, powersgd, ef_sign) Adam whose variance freezes after `warmup_steps`."""
     name = _field(grad_sync_cfg, "compression")
     if name in FREEZES_VARIANCE and _field(grad_sync_cfg, "freeze_variance"):
         warmup = int(_field(grad_sync_cfg, "warmup_steps"))
-        # topk with momentum_correction (DGC) sends Adam's momentum, as onebit_adam does
+        # topk / ef_sign with momentum_correction send each replica's Adam momentum
         takes = "momentum" if _field(grad_sync_cfg, "momentum_correction") else "gradient"
         return frozen_variance_adam(warmup, b1=betas[0], b2=betas[1], takes=takes)
     if name not in PRECONDITIONERS:

@@ -97,6 +97,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.b1 = 0.9
     c.train.b2 = 0.95
     c.train.momentum = 0.9
+    c.train.nesterov = False  # sgd: Nesterov momentum
     c.train.grad_clip = 1.0  # 0 = no clipping
     c.train.grad_accum = 1
     c.train.compute_dtype = "float32"

@@ -117,10 +117,10 @@ def _lars(c, lr, wd_mask, axes_tree) -> optax.GradientTransformation:
 
 
 def _sgd(c, lr, wd_mask, axes_tree) -> optax.GradientTransformation:
-    """SGD with momentum (none when `train.momentum` is 0)."""
+    """SGD with momentum (none when `train.momentum` is 0; Nesterov with `train.nesterov`)."""
     return optax.chain(
         optax.add_decayed_weights(c.weight_decay, mask=wd_mask),
-        optax.sgd(lr, momentum=c.momentum or None),
+        optax.sgd(lr, momentum=c.momentum or None, nesterov=bool(c.get("nesterov", False))),
     )
 
 

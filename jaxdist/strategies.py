@@ -465,6 +465,11 @@ def check(config, mesh_shape: Mapping[str, int]) -> None:
             "train.optimizer='sgd' with train.momentum > 0 (or AdamW's, with "
             f"grad_sync.freeze_variance=True), not {t.optimizer!r} with momentum {t.momentum}"
         )
+    if g.momentum_correction and t.get("nesterov", False):
+        raise ConfigError(
+            "grad_sync.momentum_correction applies plain momentum inside the compressor: set "
+            "train.nesterov=False"
+        )
     streaming.check(g, mesh_shape)
     if g.local_steps > 1:
         _check_explicit("grad_sync.local_steps", g.local_steps, "local_steps=1", mesh_shape)

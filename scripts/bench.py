@@ -318,7 +318,8 @@ COMPRESSION_SETTINGS = [
     ("local_sgd(H=4)", {"local_steps": 4}, {}, "none"),
     # post-local SGD: every step synchronous for the first 80 (40% of 200), then H = 4
     ("post_local_sgd(H=4)", {"local_steps": 4, "warmup_steps": 80}, {}, "none"),
-    ("none+sgd", {}, _SGD, "none"),
+    # the best momentum SGD measured (lr 0.05-1.0, grad_clip 0 / 0.5 / 1, Nesterov; docs)
+    ("none+sgd", {}, {**_SGD, "nesterov": True}, "none"),
     (
         "topk(DGC)+sgd",
         {
@@ -347,6 +348,19 @@ COMPRESSION_SETTINGS = [
     ),
     # ef_sign's compressor on the gradient, then AdamW (error feedback; 40 dense steps first)
     ("ef_sign", {"compression": "ef_sign", "warmup_steps": 40}, {}, "none"),
+    # ef_sign under AdamW as DGC is: each replica's own Adam momentum, 1-bit with ef_sign's scale
+    # and both error feedbacks, frozen variance (error-compensated 1-bit local-momentum Adam)
+    (
+        "ef_sign(local_adam)",
+        {
+            "compression": "ef_sign",
+            "momentum_correction": True,
+            "freeze_variance": True,
+            "warmup_steps": 60,
+        },
+        {},
+        "none",
+    ),
 ]
 _METHODS = flags.DEFINE_list(
     "methods", [], "--study=compression: run only these rows (labels as printed); default all."

@@ -29,6 +29,7 @@ from tests.test_compression import (
     _identity_grad_fn,
     _none_wire_bytes,
     _np_rows,
+    _np_sign_compress,
     _run,
     _wire_bytes,
 )
@@ -53,13 +54,19 @@ def _np_twobit_compress(x, valid):
 NP_CODES = {1: _np_onebit_compress, 2: _np_twobit_compress}
 
 
-def _np_compressed_allreduce(acc, worker, server, chunk, bits=1):
+def _np_l1_compress(x, valid):
+    """ef_sign's code: signs and the scale ||x||_1 / d per chunk."""
+    return _np_sign_compress(x, valid)[2]
+
+
+def _np_compressed_allreduce(acc, worker, server, chunk, bits=1, rms=True):
     """DeepSpeed's compressed_allreduce on the host, worker by worker.
 
     acc, worker: [R, *shape] (each worker's tensor and residual); server: [R, shard].
-    Returns (the all-reduced tensor, new worker residuals, new server residuals).
+    `rms=False`: ef_sign's L1 scale. Returns (the all-reduced tensor, new worker residuals, new
+    server residuals).
     """
-    code = NP_CODES[bits]
+    code = NP_CODES[bits] if rms else _np_l1_compress
     n = acc[0].size
     shard, c = C.shard_layout(n, R, chunk, 8)
     buf = acc + worker
@@ -86,11 +93,11 @@ def _np_topk_allreduce(acc, worker, server, ratio):
 
 def _np_onebit_adam(
     grads_per_step, freeze, b1, b2, eps, chunk, bits=1, topk_ratio=None, local_momentum=False,
-    masking=True,
+    masking=True, rms=True,
 ):  # fmt: skip
     """1-bit Adam's direction per step for one tensor: Adam for `freeze` steps, then frozen v
-    (momenta exchanged with `bits`-bit codes, or top-k at `topk_ratio`; `local_momentum`: DGC,
-    each worker's own momentum, zeroed where it sent)."""
+    (momenta exchanged with `bits`-bit codes, or top-k at `topk_ratio`; `local_momentum`: each
+    worker's own momentum (DGC: zeroed where it sent; signs: kept whole))."""
     g0 = grads_per_step[0]
     n = g0[0].size
     shard = C.shard_layout(n, R, chunk, 8)[0] if topk_ratio is None else -(-n // R)
@@ -106,7 +113,10 @@ def _np_onebit_adam(
         else:
             local = b1 * (u if local_momentum else m) + (1 - b1) * g  # [R, ...]: own momentum
             if topk_ratio is None:
-                m, worker, server = _np_compressed_allreduce(local, worker, server, chunk, bits)
+                m, worker, server = _np_compressed_allreduce(
+                    local, worker, server, chunk, bits, rms
+                )
+                u = local  # signs send every coordinate: nothing masked
             else:
                 acc = local + worker
                 m, worker, server = _np_topk_allreduce(local, worker, server, topk_ratio)
@@ -137,6 +147,8 @@ CODES = {
     "topk_adam": {"topk_ratio": 0.2},
     "dgc_adam": {"topk_ratio": 0.2, "local_momentum": True},  # topk momentum_correction + AdamW
     "dgc_adam_unmasked": {"topk_ratio": 0.2, "local_momentum": True, "masking": False},
+    # ef_sign momentum_correction + AdamW: own momenta, 1-bit with ef_sign's L1 scale
+    "ef_sign_adam": {"local_momentum": True, "rms": False},
 }
 
 
@@ -253,8 +265,9 @@ def test_onebit_adam_config_rules():
                 "grad_sync__momentum_correction": True,
                 "grad_sync__freeze_variance": True,
                 "grad_sync__warmup_steps": 5,
+                "train__optimizer": "sgd",
             },
-            "applies to compression='topk' (DGC)",
+            "train.optimizer='adamw'",
         ),
     ]:
         with pytest.raises(ConfigError, match=re.escape(match)) as e:
@@ -262,13 +275,14 @@ def test_onebit_adam_config_rules():
         assert "\n" not in str(e.value)
     assert isinstance(ml_collections.ConfigDict, type)
     # DGC under AdamW: topk's momentum correction with the variance frozen is accepted and is
-    # 1-bit Adam's scheme with each replica's own momentum (dgc_adam in CODES).
-    dgc = {"compression": "topk", "momentum_correction": True, "freeze_variance": True}
-    c = cfg(**{f"grad_sync__{k}": v for k, v in dgc.items()}, grad_sync__warmup_steps=5)
-    config_lib.validate(c, R)
-    tx = C.from_config(c.grad_sync, "data")
-    state = jax.eval_shape(lambda p: C.init_global(tx, p, MESH, "data"), PARAMS)
-    assert isinstance(state, C.OneBitAdamState)
+    # 1-bit Adam's scheme with each replica's own momentum (dgc_adam in CODES); ef_sign's is too.
+    for name in ("topk", "ef_sign"):
+        dgc = {"compression": name, "momentum_correction": True, "freeze_variance": True}
+        c = cfg(**{f"grad_sync__{k}": v for k, v in dgc.items()}, grad_sync__warmup_steps=5)
+        config_lib.validate(c, R)
+        tx = C.from_config(c.grad_sync, "data")
+        state = jax.eval_shape(lambda p, tx=tx: C.init_global(tx, p, MESH, "data"), PARAMS)
+        assert isinstance(state, C.OneBitAdamState)
     # ... and its optimizer half takes the synchronized momentum as m after the freeze (step 2)
     c.grad_sync.warmup_steps = 1
     pre = C.preconditioner(c.grad_sync)
@@ -550,3 +564,39 @@ def test_topk_adam_wire_is_two_phase_topk_after_the_freeze():
     sent = _wire_bytes(tx, BIG)
     assert sent == _wire_bytes(C.topk("data", 0.01, two_phase=True), BIG)
     assert _none_wire_bytes() / sent >= 40
+
+
+def test_ef_sign_under_adamw_from_config_is_local_momentum_with_the_l1_scale():
+    """`ef_sign momentum_correction freeze_variance` builds `ef_sign_adam` of CODES (replayed in
+    test_onebit_adam_matches_host_reimplementation): the same means, step by step."""
+    cfg = {"compression": "ef_sign", "momentum_correction": True, "freeze_variance": True}
+    steps = [_grads(95 + i, common=1.0) for i in range(3)]
+    got = _run(C.from_config({**cfg, "warmup_steps": 1}, "data", betas=(0.9, 0.95)), steps)
+    want = _run(C.onebit_adam("data", 1, b1=0.9, local_momentum=True, rms=False), steps)
+    for (a, _, _), (b, _, _) in zip(got, want, strict=True):
+        for k in SHAPES:
+            np.testing.assert_array_equal(a[k], b[k])
+    assert not np.allclose(got[-1][0]["w"], got[-2][0]["w"])  # the compressed steps moved
+
+
+def test_sgd_nesterov_from_config_and_refused_with_momentum_correction():
+    """`train.nesterov` (the momentum-SGD baseline's tuning): v <- mu v + g, step -lr (g + mu v)."""
+    from jaxdist import config as config_lib
+    from jaxdist import optim
+
+    c = config_lib.base_config()
+    with c.unlocked():
+        c.train.update(optimizer="sgd", nesterov=True, schedule="constant", warmup_steps=0)
+        c.train.update(weight_decay=0.0, grad_clip=0.0, learning_rate=0.1, momentum=0.9)
+    tx, _ = optim.build(c.train, {"w": ("embed", "mlp")})
+    grads = [np.random.default_rng(i).normal(size=(3, 2)).astype(F32) for i in range(3)]
+    params = {"w": jnp.zeros((3, 2))}
+    state, v = tx.init(params), np.zeros((3, 2), F32)
+    for g in grads:
+        out, state = tx.update({"w": jnp.asarray(g)}, state, params)
+        v = 0.9 * v + g
+        np.testing.assert_allclose(out["w"], -0.1 * (g + 0.9 * v), rtol=1e-6, atol=1e-7)
+    c.mesh.data, c.runtime.cpu_devices, c.model.name = R, R, "mlp"
+    c.grad_sync.update(compression="ef_sign", momentum_correction=True)
+    with pytest.raises(ConfigError, match=re.escape("train.nesterov=False")):
+        config_lib.validate(c, R)
