@@ -311,17 +311,18 @@ def reduced(setup: Setup) -> Strategy:
 
 
 def _per_hop(setup: Setup, grads_of, schedule) -> Strategy:
-    """bf16 / int8 at every ring hop (`ring`) or across hosts only (`hierarchical`,
+    """bf16 / int8 / topk at every ring hop (`ring`) or across hosts only (`hierarchical`,
     compress_over=dcn); state["grad_sync"]: each replica's residual [R, E]."""
     mesh, r, g = setup.mesh, setup.mesh.shape["data"], setup.config.grad_sync
     size = sum(math.prod(p.shape) for p in jax.tree.leaves(setup.abstract_params))
     hosts = int(setup.config.mesh.dcn_data) if g.compress_over == "dcn" else 1
-    e = allreduce.per_hop_size(size, r, hosts, g.compression)
+    wire = allreduce.codec(g.compression, g.topk_ratio)
+    e = allreduce.per_hop_size(size, r, hosts, wire)
     abstract = jax.ShapeDtypeStruct((r, e), jnp.float32)
     entry = Entry.from_specs(
         abstract, P("data"), mesh, lambda params: jnp.zeros((r, e), jnp.float32)
     )
-    reduce = allreduce.per_hop_reducer(mesh, "data", hosts, g.compression)
+    reduce = allreduce.per_hop_reducer(mesh, "data", hosts, wire)
 
     def gradients(params, batch, extra):
         loss, grads = grads_of(params, batch)

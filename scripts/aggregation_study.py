@@ -223,6 +223,29 @@ def emulated_hosts(m, hosts: int) -> list[int]:
     return [index[axis] // local for index, _ in np.ndenumerate(m.devices)]
 
 
+def _compress_over_hosts(config) -> str:
+    """How the compress_over rows get their 2 hosts: "emulated_hosts" on one process (the mesh
+    without `dcn_data`, as `emulated_hosts` splits it), "processes" on 2 real processes (under
+    scripts/launch.py, the mesh with `mesh.dcn_data=2`: one host per process).
+
+    Raises:
+      ConfigError: several processes, but not 2 with `mesh.dcn_data=2`.
+    """
+    import jax
+
+    from jaxdist.errors import ConfigError
+
+    if jax.process_count() == 1:
+        return "emulated_hosts"
+    if jax.process_count() != 2 or int(config.mesh.get("dcn_data", 1)) != 2:
+        raise ConfigError(
+            "--parts=compress_over on several processes: its rows split 2 hosts, so run it on 2 "
+            f"processes with --config.mesh.dcn_data=2 (got {jax.process_count()} processes, "
+            f"mesh.dcn_data={config.mesh.get('dcn_data', 1)})"
+        )
+    return "processes"
+
+
 # (label, grad_sync fields) on top of the config's local SGD / DiLoCo (grad_sync.local_steps = H).
 STREAMING = [
     ("DiLoCo", {}),
@@ -333,8 +356,9 @@ def run(
     if "per_hop" in parts:
         out["per_hop"] = {"steps": max_steps, "runs": per_hop(config, m, ds, max_steps)}
     if "compress_over" in parts:
+        hosts = _compress_over_hosts(config)
         rows = per_hop(config, m, ds, max_steps, rows=COMPRESS_OVER)
-        out["compress_over"] = {"steps": max_steps, "emulated_hosts": 2, "runs": rows}
+        out["compress_over"] = {"steps": max_steps, hosts: 2, "runs": rows}
     if "streaming" in parts:
         h = config.grad_sync.local_steps
         rows = streaming_rows(config, m, ds, max_steps)
