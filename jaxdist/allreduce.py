@@ -347,22 +347,33 @@ def mean_tree_per_hop(
 
 
 def per_hop_reducer(
-    mesh: Mesh, axis: str, hosts: int, wire: Codec
+    mesh: Mesh,
+    axis: str,
+    shard_axes: tuple[str, ...],
+    param_specs: Any,
+    hosts: int,
+    wire: Codec,
 ) -> Callable[[Any, jax.Array], tuple[Any, jax.Array]]:
-    """`(grads [R, ...], residual [R, E]) -> (mean grads, residual)`: `wire` per hop (`ring`),
-    or across hosts only (`hierarchical` with hosts > 1)."""
+    """`(grads [R, ...], residual [R * D, E]) -> (mean grads, residual)`: `wire` per hop (`ring`),
+    or across hosts only (`hierarchical` with hosts > 1). As `reducer`, manual over `axis` and
+    `shard_axes` (D devices per replica): each device reduces its own shard of its replica's
+    gradient and keeps its own residual row (E: `per_hop_size` of its shard)."""
+    manual = {axis, *shard_axes}
+    g_specs = jax.tree.map(lambda sp: sharding.spec_only(P(axis, *sp), manual), param_specs)
+    mean_specs = jax.tree.map(lambda sp: sharding.spec_only(sp, manual), param_specs)
+    err_spec = P((axis, *shard_axes))
 
     def reduce(grads, err):
-        local = jax.tree.map(lambda g: g[0], grads)
+        local = jax.tree.map(lambda g: g[0], grads)  # this device's [1, ...] block
         mean, err = mean_tree_per_hop(local, err[0], axis, hosts, wire)
         return mean, err[None]
 
     return jax.shard_map(
         reduce,
         mesh=mesh,
-        in_specs=(P(axis), P(axis)),
-        out_specs=(P(), P(axis)),
-        axis_names={axis},
+        in_specs=(g_specs, err_spec),
+        out_specs=(mean_specs, err_spec),
+        axis_names=manual,
         check_vma=False,
     )
 
@@ -432,12 +443,10 @@ def check(config, mesh_shape: dict[str, int]) -> None:
                 "with its residual only; unset grad_sync."
                 f"{', '.join(dgc or ['topk_exchange'])} (DGC's, for algorithm='xla')"
             )
-        shards = [a for a in ("fsdp", "tensor", "pipeline") if mesh_shape[a] > 1]
-        if shards:
+        if mesh_shape["pipeline"] > 1:
             raise ConfigError(
                 f"grad_sync.algorithm={name!r} with compression={g.compression!r} (per hop) "
-                f"needs fsdp = tensor = pipeline = 1, got "
-                f"{', '.join(f'mesh.{a}>1' for a in shards)}"
+                f"needs mesh.pipeline = 1, got {mesh_shape['pipeline']}"
             )
     elif g.compression != "none" or g.local_steps > 1:
         raise ConfigError(

@@ -13,11 +13,14 @@ Three tables (docs/AGGREGATION.md quotes them):
   per_hop    bf16 / int8 compression of the whole reduction against the same at every ring hop
              (with error feedback): busiest-device bytes and validation loss after `--max_steps`
              steps.
+  per_hop_topk
+             the same for top-k at 10%: all-gathered over the whole reduction, or at every hop.
   compress_over
              `hierarchical` compressing only its cross-host stage (compress_over=dcn, bf16 /
              int8) against compressing the whole reduction and against exact `xla`: busiest-
              device bytes in total and across hosts, validation loss after `--max_steps` steps.
-             On one process the two hosts are emulated (`emulated_hosts`).
+             On one process the two hosts are emulated (`emulated_hosts`); under
+             scripts/launch.py on 2 processes with `mesh.dcn_data=2` they are the processes.
   streaming  plain DiLoCo against streaming DiLoCo (fragments, overlap, int8 outer gradients) at
              the config's `grad_sync.local_steps`: the costliest single sync and the mean bytes
              per step (HLO), validation loss after `--max_steps` steps.
@@ -147,6 +150,12 @@ PER_HOP = [
     ("ring + bf16 per hop", {"algorithm": "ring", "compression": "bf16"}),
     ("int8 (whole reduction)", {"compression": "int8"}),
     ("ring + int8 per hop", {"algorithm": "ring", "compression": "int8"}),
+]
+# top-k (10%, error feedback) over the whole reduction (values + indices all-gathered) against
+# top-k at every ring hop (the receiver densifies and adds): `--parts=per_hop_topk`.
+PER_HOP_TOPK = [
+    ("topk 10% (whole reduction)", {"compression": "topk", "topk_ratio": 0.1}),
+    ("ring + topk 10% per hop", {"algorithm": "ring", "compression": "topk", "topk_ratio": 0.1}),
 ]
 
 
@@ -337,7 +346,7 @@ def run(
     config, *, parts, steps, warmup, taus, target, max_steps, eval_every, planner_config, out_path
 ):
     """The study's `parts` ("algorithms": measured + predicted, "staleness", "per_hop",
-    "compress_over", "streaming"); the JSON payload."""
+    "per_hop_topk", "compress_over", "streaming"); the JSON payload."""
     import jax
 
     from jaxdist import data, mesh
@@ -355,6 +364,9 @@ def run(
         print_tables(out)
     if "per_hop" in parts:
         out["per_hop"] = {"steps": max_steps, "runs": per_hop(config, m, ds, max_steps)}
+    if "per_hop_topk" in parts:
+        rows = per_hop(config, m, ds, max_steps, rows=PER_HOP_TOPK)
+        out["per_hop_topk"] = {"steps": max_steps, "runs": rows}
     if "compress_over" in parts:
         hosts = _compress_over_hosts(config)
         rows = per_hop(config, m, ds, max_steps, rows=COMPRESS_OVER)

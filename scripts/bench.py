@@ -88,8 +88,8 @@ _EVAL_EVERY = flags.DEFINE_integer(
 _PARTS = flags.DEFINE_list(
     "parts",
     ["algorithms", "staleness"],
-    "--study=aggregation: which parts to run (algorithms, staleness, per_hop, compress_over, "
-    "streaming).",
+    "--study=aggregation: which parts to run (algorithms, staleness, per_hop, per_hop_topk, "
+    "compress_over, streaming).",
 )
 _TAUS = flags.DEFINE_list(
     "taus", ["0", "1", "2", "4"], "--study=aggregation: grad_sync.staleness values to train."

@@ -412,10 +412,36 @@ def test_ring_with_topk_per_hop_sends_values_and_indices():
     assert per_hop[0]["busiest_bytes"] == 2 * 2 * (n - 1) * 8 * kk
 
 
-def test_ring_with_bf16_per_hop_refuses_sharded_parameters():
-    c = tiny_gpt_config(data=4, fsdp=2)
+def test_per_hop_with_fsdp_and_tensor_reduces_each_devices_shard():
+    """With fsdp and tensor each device runs the per-hop ring on its own shard of its replica's
+    gradient, as the exact algorithms do: topk at ratio 1.0 makes the same 3 steps as the exact
+    `ring` bit for bit (losses and parameters), and bf16 per hop moves half the exact ring's
+    bytes over `data` in the same 2(N-1) permutes."""
+    mesh = {"data": 4, "fsdp": 2}
+
+    def cfg(compression, **fields):
+        c = _cfg("ring", **mesh)
+        c.grad_sync.compression = compression
+        for k, v in fields.items():
+            c.grad_sync[k] = v
+        return c
+
+    want_losses, want_params = train_steps(_cfg("ring", **mesh), 3)
+    losses, params = train_steps(cfg("topk", topk_ratio=1.0), 3)
+    np.testing.assert_array_equal(losses, want_losses)
+    jax.tree.map(np.testing.assert_array_equal, params, want_params)
+    _, exact, _ = _phases(_cfg("ring", data=2, fsdp=2, tensor=2))
+    c = _cfg("ring", data=2, fsdp=2, tensor=2)
+    c.grad_sync.compression = "bf16"
+    _, per_hop, _ = _phases(c)
+    assert [(p["kind"], p["steps"]) for p in per_hop] == [("collective-permute", 2)]
+    assert per_hop[0]["busiest_bytes"] == exact[0]["busiest_bytes"] / 2
+
+
+def test_per_hop_refuses_pipeline_stages():
+    c = tiny_gpt_config(data=4, pipeline=2)
     c.grad_sync.algorithm, c.grad_sync.compression = "ring", "bf16"
-    with pytest.raises(ConfigError, match="needs fsdp = tensor = pipeline = 1, got mesh.fsdp>1"):
+    with pytest.raises(ConfigError, match="needs mesh.pipeline = 1, got 2"):
         config.validate(c, 8)
 
 
