@@ -493,6 +493,21 @@ def test_hierarchical_compresses_only_across_hosts(codec, ratio):
     assert 1e-4 < one and np.abs(np.mean([o[0] for o in outs], 0) - want).max() < one / 10
 
 
+def test_hierarchical_with_topk_across_hosts_at_ratio_1_is_exact():
+    """compress_over=dcn with topk at ratio 1.0: the ici phase is exact hierarchical's, the dcn
+    phase carries every value with its index (twice the f32 bytes), and the sum is exact
+    hierarchical's bit for bit, with a zero residual."""
+    _, exact, sh, _ = _hierarchical_phases(8, 2, per_hop=False)
+    tiers, topk, _, e = _hierarchical_phases(8, 2, per_hop=True, codec="topk")
+    s = 4 * 4096
+    assert tiers == {"ici": (6, 3 * s), "dcn": (2, s)}
+    x = jax.device_put(np.random.RandomState(3).randn(8, 4096).astype(np.float32), sh)
+    err = jax.device_put(np.zeros((8, e), np.float32), sh)
+    got, new_err = jax.jit(topk)(x, err)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(exact)(x, err)[0]))
+    assert not np.asarray(new_err).any()
+
+
 @pytest.mark.parametrize(
     "fields,match",
     [
