@@ -17,6 +17,10 @@ replica's gradient.
   sharded_ps        every device serves 1/N of the buffer: push shards (one all-to-all), owners
                     sum, pull the reduced shards (one all-gather). ZeRO's traffic, as a server.
 
+`ring_per_hop` runs a ring with a codec (`CODECS`: bf16, int8, topk) on the wire at every hop and
+a residual per chunk (error feedback): `ring` with `grad_sync.compression`, or `hierarchical` with
+`grad_sync.compress_over=dcn` (exact within a host, compressed across hosts).
+
 Step counts and bytes are pinned against the compiled HLO in tests/test_allreduce.py and costed by
 the planner (jaxdist/plan.py `algorithm_cost`); docs/AGGREGATION.md compares them.
 """
