@@ -17,6 +17,10 @@ replica's gradient.
   sharded_ps        every device serves 1/N of the buffer: push shards (one all-to-all), owners
                     sum, pull the reduced shards (one all-gather). ZeRO's traffic, as a server.
 
+`ring_per_hop` runs a ring with a codec (`CODECS`: bf16, int8, topk) on the wire at every hop and
+a residual per chunk (error feedback): `ring` with `grad_sync.compression`, or `hierarchical` with
+`grad_sync.compress_over=dcn` (exact within a host, compressed across hosts).
+
 Step counts and bytes are pinned against the compiled HLO in tests/test_allreduce.py and costed by
 the planner (jaxdist/plan.py `algorithm_cost`); docs/AGGREGATION.md compares them.
 """
@@ -222,7 +226,7 @@ class Codec(NamedTuple):
     """What one hop of a compressed ring puts on the wire."""
 
     encode: Callable[[jax.Array], jax.Array]  # f32 [k] -> the payload
-    decode: Callable[[jax.Array], jax.Array]  # the payload -> f32 [k]
+    decode: Callable[[jax.Array, int], jax.Array]  # (the payload, k) -> f32 [k]
     block: int  # k is a multiple of this: the buffer is padded to N * block
 
 
@@ -233,22 +237,46 @@ def _int8_encode(x: jax.Array) -> jax.Array:
     return jnp.concatenate([q, jax.lax.bitcast_convert_type(scale, jnp.int8)], axis=1)
 
 
-def _int8_decode(payload: jax.Array) -> jax.Array:
+def _int8_decode(payload: jax.Array, k: int) -> jax.Array:
     scale = jax.lax.bitcast_convert_type(payload[:, INT8_BLOCK:], jnp.float32)  # [k/256]
     return compression.dequantize_int8(payload[:, :INT8_BLOCK], scale).reshape(-1)
 
 
-# grad_sync.compression names that `ring` (and `hierarchical` across hosts) run at every hop.
-CODECS: dict[str, Codec] = {
-    "bf16": Codec(_bits, _unbits, 1),
-    "int8": Codec(_int8_encode, _int8_decode, INT8_BLOCK),  # absmax scale per 256 values
+def _topk_codec(ratio: float) -> Codec:
+    """Top-k per hop (cf. gTop-k, Shi et al. 2019): the ceil(ratio * k) largest-magnitude values
+    of the chunk, sent as one int32 buffer [2 kk] (the f32 values' bits, then their indices);
+    the receiver scatters them into zeros (densifies) before adding its own chunk."""
+
+    def encode(x: jax.Array) -> jax.Array:
+        _, idx = jax.lax.top_k(jnp.abs(x), compression._topk_k(ratio, x.shape[0]))
+        return jnp.concatenate([jax.lax.bitcast_convert_type(x[idx], jnp.int32), idx])
+
+    def decode(payload: jax.Array, k: int) -> jax.Array:
+        kk = payload.shape[0] // 2
+        values = jax.lax.bitcast_convert_type(payload[:kk], jnp.float32)
+        return jnp.zeros((k,), jnp.float32).at[payload[kk:]].set(values)
+
+    return Codec(encode, decode, 1)
+
+
+# grad_sync.compression names that `ring` (and `hierarchical` across hosts) run at every hop:
+# name -> (grad_sync.topk_ratio -> Codec).
+CODECS: dict[str, Callable[[float], Codec]] = {
+    "bf16": lambda ratio: Codec(_bits, lambda q, k: _unbits(q), 1),
+    "int8": lambda ratio: Codec(_int8_encode, _int8_decode, INT8_BLOCK),  # absmax per 256 values
+    "topk": _topk_codec,
 }
 
 
+def codec(name: str, topk_ratio: float = 1.0) -> Codec:
+    """The per-hop codec `grad_sync.compression` = `name` names (`topk_ratio`: topk's only)."""
+    return CODECS[name](topk_ratio)
+
+
 def ring_per_hop(
-    x: jax.Array, err: jax.Array, axis: str, groups: list[list[int]], codec: str = "bf16"
+    x: jax.Array, err: jax.Array, axis: str, groups: list[list[int]], wire: Codec
 ) -> tuple[jax.Array, jax.Array]:
-    """`ring` along each group with `CODECS[codec]` on the wire at every hop and error feedback:
+    """`ring` along each group with the codec `wire` at every hop and error feedback:
     ([S] sum over the group, [S + S/m] residual), m the group size.
 
     Reduce-scatter: the partial sum a device forwards is encoded and what the encoding lost stays
@@ -256,8 +284,9 @@ def ring_per_hop(
     All-gather: the owner encodes its reduced chunk once (with its own residual) and the payload
     travels unchanged, so every device, the owner too, ends with the same sum.
     """
-    enc, dec, _ = CODECS[codec]
+    enc, dec, _ = wire
     size, m, n = x.shape[0], len(groups[0]), sum(len(g) for g in groups)
+    width = size // m  # elements per chunk
     p = _pos(_rank_in_group(groups, n), axis)
     pairs = _ring_pairs(groups)
     chunks, res = x.reshape(m, -1), err[:size].reshape(m, -1)  # [m, S/m] each
@@ -266,53 +295,53 @@ def ring_per_hop(
         c = jax.lax.dynamic_index_in_dim(chunks, i, keepdims=False)
         c = c + jax.lax.dynamic_index_in_dim(res, i, keepdims=False)
         q = enc(c)
-        res = jax.lax.dynamic_update_index_in_dim(res, c - dec(q), i, 0)
-        recv = dec(jax.lax.ppermute(q, axis, pairs))
+        res = jax.lax.dynamic_update_index_in_dim(res, c - dec(q, width), i, 0)
+        recv = dec(jax.lax.ppermute(q, axis, pairs), width)
         into = (p - k - 1) % m
         mine = jax.lax.dynamic_index_in_dim(chunks, into, keepdims=False)
         chunks = jax.lax.dynamic_update_index_in_dim(chunks, mine + recv, into, 0)
     own = jax.lax.dynamic_index_in_dim(chunks, (p + 1) % m, keepdims=False) + err[size:]
     q = q_own = enc(own)
-    gathered = jnp.zeros((m, size // m), jnp.float32)
-    gathered = jax.lax.dynamic_update_index_in_dim(gathered, dec(q), (p + 1) % m, 0)
-    for k in range(m - 1):
+    gathered = jnp.zeros((m, width), jnp.float32)
+    gathered = jax.lax.dynamic_update_index_in_dim(gathered, dec(q, width), (p + 1) % m, 0)
+    for j in range(m - 1):
         q = jax.lax.ppermute(q, axis, pairs)
-        gathered = jax.lax.dynamic_update_index_in_dim(gathered, dec(q), (p - k) % m, 0)
-    new_err = jnp.concatenate([res.reshape(-1), own - dec(q_own)])
+        gathered = jax.lax.dynamic_update_index_in_dim(gathered, dec(q, width), (p - j) % m, 0)
+    new_err = jnp.concatenate([res.reshape(-1), own - dec(q_own, width)])
     return gathered.reshape(-1), new_err
 
 
 def _per_hop_sum(
-    x: jax.Array, err: jax.Array, axis: str, n: int, hosts: int, codec: str = "bf16"
+    x: jax.Array, err: jax.Array, axis: str, n: int, hosts: int, wire: Codec
 ) -> tuple[jax.Array, jax.Array]:
     """hosts = 1: `ring_per_hop` over the axis (compressed at every hop). hosts > 1:
     `hierarchical`, exact within each host and compressed (error feedback) only across hosts
     (compress_over=dcn)."""
     if hosts == 1:
-        return ring_per_hop(x, err, axis, [list(range(n))], codec)
+        return ring_per_hop(x, err, axis, [list(range(n))], wire)
     within, across = _groups(n, hosts, True), _groups(n, hosts, False)
-    shard, err = ring_per_hop(ring_reduce_scatter(x, axis, within), err, axis, across, codec)
+    shard, err = ring_per_hop(ring_reduce_scatter(x, axis, within), err, axis, across, wire)
     return ring_all_gather(shard, axis, within), err
 
 
-def per_hop_size(num_elements: int, n: int, hosts: int = 1, codec: str = "bf16") -> int:
+def per_hop_size(num_elements: int, n: int, hosts: int, wire: Codec) -> int:
     """Elements of one device's per-hop residual: what it forwards (the padded buffer S, or its
     S/L shard across hosts) plus the chunk it owns."""
-    padded = num_elements + (-num_elements % (n * CODECS[codec].block))
+    padded = num_elements + (-num_elements % (n * wire.block))
     forwarded = padded if hosts == 1 else padded // (n // hosts)
     return forwarded + padded // n
 
 
 def mean_tree_per_hop(
-    tree: Any, err: jax.Array, axis: str, hosts: int = 1, codec: str = "bf16"
+    tree: Any, err: jax.Array, axis: str, hosts: int, wire: Codec
 ) -> tuple[Any, jax.Array]:
     """`mean_tree` compressed per hop (`_per_hop_sum`); `err` [per_hop_size] this device's."""
     leaves, treedef = jax.tree.flatten(tree)
     n = jax.lax.axis_size(axis)
     flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
     size = flat.shape[0]
-    flat = jnp.concatenate([flat, jnp.zeros((-size % (n * CODECS[codec].block),), jnp.float32)])
-    summed, err = _per_hop_sum(flat, err, axis, n, hosts, codec)
+    flat = jnp.concatenate([flat, jnp.zeros((-size % (n * wire.block),), jnp.float32)])
+    summed, err = _per_hop_sum(flat, err, axis, n, hosts, wire)
     summed = summed[:size] / n
     out, start = [], 0
     for x in leaves:
@@ -322,22 +351,33 @@ def mean_tree_per_hop(
 
 
 def per_hop_reducer(
-    mesh: Mesh, axis: str, hosts: int = 1, codec: str = "bf16"
+    mesh: Mesh,
+    axis: str,
+    shard_axes: tuple[str, ...],
+    param_specs: Any,
+    hosts: int,
+    wire: Codec,
 ) -> Callable[[Any, jax.Array], tuple[Any, jax.Array]]:
-    """`(grads [R, ...], residual [R, E]) -> (mean grads, residual)`: `codec` per hop (`ring`),
-    or across hosts only (`hierarchical` with hosts > 1)."""
+    """`(grads [R, ...], residual [R * D, E]) -> (mean grads, residual)`: `wire` per hop (`ring`),
+    or across hosts only (`hierarchical` with hosts > 1). As `reducer`, manual over `axis` and
+    `shard_axes` (D devices per replica): each device reduces its own shard of its replica's
+    gradient and keeps its own residual row (E: `per_hop_size` of its shard)."""
+    manual = {axis, *shard_axes}
+    g_specs = jax.tree.map(lambda sp: sharding.spec_only(P(axis, *sp), manual), param_specs)
+    mean_specs = jax.tree.map(lambda sp: sharding.spec_only(sp, manual), param_specs)
+    err_spec = P((axis, *shard_axes))
 
     def reduce(grads, err):
-        local = jax.tree.map(lambda g: g[0], grads)
-        mean, err = mean_tree_per_hop(local, err[0], axis, hosts, codec)
+        local = jax.tree.map(lambda g: g[0], grads)  # this device's [1, ...] block
+        mean, err = mean_tree_per_hop(local, err[0], axis, hosts, wire)
         return mean, err[None]
 
     return jax.shard_map(
         reduce,
         mesh=mesh,
-        in_specs=(P(axis), P(axis)),
-        out_specs=(P(), P(axis)),
-        axis_names={axis},
+        in_specs=(g_specs, err_spec),
+        out_specs=(mean_specs, err_spec),
+        axis_names=manual,
         check_vma=False,
     )
 
@@ -400,18 +440,23 @@ def check(config, mesh_shape: dict[str, int]) -> None:
                 f"grad_sync.algorithm='hierarchical' with compression={g.compression!r} "
                 "compresses only across hosts: set grad_sync.compress_over='dcn'"
             )
-        shards = [a for a in ("fsdp", "tensor", "pipeline") if mesh_shape[a] > 1]
-        if shards:
+        dgc = [f for f in ("momentum_correction", "freeze_variance", "warmup_steps") if g[f]]
+        if g.compression == "topk" and (dgc or g.topk_exchange != "all_gather"):
+            raise ConfigError(
+                f"grad_sync.algorithm={name!r} with compression='topk' sends each hop's top-k "
+                "with its residual only; unset grad_sync."
+                f"{', '.join(dgc or ['topk_exchange'])} (DGC's, for algorithm='xla')"
+            )
+        if mesh_shape["pipeline"] > 1:
             raise ConfigError(
                 f"grad_sync.algorithm={name!r} with compression={g.compression!r} (per hop) "
-                f"needs fsdp = tensor = pipeline = 1, got "
-                f"{', '.join(f'mesh.{a}>1' for a in shards)}"
+                f"needs mesh.pipeline = 1, got {mesh_shape['pipeline']}"
             )
     elif g.compression != "none" or g.local_steps > 1:
         raise ConfigError(
             f"grad_sync.algorithm={name!r} runs the exact reduction; it does not combine with "
             f"grad_sync.compression={g.compression!r} / local_steps={g.local_steps} (use 'xla'; "
-            "'ring' takes compression='bf16' or 'int8' per hop)"
+            f"'ring' takes compression in {', '.join(CODECS)} per hop)"
         )
     if name == "halving_doubling" and n & (n - 1):
         raise ConfigError(

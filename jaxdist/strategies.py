@@ -311,17 +311,30 @@ def reduced(setup: Setup) -> Strategy:
 
 
 def _per_hop(setup: Setup, grads_of, schedule) -> Strategy:
-    """bf16 / int8 at every ring hop (`ring`) or across hosts only (`hierarchical`,
-    compress_over=dcn); state["grad_sync"]: each replica's residual [R, E]."""
+    """bf16 / int8 / topk at every ring hop (`ring`) or across hosts only (`hierarchical`,
+    compress_over=dcn), each device on its own shard (fsdp / tensor) as `reduced`;
+    state["grad_sync"]: each device's residual [R * D, E] (D devices per replica)."""
     mesh, r, g = setup.mesh, setup.mesh.shape["data"], setup.config.grad_sync
-    size = sum(math.prod(p.shape) for p in jax.tree.leaves(setup.abstract_params))
-    hosts = int(setup.config.mesh.dcn_data) if g.compress_over == "dcn" else 1
-    e = allreduce.per_hop_size(size, r, hosts, g.compression)
-    abstract = jax.ShapeDtypeStruct((r, e), jnp.float32)
-    entry = Entry.from_specs(
-        abstract, P("data"), mesh, lambda params: jnp.zeros((r, e), jnp.float32)
+    shard_axes = _shard_axes(mesh)
+    manual = ("data", *shard_axes)
+    # One device's shard of its replica's gradient: what it reduces, and its residual's size.
+    size = sum(
+        math.prod(sh.shard_shape(p.shape))
+        for p, sh in zip(
+            jax.tree.leaves(setup.abstract_params),
+            jax.tree.leaves(setup.param_shardings),
+            strict=True,
+        )
     )
-    reduce = allreduce.per_hop_reducer(mesh, "data", hosts, g.compression)
+    hosts = int(setup.config.mesh.dcn_data) if g.compress_over == "dcn" else 1
+    wire = allreduce.codec(g.compression, g.topk_ratio)
+    e = allreduce.per_hop_size(size, r, hosts, wire)
+    rows = math.prod(mesh.shape[a] for a in manual)  # a residual row per device
+    abstract = jax.ShapeDtypeStruct((rows, e), jnp.float32)
+    entry = Entry.from_specs(
+        abstract, P(manual), mesh, lambda params: jnp.zeros((rows, e), jnp.float32)
+    )
+    reduce = allreduce.per_hop_reducer(mesh, "data", shard_axes, setup.param_specs, hosts, wire)
 
     def gradients(params, batch, extra):
         loss, grads = grads_of(params, batch)

@@ -13,11 +13,14 @@ Three tables (docs/AGGREGATION.md quotes them):
   per_hop    bf16 / int8 compression of the whole reduction against the same at every ring hop
              (with error feedback): busiest-device bytes and validation loss after `--max_steps`
              steps.
+  per_hop_topk
+             the same for top-k at 10%: all-gathered over the whole reduction, or at every hop.
   compress_over
              `hierarchical` compressing only its cross-host stage (compress_over=dcn, bf16 /
              int8) against compressing the whole reduction and against exact `xla`: busiest-
              device bytes in total and across hosts, validation loss after `--max_steps` steps.
-             On one process the two hosts are emulated (`emulated_hosts`).
+             On one process the two hosts are emulated (`emulated_hosts`); under
+             scripts/launch.py on 2 processes with `mesh.dcn_data=2` they are the processes.
   streaming  plain DiLoCo against streaming DiLoCo (fragments, overlap, int8 outer gradients) at
              the config's `grad_sync.local_steps`: the costliest single sync and the mean bytes
              per step (HLO), validation loss after `--max_steps` steps.
@@ -148,6 +151,12 @@ PER_HOP = [
     ("int8 (whole reduction)", {"compression": "int8"}),
     ("ring + int8 per hop", {"algorithm": "ring", "compression": "int8"}),
 ]
+# top-k (10%, error feedback) over the whole reduction (values + indices all-gathered) against
+# top-k at every ring hop (the receiver densifies and adds): `--parts=per_hop_topk`.
+PER_HOP_TOPK = [
+    ("topk 10% (whole reduction)", {"compression": "topk", "topk_ratio": 0.1}),
+    ("ring + topk 10% per hop", {"algorithm": "ring", "compression": "topk", "topk_ratio": 0.1}),
+]
 
 
 def _val_loss_after(engine, compiled, batches, max_steps: int, eval_batches: int) -> float:
@@ -221,6 +230,29 @@ def emulated_hosts(m, hosts: int) -> list[int]:
         return [d.process_index for d in m.devices.flat]
     axis, local = m.axis_names.index("data"), m.shape["data"] // hosts
     return [index[axis] // local for index, _ in np.ndenumerate(m.devices)]
+
+
+def _compress_over_hosts(config) -> str:
+    """How the compress_over rows get their 2 hosts: "emulated_hosts" on one process (the mesh
+    without `dcn_data`, as `emulated_hosts` splits it), "processes" on 2 real processes (under
+    scripts/launch.py, the mesh with `mesh.dcn_data=2`: one host per process).
+
+    Raises:
+      ConfigError: several processes, but not 2 with `mesh.dcn_data=2`.
+    """
+    import jax
+
+    from jaxdist.errors import ConfigError
+
+    if jax.process_count() == 1:
+        return "emulated_hosts"
+    if jax.process_count() != 2 or int(config.mesh.get("dcn_data", 1)) != 2:
+        raise ConfigError(
+            "--parts=compress_over on several processes: its rows split 2 hosts, so run it on 2 "
+            f"processes with --config.mesh.dcn_data=2 (got {jax.process_count()} processes, "
+            f"mesh.dcn_data={config.mesh.get('dcn_data', 1)})"
+        )
+    return "processes"
 
 
 # (label, grad_sync fields) on top of the config's local SGD / DiLoCo (grad_sync.local_steps = H).
@@ -314,7 +346,7 @@ def run(
     config, *, parts, steps, warmup, taus, target, max_steps, eval_every, planner_config, out_path
 ):
     """The study's `parts` ("algorithms": measured + predicted, "staleness", "per_hop",
-    "compress_over", "streaming"); the JSON payload."""
+    "per_hop_topk", "compress_over", "streaming"); the JSON payload."""
     import jax
 
     from jaxdist import data, mesh
@@ -332,9 +364,13 @@ def run(
         print_tables(out)
     if "per_hop" in parts:
         out["per_hop"] = {"steps": max_steps, "runs": per_hop(config, m, ds, max_steps)}
+    if "per_hop_topk" in parts:
+        rows = per_hop(config, m, ds, max_steps, rows=PER_HOP_TOPK)
+        out["per_hop_topk"] = {"steps": max_steps, "runs": rows}
     if "compress_over" in parts:
+        hosts = _compress_over_hosts(config)
         rows = per_hop(config, m, ds, max_steps, rows=COMPRESS_OVER)
-        out["compress_over"] = {"steps": max_steps, "emulated_hosts": 2, "runs": rows}
+        out["compress_over"] = {"steps": max_steps, hosts: 2, "runs": rows}
     if "streaming" in parts:
         h = config.grad_sync.local_steps
         rows = streaming_rows(config, m, ds, max_steps)

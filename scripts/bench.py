@@ -88,8 +88,8 @@ _EVAL_EVERY = flags.DEFINE_integer(
 _PARTS = flags.DEFINE_list(
     "parts",
     ["algorithms", "staleness"],
-    "--study=aggregation: which parts to run (algorithms, staleness, per_hop, compress_over, "
-    "streaming).",
+    "--study=aggregation: which parts to run (algorithms, staleness, per_hop, per_hop_topk, "
+    "compress_over, streaming).",
 )
 _TAUS = flags.DEFINE_list(
     "taus", ["0", "1", "2", "4"], "--study=aggregation: grad_sync.staleness values to train."
@@ -534,10 +534,11 @@ def main(argv):
     del argv
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    from jaxdist import mesh, xla_flags
+    from jaxdist import distributed, mesh, xla_flags
 
     config = _CONFIG.value
     xla_flags.apply(config.runtime.gpu_xla_flags, config.runtime.gpu_memory_fraction)
+    spec = distributed.initialize()  # one process: nothing; under scripts/launch.py: joins the job
     mesh.configure_cpu_devices(config.runtime.cpu_devices)
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
     studies = {
@@ -554,6 +555,8 @@ def main(argv):
         ),
     }
     result = studies[_STUDY.value](config)
+    if spec.process_id != 0:  # every process computed the same result; one writes it
+        return
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
     with open(_OUT.value, "w") as f:
         json.dump(result, f, indent=2)

@@ -209,11 +209,13 @@ def test_parameter_server_is_the_hot_spot():
         ({"algorithm": "hierarchical"}, 8, "1 < mesh.dcn_data < mesh.data=8"),
         ({"algorithm": "bogus"}, 8, "choose one of xla, ring"),
         ({"algorithm": "tree", "compression": "int8"}, 8, "does not combine"),
+        # per hop: bf16, int8, topk (what is not a per-hop codec is refused)
+        ({"algorithm": "ring", "compression": "powersgd"}, 8, "does not combine"),
         (
-            {"algorithm": "ring", "compression": "topk"},
+            {"algorithm": "ring", "compression": "topk", "warmup_steps": 5},
             8,
-            "does not combine",
-        ),  # per hop: bf16, int8
+            "unset grad_sync.warmup_steps",
+        ),
         ({"algorithm": "ring", "local_steps": 2}, 8, "does not combine"),
         ({"staleness": -1}, 8, "must be an integer >= 0"),
         ({"staleness": 2, "local_steps": 2}, 8, "sends parameters"),
@@ -296,17 +298,19 @@ def test_planner_ranks_latency_and_bandwidth_regimes():
     assert big[0].algorithm != "ps"
 
 
-def _per_hop_rounds(codec: str, rounds: int, n: int = 8, size: int = 1000):
-    """`rounds` per-hop ring reductions of one input, the residual carried: (outputs, exact sum)."""
+def _per_hop_rounds(codec: str, rounds: int, n: int = 8, size: int = 1000, ratio: float = 1.0):
+    """`rounds` per-hop ring reductions of one input, the residual carried: (outputs, input,
+    residuals)."""
     mesh = jax.make_mesh((n,), ("data",))
     x = np.random.RandomState(1).randn(n, size).astype(np.float32)
-    e = allreduce.per_hop_size(size, n, codec=codec)
-    pad = allreduce.CODECS[codec].block * n
+    wire = allreduce.codec(codec, ratio)
+    e = allreduce.per_hop_size(size, n, 1, wire)
+    pad = wire.block * n
     f = jax.jit(
         jax.shard_map(
             lambda b, err: (lambda out: (out[0][None, :size], out[1][None]))(
                 allreduce.ring_per_hop(
-                    jax.numpy.pad(b[0], (0, -size % pad)), err[0], "data", [list(range(n))], codec
+                    jax.numpy.pad(b[0], (0, -size % pad)), err[0], "data", [list(range(n))], wire
                 )
             ),
             mesh=mesh,
@@ -316,11 +320,12 @@ def _per_hop_rounds(codec: str, rounds: int, n: int = 8, size: int = 1000):
         )
     )
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
-    err, outs = put(np.zeros((n, e), np.float32)), []
+    err, outs, errs = put(np.zeros((n, e), np.float32)), [], []
     for _ in range(rounds):
         y, err = f(put(x), err)
         outs.append(np.asarray(y))
-    return outs, x
+        errs.append(np.asarray(err))
+    return outs, x, errs
 
 
 @pytest.mark.parametrize(
@@ -333,7 +338,7 @@ def test_ring_per_hop_feeds_the_rounding_back(codec, bound, gain):
     of 64 rounds of the same input is `gain` times closer to the exact sum (error feedback),
     bit-identically on every device."""
     n = 8
-    outs, x = _per_hop_rounds(codec, 64, n)
+    outs, x, _ = _per_hop_rounds(codec, 64, n)
     want = x.astype(np.float64).sum(0)
     assert all((o == o[0]).all() for o in outs)
     one = np.abs(outs[0][0] - want).max()
@@ -370,21 +375,85 @@ def test_ring_with_int8_per_hop_sends_a_quarter_plus_the_scales():
     assert ratio == pytest.approx(padded / exact_padded * 260 / 1024, rel=1e-9)
 
 
-def test_ring_with_bf16_per_hop_refuses_sharded_parameters():
-    c = tiny_gpt_config(data=4, fsdp=2)
+def test_ring_with_topk_per_hop_at_ratio_1_is_the_dense_ring():
+    """Top-k keeping every value sends the whole chunk: each hop's densified payload is the
+    partial sum bit for bit, so every round (the residual carried) equals `ring`'s exact sum and
+    the residual stays zero."""
+    outs, x, errs = _per_hop_rounds("topk", 2, ratio=1.0)
+    dense = _reduce_on(8, "ring", 1, x)
+    for out in outs:
+        np.testing.assert_array_equal(out, dense)
+    assert not np.any(errs[-1])
+
+
+def test_ring_with_topk_per_hop_feeds_what_it_dropped_back():
+    """ratio 0.1: one round misses most of the sum; what each hop dropped stays in the sender's
+    residual and goes out in later rounds, so the mean of 64 rounds is far closer."""
+    outs, x, _ = _per_hop_rounds("topk", 64, ratio=0.1)
+    want = x.astype(np.float64).sum(0)
+    assert all((o == o[0]).all() for o in outs)
+    one = np.abs(outs[0][0] - want).max()
+    avg = np.abs(np.mean([o[0] for o in outs], axis=0) - want).max()
+    assert one > 0.5 * np.abs(want).max()  # really sparse
+    assert avg < one / 8  # measured 10.8 (2.6 after 16 rounds, 5.6 after 32): about 1/rounds
+
+
+def test_ring_with_topk_per_hop_sends_values_and_indices():
+    """topk per hop (ratio r): each of the 14 permutes carries kk = ceil(r S'/N) f32 values and
+    their int32 indices (8 kk bytes) of a chunk of S'/N elements (S' padded to N): 2 * 14 * 8 kk
+    bytes for the busiest device."""
+    n = 8
+    c = _cfg("ring", data=n)
+    c.grad_sync.compression, c.grad_sync.topk_ratio = "topk", 0.1
+    s, per_hop, _ = _phases(c)
+    chunk = (s // 4 + (-(s // 4) % n)) // n
+    kk = math.ceil(0.1 * chunk)
+    assert [(p["kind"], p["steps"]) for p in per_hop] == [("collective-permute", 14)]
+    assert per_hop[0]["busiest_bytes"] == 2 * 2 * (n - 1) * 8 * kk
+
+
+def test_per_hop_with_fsdp_and_tensor_reduces_each_devices_shard():
+    """With fsdp and tensor each device runs the per-hop ring on its own shard of its replica's
+    gradient, as the exact algorithms do: topk at ratio 1.0 makes the same 3 steps as the exact
+    `ring` bit for bit (losses and parameters), and bf16 per hop moves half the exact ring's
+    bytes over `data` in the same 2(N-1) permutes."""
+    mesh = {"data": 4, "fsdp": 2}
+
+    def cfg(compression, **fields):
+        c = _cfg("ring", **mesh)
+        c.grad_sync.compression = compression
+        for k, v in fields.items():
+            c.grad_sync[k] = v
+        return c
+
+    want_losses, want_params = train_steps(_cfg("ring", **mesh), 3)
+    losses, params = train_steps(cfg("topk", topk_ratio=1.0), 3)
+    np.testing.assert_array_equal(losses, want_losses)
+    jax.tree.map(np.testing.assert_array_equal, params, want_params)
+    _, exact, _ = _phases(_cfg("ring", data=2, fsdp=2, tensor=2))
+    c = _cfg("ring", data=2, fsdp=2, tensor=2)
+    c.grad_sync.compression = "bf16"
+    _, per_hop, _ = _phases(c)
+    assert [(p["kind"], p["steps"]) for p in per_hop] == [("collective-permute", 2)]
+    assert per_hop[0]["busiest_bytes"] == exact[0]["busiest_bytes"] / 2
+
+
+def test_per_hop_refuses_pipeline_stages():
+    c = tiny_gpt_config(data=4, pipeline=2)
     c.grad_sync.algorithm, c.grad_sync.compression = "ring", "bf16"
-    with pytest.raises(ConfigError, match="needs fsdp = tensor = pipeline = 1, got mesh.fsdp>1"):
+    with pytest.raises(ConfigError, match="needs mesh.pipeline = 1, got 2"):
         config.validate(c, 8)
 
 
 def _hierarchical_phases(n: int, hosts: int, per_hop: bool, size: int = 4096, codec="bf16"):
     """Phases of `hierarchical` over 8 devices as `hosts` hosts (processes faked for the tiers)."""
     mesh = jax.make_mesh((n,), ("data",))
-    e = allreduce.per_hop_size(size, n, hosts, codec)
+    wire = allreduce.codec(codec)
+    e = allreduce.per_hop_size(size, n, hosts, wire)
 
     def body(b, err):
         if per_hop:
-            out, err = allreduce._per_hop_sum(b[0], err[0], "data", n, hosts, codec)
+            out, err = allreduce._per_hop_sum(b[0], err[0], "data", n, hosts, wire)
             return out[None], err[None]
         return allreduce.all_reduce(b[0], "data", n, "hierarchical", hosts)[None], err
 
@@ -422,6 +491,21 @@ def test_hierarchical_compresses_only_across_hosts(codec, ratio):
     one = np.abs(outs[0][0] - want).max()
     assert all((o == o[0]).all() for o in outs)
     assert 1e-4 < one and np.abs(np.mean([o[0] for o in outs], 0) - want).max() < one / 10
+
+
+def test_hierarchical_with_topk_across_hosts_at_ratio_1_is_exact():
+    """compress_over=dcn with topk at ratio 1.0: the ici phase is exact hierarchical's, the dcn
+    phase carries every value with its index (twice the f32 bytes), and the sum is exact
+    hierarchical's bit for bit, with a zero residual."""
+    _, exact, sh, _ = _hierarchical_phases(8, 2, per_hop=False)
+    tiers, topk, _, e = _hierarchical_phases(8, 2, per_hop=True, codec="topk")
+    s = 4 * 4096
+    assert tiers == {"ici": (6, 3 * s), "dcn": (2, s)}
+    x = jax.device_put(np.random.RandomState(3).randn(8, 4096).astype(np.float32), sh)
+    err = jax.device_put(np.zeros((8, e), np.float32), sh)
+    got, new_err = jax.jit(topk)(x, err)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(exact)(x, err)[0]))
+    assert not np.asarray(new_err).any()
 
 
 @pytest.mark.parametrize(

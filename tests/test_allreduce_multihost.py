@@ -42,7 +42,7 @@ from tests.test_multihost import (
 
 HYBRID = (*DATA_TENSOR, "--config.mesh.dcn_data=2", "--config.checkpoint.every=0")
 STEPS = "--config.train.steps=4"
-DATA8 = (  # per-hop compression takes no tensor/fsdp sharding
+DATA8 = (  # data=8 as 2 hosts × 4: compress_over=dcn compresses the ring across them
     "--config.mesh.data=8",
     "--config.mesh.fsdp=1",
     "--config.mesh.tensor=1",

@@ -156,6 +156,19 @@ SHORTENED = {
         _TINY_BENCH_MODEL + " --max_steps=2",
         "six training runs of 300 steps take many minutes on 2 cores",
     ),
+    "python scripts/bench.py --study=aggregation --parts=per_hop_topk --config.mesh.data=8 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --max_steps=300 "
+    "--out=runs/bench/per_hop_topk.json": (
+        _TINY_BENCH_MODEL + " --max_steps=2",
+        "two training runs of 300 steps take minutes on 2 cores",
+    ),
+    "python scripts/launch.py --num_processes=2 --devices_per_process=4 -- python scripts/bench.py "
+    "--study=aggregation --parts=compress_over --config.mesh.data=8 --config.mesh.fsdp=1 "
+    "--config.mesh.tensor=1 --config.mesh.dcn_data=2 --max_steps=300 "
+    "--out=runs/bench/compress_over_2proc.json": (
+        _TINY_BENCH_MODEL + " --max_steps=2",
+        "six training runs of 300 steps on 2 processes take many minutes on 2 cores",
+    ),
     "python scripts/bench.py --study=aggregation --parts=streaming "
     "--config.grad_sync.local_steps=10 --config.grad_sync.outer_optimizer=nesterov "
     "--max_steps=300 --out=runs/bench/streaming.json": (
