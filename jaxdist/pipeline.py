@@ -614,34 +614,68 @@ class _StashedVjp:
     """`jax.vjp` split across ticks: the forward tick keeps the residuals, a later tick applies
     the backward to them, without running the forward again.
 
-    The residuals are the leaves of the vjp function (`jax.vjp` returns a pytree); those that are
+    The residuals are the leaves of the vjp function (`jax.vjp` returns a pytree). Those that are
     one of the `fixed` arrays (the stage weights, which every tick has anyway) are not stashed but
-    passed again to the backward. What else a residual holds is decided by the remat policy of the
-    function (`train.remat`): activations for `none`, the layer inputs for `full`.
+    passed again to the backward; those computed from the `fixed` arrays alone (the per-layer
+    weight slices a scan over the layers stacks back, the causal mask) are the same for every
+    microbatch, so they are kept once (`invariant`), not per microbatch. What else a residual
+    holds is decided by the remat policy of the function (`train.remat`): activations for
+    `none`, the layer inputs for `full`.
     """
 
     def __init__(self):
         self.tree = None
-        self.where: list[int] | None = None  # per vjp leaf: index into `fixed`, or -1 = stashed
+        # per vjp leaf: index into `fixed` + `invariant`, or -1 = stashed per microbatch
+        self.where: list[int] | None = None
 
     def forward(self, fn, fixed: list, *args):
-        """(fn(*args), stashed residual leaves)."""
+        """(fn(*args), residual leaves stashed per microbatch, invariant residual leaves)."""
         out, vjp = jax.vjp(fn, *args)
         leaves, tree = jax.tree.flatten(vjp)
         ids = {id(f): k for k, f in enumerate(fixed)}
-        where = [ids.get(id(leaf), -1) for leaf in leaves]
+        if self.where is None:
+            invariant = _fixed_only(fn, fixed, args)
+        else:
+            invariant = [w >= len(fixed) for w in self.where]
+        where, n_inv = [], len(fixed)
+        for leaf, inv in zip(leaves, invariant):
+            if id(leaf) in ids:
+                where.append(ids[id(leaf)])
+            elif inv:
+                where.append(n_inv)
+                n_inv += 1
+            else:
+                where.append(-1)
         if self.where is not None and where != self.where:
             raise AssertionError("stashed vjp: residual layout differs between traces")
         self.tree, self.where = tree, where
         # Varying over every manual axis, as the stash buffers: a residual such as the context
         # shard's index varies over `context` only.
-        return out, [_varying(leaf) for leaf, w in zip(leaves, where) if w < 0]
+        pick = lambda keep: [_varying(leaf) for leaf, w in zip(leaves, where) if keep(w)]
+        return out, pick(lambda w: w < 0), pick(lambda w: w >= len(fixed))
 
     def backward(self, fixed: list, stashed: list, cotangent):
-        """The input cotangents of `forward`'s args, from its stashed residuals."""
+        """The input cotangents of `forward`'s args, from its stashed residuals; `fixed`: the
+        forward's `fixed` followed by its invariant residuals."""
         rest = iter(stashed)
         leaves = [fixed[w] if w >= 0 else next(rest) for w in self.where]
         return jax.tree.unflatten(self.tree, leaves)(cotangent)
+
+
+def _fixed_only(fn, fixed: list, args: tuple) -> list[bool]:
+    """Per leaf of `jax.vjp(fn, *args)`'s residuals: whether it is computed from the `fixed`
+    leaves of `args` alone (JAX's partial evaluation with the other leaves unknown: a scan's
+    outputs are told apart per output)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    flat, in_tree = jax.tree.flatten(args)
+    residuals = lambda *flat: jax.tree.leaves(jax.vjp(fn, *jax.tree.unflatten(in_tree, flat))[1])
+    closed = jax.make_jaxpr(residuals)(*flat)
+    ids = {id(f) for f in fixed}
+    _, _, unknown, _ = pe.partial_eval_jaxpr_nounits(
+        closed, [id(a) not in ids for a in flat], False
+    )
+    return [not u for u in unknown]
 
 
 class _SplitVjp(_StashedVjp):
@@ -662,15 +696,17 @@ class _SplitVjp(_StashedVjp):
         self.cut: dict[str, Any] | None = None
 
     def forward(self, fn, fixed: list, *args):
-        """(fn(*args), residuals for the input pass, residuals only the weight pass reads)."""
-        out, stashed = super().forward(fn, fixed, *args)
+        """(fn(*args), residuals for the input pass, residuals only the weight pass reads,
+        invariant residuals (`_StashedVjp`; the passes take `fixed` followed by them))."""
+        out, stashed, invariant = super().forward(fn, fixed, *args)
         if self.cut is None:
-            self._make_cut(fixed, stashed, out)
-        only = self.cut["weight_only"][len(fixed) :]
+            self._make_cut(fixed + invariant, stashed, out)
+        only = self.cut["weight_only"][len(fixed) + len(invariant) :]
         return (
             out,
             [r for r, w in zip(stashed, only) if not w],
             [r for r, w in zip(stashed, only) if w],
+            invariant,
         )
 
     def _make_cut(self, fixed: list, stashed: list, out) -> None:
@@ -799,13 +835,13 @@ def _tick_loop(branches, tables, x0, targets, stash, acc):
             x_first = _take(x0, r["mf"])
         x = jnp.where(first, x_first, _take(xin, r["x"]))
         dy, tgt = _take(gbuf, r["g"]), _take(targets, r["mf"])
-        reads = {k: [_take(b, r["read_" + k]) for b in bufs] for k, bufs in stash.items()}
+        # A stash without tables in `r` holds one value (invariant residuals, `_StashedVjp`): slot
+        # 0, which every branch returns (the forward computes it, the others pass it on).
+        reads = {k: [_take(b, r.get("read_" + k, 0)) for b in bufs] for k, bufs in stash.items()}
         y, dx, writes, acc = jax.lax.switch(r["action"], branches, x, dy, tgt, reads, acc)
         put = lambda b, v, k: _put(b, at(k), v, k >= 0)
-        stash = {
-            k: [put(b, v, r["write_" + k]) for b, v in zip(bufs, writes[k])]
-            for k, bufs in stash.items()
-        }
+        keep = lambda b, v, k: put(b, v, r["write_" + k]) if "write_" + k in r else v[None]
+        stash = {k: [keep(b, v, k) for b, v in zip(bufs, writes[k])] for k, bufs in stash.items()}
         if blocks:  # stage 0's next inputs one stage down, its input gradients one stage up
             down = _take(feed, at(r["feed_send"]))
             feed = _convey(feed, r["feed_recv"], down, -1)
@@ -873,8 +909,8 @@ def _one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
     chunk, head, acc, zero = _stage_inputs(chunk, head, x0, dtype)
     leaves, stage_vjp = jax.tree.leaves, _StashedVjp()
     # The stash's shapes come from tracing one forward on zeros, which compiles to nothing.
-    (_, stats0), r0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
-    stash = {"r": _buffers(tables["slots"]["r"], r0)}
+    (_, stats0), r0, c0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
+    stash = {"r": _buffers(tables["slots"]["r"], r0), "c": _buffers(1, c0)}
     stats0 = jax.tree.map(lambda a: _varying(jnp.zeros_like(a, jnp.float32)), stats0)
     # d loss / d statistics: constant, the aux term being linear in them.
     d_stats = jax.tree.map(_varying, jax.grad(lambda st: scale * aux_term(st))(stats0))
@@ -887,12 +923,12 @@ def _one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
         return zero(), zero(), reads, acc
 
     def forward(x, dy, tgt, reads, acc):
-        (y, stats), r = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
-        return y, zero(), {"r": r}, (acc[0], acc[1], add(acc[2], stats))
+        (y, stats), r, c = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
+        return y, zero(), {"r": r, "c": c}, (acc[0], acc[1], add(acc[2], stats))
 
     def backward(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
-        dc, dx = stage_vjp.backward(leaves(chunk), reads["r"], (dy, d_stats))
+        dc, dx = stage_vjp.backward(leaves(chunk) + reads["c"], reads["r"], (dy, d_stats))
         return zero(), dx.astype(x0.dtype), reads, (_accumulate(g_c, dc), g_h, loss)
 
     def fused(x, dy, tgt, reads, acc):
@@ -934,11 +970,12 @@ def _zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
     chunk, head, acc, zero = _stage_inputs(chunk, head, x0, dtype)
     leaves, stage_vjp, head_vjp = jax.tree.leaves, _SplitVjp(), _StashedVjp()
     head_fn = lambda hp, y, tgt: head_loss(hp, y, tgt)
-    out0, rb0, rw0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
-    _, _, rr0 = stage_vjp.backward_input(leaves(chunk), rb0, out0)
-    rh0 = head_vjp.forward(head_fn, leaves(head), head, zero(), targets[0])[1]
-    n = tables["slots"]
-    stash = {k: _buffers(n[k], r) for k, r in dict(b=rb0, w=rw0, r=rr0, h=rh0).items()}
+    out0, rb0, rw0, c0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
+    _, _, rr0 = stage_vjp.backward_input(leaves(chunk) + c0, rb0, out0)
+    _, rh0, hc0 = head_vjp.forward(head_fn, leaves(head), head, zero(), targets[0])
+    n = {**tables["slots"], "c": 1, "hc": 1}
+    stashes = dict(b=rb0, w=rw0, r=rr0, h=rh0, c=c0, hc=hc0)
+    stash = {k: _buffers(n[k], r) for k, r in stashes.items()}
     stats0 = jax.tree.map(lambda a: _varying(jnp.zeros_like(a, jnp.float32)), out0[1])
     # d loss / d statistics: constant, the aux term being linear in them.
     d_stats = jax.tree.map(_varying, jax.grad(lambda st: scale * aux_term(st))(stats0))
@@ -951,28 +988,31 @@ def _zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
         return zero(), zero(), reads, acc
 
     def forward(x, dy, tgt, reads, acc):
-        (y, stats), rb, rw = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
-        return y, zero(), {**reads, "b": rb, "w": rw}, (acc[0], acc[1], add(acc[2], stats))
+        (y, stats), rb, rw, c = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
+        writes = {**reads, "b": rb, "w": rw, "c": c}
+        return y, zero(), writes, (acc[0], acc[1], add(acc[2], stats))
 
     def backward(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
-        (dx,), dw, rr = stage_vjp.backward_input(leaves(chunk), reads["b"], (dy, d_stats))
+        fixed = leaves(chunk) + reads["c"]
+        (dx,), dw, rr = stage_vjp.backward_input(fixed, reads["b"], (dy, d_stats))
         return zero(), dx.astype(x0.dtype), {**reads, "r": rr}, (_accumulate(g_c, dw), g_h, loss)
 
     def weight(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
-        dw = stage_vjp.backward_weight(leaves(chunk), reads["w"], reads["r"])
+        dw = stage_vjp.backward_weight(leaves(chunk) + reads["c"], reads["w"], reads["r"])
         return zero(), zero(), reads, (_accumulate(g_c, dw), g_h, loss)
 
     def forward_last(x, dy, tgt, reads, acc):
         y, _, writes, (g_c, g_h, loss) = forward(x, dy, tgt, reads, acc)
-        mb_loss, rh = head_vjp.forward(head_fn, leaves(head), head, y, tgt)
+        mb_loss, rh, hc = head_vjp.forward(head_fn, leaves(head), head, y, tgt)
         loss = (loss[0] + mb_loss * scale, loss[1])
-        return zero(), zero(), {**writes, "h": rh}, (g_c, g_h, loss)
+        return zero(), zero(), {**writes, "h": rh, "hc": hc}, (g_c, g_h, loss)
 
     def backward_last(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
-        dh, dy, _ = head_vjp.backward(leaves(head), reads["h"], _varying(jnp.float32(scale)))
+        fixed = leaves(head) + reads["hc"]
+        dh, dy, _ = head_vjp.backward(fixed, reads["h"], _varying(jnp.float32(scale)))
         acc = (g_c, _accumulate(g_h, dh), loss)
         return backward(x, dy.astype(x0.dtype), tgt, reads, acc)
 
