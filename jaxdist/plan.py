@@ -847,9 +847,8 @@ def _step(config, layout: Layout, model: ModelInfo, hw: Hardware) -> _Step:
 
         sched = pipeline.build_schedule(config.pipeline.schedule, p, m)
         ticks_1f1b = sched.ticks
-        if sched.name == "1f1b":  # (zb: costed as p slots each)
-            n = pipeline.exec_tables(sched)["slots"]
-            slots = (n["x"], n["g"], n["r"])
+        n = pipeline.exec_tables(sched)["slots"]  # zb: its stashes `b` and `w` hold 1f1b's `r`
+        slots = (n["x"], n["g"], n["r"] if sched.name == "1f1b" else max(n["b"], n["w"]))
     return _Step(
         config=config,
         model=model,
