@@ -280,11 +280,12 @@ def one_f_one_b_table(
 
 # zb: how many more microbatches than p a stage may hold between its forward and its weight-gradient
 # pass, on every stage (one SPMD program sizes its stash buffers for the fullest stage, so what
-# bounds a device's memory is the largest count on any stage; this 1f1b's stage 0 holds p + 1).
-# Lock-step cost of the benchmark's GPT (compiled branches: B = 1.14 F, W = 0.86 F) at p = 4, with
-# W ticks, against gpipe's: p + 1 in flight 0.90x at m = 8, 1.02x at m = 32 (temp 1.08x 1f1b's);
-# p in flight 0.94x and 1.03x; the earlier bound p - s + 1 per stage, without W ticks, 1.00x, 1.12x.
-ZB_EXTRA_IN_FLIGHT = 1
+# bounds a device's memory is the largest count on any stage; 1F1B's stage 0 holds p). With p and
+# W ticks the lock-step cost of the benchmark's GPT (compiled branches: B = 1.14 F, W = 0.86 F) at
+# p = 4 is 0.94x gpipe's at m = 8, 1.03x at m = 32; the earlier bound p - s + 1 per stage, without
+# W ticks, 1.00x and 1.12x. With p + 1: 0.90x and 1.02x, temp 1.08x 1f1b's there, but 1.32x at
+# the tiny GPT of test_zb_splits_the_backward_without_recompute (p = 4, m = 8), over its 1.25x.
+ZB_EXTRA_IN_FLIGHT = 0
 
 
 def zero_bubble_table(
@@ -1279,11 +1280,11 @@ class _Pipe:
     @property
     def x0_blocks(self) -> bool:
         """1f1b / zb with p dividing m: the embedded microbatches stay in blocks over the stages
-        (`_tick_loop`). Not nested in the caller's shard_map over `data` (grad_sync's explicit
-        paths) nor with `context` / `expert` manual: untested there, the batch is gathered."""
+        (`_tick_loop`), also nested in the caller's shard_map over `data` (grad_sync's explicit
+        paths). Not with `context` / `expert` manual (untested there): the batch is gathered."""
         explicit = not SCHEDULES[self.sched.name].autodiff_backward
         split = _CONTEXT in self.manual or _EXPERT in self.manual
-        return explicit and _blocks(self.sched) and not self.data_manual and not split
+        return explicit and _blocks(self.sched) and not split
 
     @property
     def batch_spec(self) -> PartitionSpec:

@@ -218,9 +218,9 @@ def test_1f1b_dependencies_respected():
 @pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (3, 5), (4, 4), (4, 8), (4, 32), (8, 8)])
 def test_zb_table(p, m):
     """zb: every stage runs each microbatch's F, B and W once, in dependency order; no more than
-    p + ZB_EXTRA_IN_FLIGHT microbatches between F and W on any stage (1f1b's stage 0 holds p + 1;
-    one SPMD program sizes its buffers for the fullest stage); a smaller lock-step idle share than
-    1F1B; the executor's slots never overwrite a live one."""
+    p microbatches between F and W on any stage (1F1B's stage 0 holds p; one SPMD program sizes
+    its buffers for the fullest stage); a smaller lock-step idle share than 1F1B; the executor's
+    slots never overwrite a live one."""
     sched = pipeline.build_schedule("zb", p, m)
     F, B, W = pipeline.FWD, pipeline.BWD, pipeline.WGT
     when = {}
