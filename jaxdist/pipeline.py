@@ -823,9 +823,12 @@ def _tick_loop(branches, tables, x0, targets, stash, acc):
     slots = tables["slots"]
     blocks = "feed_read" in tables  # x0 / d x0 held in blocks over the stages
     at = lambda k: jnp.maximum(k, 0)
-    transit = x0.shape[0]  # with blocks: the conveyors' transit slot (`_feed_tables`)
-    # d x0 up the conveyor: stage 0 sends the fresh gradient, the others their transit slot.
-    dx_up = lambda dx0, r, dx: _convey(dx0, r["dx_recv"], jnp.where(first, dx, dx0[transit]), 1)
+    # With blocks, one buffer holds this stage's block of x0, the conveyors' two transit slots and,
+    # as they come back, the block's input gradients, each in the slot its input left
+    # (`_feed_tables`). d x0 goes up the conveyor: stage 0 sends the fresh gradient, the others
+    # their gradient transit slot.
+    per, up = x0.shape[0], x0.shape[0] + 1  # the activations' and the gradients' transit slots
+    dx_up = lambda feed, r, dx: _convey(feed, r["dx_recv"], jnp.where(first, dx, feed[up]), 1)
 
     def tick(carry, row):
         xin, gbuf, stash, feed, dx0, acc = carry
@@ -846,7 +849,7 @@ def _tick_loop(branches, tables, x0, targets, stash, acc):
         if blocks:  # stage 0's next inputs one stage down, its input gradients one stage up
             down = _take(feed, at(r["feed_send"]))
             feed = _convey(feed, r["feed_recv"], down, -1)
-            dx0 = dx_up(put(dx0, dx, r["dx_keep"]), r, dx)
+            feed = dx_up(put(feed, dx, r["dx_keep"]), r, dx)
         else:
             dx0 = _put(dx0, r["mb"], dx, first & r["dx0"])
         # Every stage sends every tick (all must join a collective); receivers keep only arrivals.
@@ -857,13 +860,13 @@ def _tick_loop(branches, tables, x0, targets, stash, acc):
     rows = {k: jnp.asarray(v[:ticks]) for k, v in tables.items() if k != "slots"}
     feed, dx0 = None, zeros(x0.shape[0])
     if blocks:
-        feed, dx0 = jnp.concatenate([x0, zeros(1)]), zeros(x0.shape[0] + 1)
+        feed, dx0 = jnp.concatenate([x0, zeros(2)]), None
     carry = (zeros(slots["x"]), zeros(slots["g"]), stash, feed, dx0, acc)
-    (*_, dx0, acc), _ = jax.lax.scan(tick, carry, rows)
+    (*_, feed, dx0, acc), _ = jax.lax.scan(tick, carry, rows)
     if blocks and len(tables["dx_recv"]) > ticks:  # drain: the last gradients up to their owners
-        step = lambda dx0, row: (dx_up(dx0, {"dx_recv": row[d]}, dx0[transit]), None)
-        dx0, _ = jax.lax.scan(step, dx0, jnp.asarray(tables["dx_recv"][ticks:]))
-    return (dx0[:transit] if blocks else dx0), acc
+        step = lambda feed, row: (dx_up(feed, {"dx_recv": row[d]}, feed[up]), None)
+        feed, _ = jax.lax.scan(step, feed, jnp.asarray(tables["dx_recv"][ticks:]))
+    return (feed[:per] if blocks else dx0), acc
 
 
 def _stage_inputs(chunk, head, x0, dtype):
@@ -1183,7 +1186,8 @@ _FEED_KEYS = ("feed_read", "feed_send", "feed_recv", "dx_keep", "dx_recv")
 def _feed_tables(sched: Schedule, p: int, m: int) -> dict[str, np.ndarray]:
     """The conveyors that bring stage 0 its inputs and take its input gradients back
     (`_tick_loop`) when the embedded microbatches are held in blocks over the stages: microbatch
-    i in slot i % (m/p) of stage i // (m/p), slot m/p a one-microbatch transit slot.
+    i in slot i % (m/p) of stage i // (m/p), slot m/p a one-microbatch transit slot for inputs and
+    m/p + 1 one for gradients; a gradient lands in the slot its input left (one buffer for both).
 
     Every tick, one collective-permute with fixed pairs (k -> k-1) moves at most one microbatch
     down each link and one with pairs (k -> k+1) one gradient up: no stage picks a peer at run
@@ -1212,6 +1216,7 @@ def _feed_tables(sched: Schedule, p: int, m: int) -> dict[str, np.ndarray]:
     for i in range(m):
         f, b, o = when[FWD, i], when[BWD, i], owner(i)
         assert f >= o, (f, o)  # stage 0 forwards microbatch i no earlier than tick i
+        assert b + max(o - 1, 0) > f - o, (b, f, o)  # the input has left when its gradient lands
         out["feed_read"][f, 0] = slot(i) if o == 0 else per
         for h in range(o, 0, -1):  # from stage h to h - 1 at tick f - h
             mark("feed_send", f - h, h, slot(i) if h == o else per)
@@ -1219,7 +1224,7 @@ def _feed_tables(sched: Schedule, p: int, m: int) -> dict[str, np.ndarray]:
         if o == 0:
             out["dx_keep"][b, 0] = slot(i)
         for h in range(o):  # from stage h to h + 1 at tick b + h
-            mark("dx_recv", b + h, h + 1, slot(i) if h + 1 == o else per)
+            mark("dx_recv", b + h, h + 1, slot(i) if h + 1 == o else per + 1)
     return out
 
 
