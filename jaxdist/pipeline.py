@@ -283,7 +283,8 @@ def one_f_one_b_table(
 # bounds a device's memory is the largest count on any stage; 1F1B's stage 0 holds p). With p and
 # W ticks the lock-step cost of the benchmark's GPT (compiled branches: B = 1.14 F, W = 0.86 F) at
 # p = 4 is 0.94x gpipe's at m = 8, 1.03x at m = 32; the earlier bound p - s + 1 per stage, without
-# W ticks, 1.00x and 1.12x.
+# W ticks, 1.00x and 1.12x. With p + 1: 0.90x and 1.02x, temp 1.08x 1f1b's there, but 1.32x at
+# the tiny GPT of test_zb_splits_the_backward_without_recompute (p = 4, m = 8), over its 1.25x.
 ZB_EXTRA_IN_FLIGHT = 0
 
 
@@ -614,34 +615,68 @@ class _StashedVjp:
     """`jax.vjp` split across ticks: the forward tick keeps the residuals, a later tick applies
     the backward to them, without running the forward again.
 
-    The residuals are the leaves of the vjp function (`jax.vjp` returns a pytree); those that are
+    The residuals are the leaves of the vjp function (`jax.vjp` returns a pytree). Those that are
     one of the `fixed` arrays (the stage weights, which every tick has anyway) are not stashed but
-    passed again to the backward. What else a residual holds is decided by the remat policy of the
-    function (`train.remat`): activations for `none`, the layer inputs for `full`.
+    passed again to the backward; those computed from the `fixed` arrays alone (the per-layer
+    weight slices a scan over the layers stacks back, the causal mask) are the same for every
+    microbatch, so they are kept once (`invariant`), not per microbatch. What else a residual
+    holds is decided by the remat policy of the function (`train.remat`): activations for
+    `none`, the layer inputs for `full`.
     """
 
     def __init__(self):
         self.tree = None
-        self.where: list[int] | None = None  # per vjp leaf: index into `fixed`, or -1 = stashed
+        # per vjp leaf: index into `fixed` + `invariant`, or -1 = stashed per microbatch
+        self.where: list[int] | None = None
 
     def forward(self, fn, fixed: list, *args):
-        """(fn(*args), stashed residual leaves)."""
+        """(fn(*args), residual leaves stashed per microbatch, invariant residual leaves)."""
         out, vjp = jax.vjp(fn, *args)
         leaves, tree = jax.tree.flatten(vjp)
         ids = {id(f): k for k, f in enumerate(fixed)}
-        where = [ids.get(id(leaf), -1) for leaf in leaves]
+        if self.where is None:
+            invariant = _fixed_only(fn, fixed, args)
+        else:
+            invariant = [w >= len(fixed) for w in self.where]
+        where, n_inv = [], len(fixed)
+        for leaf, inv in zip(leaves, invariant):
+            if id(leaf) in ids:
+                where.append(ids[id(leaf)])
+            elif inv:
+                where.append(n_inv)
+                n_inv += 1
+            else:
+                where.append(-1)
         if self.where is not None and where != self.where:
             raise AssertionError("stashed vjp: residual layout differs between traces")
         self.tree, self.where = tree, where
         # Varying over every manual axis, as the stash buffers: a residual such as the context
         # shard's index varies over `context` only.
-        return out, [_varying(leaf) for leaf, w in zip(leaves, where) if w < 0]
+        pick = lambda keep: [_varying(leaf) for leaf, w in zip(leaves, where) if keep(w)]
+        return out, pick(lambda w: w < 0), pick(lambda w: w >= len(fixed))
 
     def backward(self, fixed: list, stashed: list, cotangent):
-        """The input cotangents of `forward`'s args, from its stashed residuals."""
+        """The input cotangents of `forward`'s args, from its stashed residuals; `fixed`: the
+        forward's `fixed` followed by its invariant residuals."""
         rest = iter(stashed)
         leaves = [fixed[w] if w >= 0 else next(rest) for w in self.where]
         return jax.tree.unflatten(self.tree, leaves)(cotangent)
+
+
+def _fixed_only(fn, fixed: list, args: tuple) -> list[bool]:
+    """Per leaf of `jax.vjp(fn, *args)`'s residuals: whether it is computed from the `fixed`
+    leaves of `args` alone (JAX's partial evaluation with the other leaves unknown: a scan's
+    outputs are told apart per output)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    flat, in_tree = jax.tree.flatten(args)
+    residuals = lambda *flat: jax.tree.leaves(jax.vjp(fn, *jax.tree.unflatten(in_tree, flat))[1])
+    closed = jax.make_jaxpr(residuals)(*flat)
+    ids = {id(f) for f in fixed}
+    _, _, unknown, _ = pe.partial_eval_jaxpr_nounits(
+        closed, [id(a) not in ids for a in flat], False
+    )
+    return [not u for u in unknown]
 
 
 class _SplitVjp(_StashedVjp):
@@ -662,15 +697,17 @@ class _SplitVjp(_StashedVjp):
         self.cut: dict[str, Any] | None = None
 
     def forward(self, fn, fixed: list, *args):
-        """(fn(*args), residuals for the input pass, residuals only the weight pass reads)."""
-        out, stashed = super().forward(fn, fixed, *args)
+        """(fn(*args), residuals for the input pass, residuals only the weight pass reads,
+        invariant residuals (`_StashedVjp`; the passes take `fixed` followed by them))."""
+        out, stashed, invariant = super().forward(fn, fixed, *args)
         if self.cut is None:
-            self._make_cut(fixed, stashed, out)
-        only = self.cut["weight_only"][len(fixed) :]
+            self._make_cut(fixed + invariant, stashed, out)
+        only = self.cut["weight_only"][len(fixed) + len(invariant) :]
         return (
             out,
             [r for r, w in zip(stashed, only) if not w],
             [r for r, w in zip(stashed, only) if w],
+            invariant,
         )
 
     def _make_cut(self, fixed: list, stashed: list, out) -> None:
@@ -786,9 +823,12 @@ def _tick_loop(branches, tables, x0, targets, stash, acc):
     slots = tables["slots"]
     blocks = "feed_read" in tables  # x0 / d x0 held in blocks over the stages
     at = lambda k: jnp.maximum(k, 0)
-    transit = x0.shape[0]  # with blocks: the conveyors' transit slot (`_feed_tables`)
-    # d x0 up the conveyor: stage 0 sends the fresh gradient, the others their transit slot.
-    dx_up = lambda dx0, r, dx: _convey(dx0, r["dx_recv"], jnp.where(first, dx, dx0[transit]), 1)
+    # With blocks, one buffer holds this stage's block of x0, the conveyors' two transit slots and,
+    # as they come back, the block's input gradients, each in the slot its input left
+    # (`_feed_tables`). d x0 goes up the conveyor: stage 0 sends the fresh gradient, the others
+    # their gradient transit slot.
+    per, up = x0.shape[0], x0.shape[0] + 1  # the activations' and the gradients' transit slots
+    dx_up = lambda feed, r, dx: _convey(feed, r["dx_recv"], jnp.where(first, dx, feed[up]), 1)
 
     def tick(carry, row):
         xin, gbuf, stash, feed, dx0, acc = carry
@@ -799,17 +839,17 @@ def _tick_loop(branches, tables, x0, targets, stash, acc):
             x_first = _take(x0, r["mf"])
         x = jnp.where(first, x_first, _take(xin, r["x"]))
         dy, tgt = _take(gbuf, r["g"]), _take(targets, r["mf"])
-        reads = {k: [_take(b, r["read_" + k]) for b in bufs] for k, bufs in stash.items()}
+        # A stash without tables in `r` holds one value (invariant residuals, `_StashedVjp`): slot
+        # 0, which every branch returns (the forward computes it, the others pass it on).
+        reads = {k: [_take(b, r.get("read_" + k, 0)) for b in bufs] for k, bufs in stash.items()}
         y, dx, writes, acc = aligned_switch.switch(r["action"], branches, x, dy, tgt, reads, acc)
         put = lambda b, v, k: _put(b, at(k), v, k >= 0)
-        stash = {
-            k: [put(b, v, r["write_" + k]) for b, v in zip(bufs, writes[k])]
-            for k, bufs in stash.items()
-        }
+        keep = lambda b, v, k: put(b, v, r["write_" + k]) if "write_" + k in r else v[None]
+        stash = {k: [keep(b, v, k) for b, v in zip(bufs, writes[k])] for k, bufs in stash.items()}
         if blocks:  # stage 0's next inputs one stage down, its input gradients one stage up
             down = _take(feed, at(r["feed_send"]))
             feed = _convey(feed, r["feed_recv"], down, -1)
-            dx0 = dx_up(put(dx0, dx, r["dx_keep"]), r, dx)
+            feed = dx_up(put(feed, dx, r["dx_keep"]), r, dx)
         else:
             dx0 = _put(dx0, r["mb"], dx, first & r["dx0"])
         # Every stage sends every tick (all must join a collective); receivers keep only arrivals.
@@ -820,13 +860,13 @@ def _tick_loop(branches, tables, x0, targets, stash, acc):
     rows = {k: jnp.asarray(v[:ticks]) for k, v in tables.items() if k != "slots"}
     feed, dx0 = None, zeros(x0.shape[0])
     if blocks:
-        feed, dx0 = jnp.concatenate([x0, zeros(1)]), zeros(x0.shape[0] + 1)
+        feed, dx0 = jnp.concatenate([x0, zeros(2)]), None
     carry = (zeros(slots["x"]), zeros(slots["g"]), stash, feed, dx0, acc)
-    (*_, dx0, acc), _ = jax.lax.scan(tick, carry, rows)
+    (*_, feed, dx0, acc), _ = jax.lax.scan(tick, carry, rows)
     if blocks and len(tables["dx_recv"]) > ticks:  # drain: the last gradients up to their owners
-        step = lambda dx0, row: (dx_up(dx0, {"dx_recv": row[d]}, dx0[transit]), None)
-        dx0, _ = jax.lax.scan(step, dx0, jnp.asarray(tables["dx_recv"][ticks:]))
-    return (dx0[:transit] if blocks else dx0), acc
+        step = lambda feed, row: (dx_up(feed, {"dx_recv": row[d]}, feed[up]), None)
+        feed, _ = jax.lax.scan(step, feed, jnp.asarray(tables["dx_recv"][ticks:]))
+    return (feed[:per] if blocks else dx0), acc
 
 
 def _stage_inputs(chunk, head, x0, dtype):
@@ -873,8 +913,8 @@ def _one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
     chunk, head, acc, zero = _stage_inputs(chunk, head, x0, dtype)
     leaves, stage_vjp = jax.tree.leaves, _StashedVjp()
     # The stash's shapes come from tracing one forward on zeros, which compiles to nothing.
-    (_, stats0), r0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
-    stash = {"r": _buffers(tables["slots"]["r"], r0)}
+    (_, stats0), r0, c0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
+    stash = {"r": _buffers(tables["slots"]["r"], r0), "c": _buffers(1, c0)}
     stats0 = jax.tree.map(lambda a: _varying(jnp.zeros_like(a, jnp.float32)), stats0)
     # d loss / d statistics: constant, the aux term being linear in them.
     d_stats = jax.tree.map(_varying, jax.grad(lambda st: scale * aux_term(st))(stats0))
@@ -887,12 +927,12 @@ def _one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
         return zero(), zero(), reads, acc
 
     def forward(x, dy, tgt, reads, acc):
-        (y, stats), r = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
-        return y, zero(), {"r": r}, (acc[0], acc[1], add(acc[2], stats))
+        (y, stats), r, c = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
+        return y, zero(), {"r": r, "c": c}, (acc[0], acc[1], add(acc[2], stats))
 
     def backward(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
-        dc, dx = stage_vjp.backward(leaves(chunk), reads["r"], (dy, d_stats))
+        dc, dx = stage_vjp.backward(leaves(chunk) + reads["c"], reads["r"], (dy, d_stats))
         return zero(), dx.astype(x0.dtype), reads, (_accumulate(g_c, dc), g_h, loss)
 
     def fused(x, dy, tgt, reads, acc):
@@ -934,11 +974,12 @@ def _zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
     chunk, head, acc, zero = _stage_inputs(chunk, head, x0, dtype)
     leaves, stage_vjp, head_vjp = jax.tree.leaves, _SplitVjp(), _StashedVjp()
     head_fn = lambda hp, y, tgt: head_loss(hp, y, tgt)
-    out0, rb0, rw0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
-    _, _, rr0 = stage_vjp.backward_input(leaves(chunk), rb0, out0)
-    rh0 = head_vjp.forward(head_fn, leaves(head), head, zero(), targets[0])[1]
-    n = tables["slots"]
-    stash = {k: _buffers(n[k], r) for k, r in dict(b=rb0, w=rw0, r=rr0, h=rh0).items()}
+    out0, rb0, rw0, c0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
+    _, _, rr0 = stage_vjp.backward_input(leaves(chunk) + c0, rb0, out0)
+    _, rh0, hc0 = head_vjp.forward(head_fn, leaves(head), head, zero(), targets[0])
+    n = {**tables["slots"], "c": 1, "hc": 1}
+    stashes = dict(b=rb0, w=rw0, r=rr0, h=rh0, c=c0, hc=hc0)
+    stash = {k: _buffers(n[k], r) for k, r in stashes.items()}
     stats0 = jax.tree.map(lambda a: _varying(jnp.zeros_like(a, jnp.float32)), out0[1])
     # d loss / d statistics: constant, the aux term being linear in them.
     d_stats = jax.tree.map(_varying, jax.grad(lambda st: scale * aux_term(st))(stats0))
@@ -951,28 +992,31 @@ def _zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype,
         return zero(), zero(), reads, acc
 
     def forward(x, dy, tgt, reads, acc):
-        (y, stats), rb, rw = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
-        return y, zero(), {**reads, "b": rb, "w": rw}, (acc[0], acc[1], add(acc[2], stats))
+        (y, stats), rb, rw, c = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
+        writes = {**reads, "b": rb, "w": rw, "c": c}
+        return y, zero(), writes, (acc[0], acc[1], add(acc[2], stats))
 
     def backward(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
-        (dx,), dw, rr = stage_vjp.backward_input(leaves(chunk), reads["b"], (dy, d_stats))
+        fixed = leaves(chunk) + reads["c"]
+        (dx,), dw, rr = stage_vjp.backward_input(fixed, reads["b"], (dy, d_stats))
         return zero(), dx.astype(x0.dtype), {**reads, "r": rr}, (_accumulate(g_c, dw), g_h, loss)
 
     def weight(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
-        dw = stage_vjp.backward_weight(leaves(chunk), reads["w"], reads["r"])
+        dw = stage_vjp.backward_weight(leaves(chunk) + reads["c"], reads["w"], reads["r"])
         return zero(), zero(), reads, (_accumulate(g_c, dw), g_h, loss)
 
     def forward_last(x, dy, tgt, reads, acc):
         y, _, writes, (g_c, g_h, loss) = forward(x, dy, tgt, reads, acc)
-        mb_loss, rh = head_vjp.forward(head_fn, leaves(head), head, y, tgt)
+        mb_loss, rh, hc = head_vjp.forward(head_fn, leaves(head), head, y, tgt)
         loss = (loss[0] + mb_loss * scale, loss[1])
-        return zero(), zero(), {**writes, "h": rh}, (g_c, g_h, loss)
+        return zero(), zero(), {**writes, "h": rh, "hc": hc}, (g_c, g_h, loss)
 
     def backward_last(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
-        dh, dy, _ = head_vjp.backward(leaves(head), reads["h"], _varying(jnp.float32(scale)))
+        fixed = leaves(head) + reads["hc"]
+        dh, dy, _ = head_vjp.backward(fixed, reads["h"], _varying(jnp.float32(scale)))
         acc = (g_c, _accumulate(g_h, dh), loss)
         return backward(x, dy.astype(x0.dtype), tgt, reads, acc)
 
@@ -1142,7 +1186,8 @@ _FEED_KEYS = ("feed_read", "feed_send", "feed_recv", "dx_keep", "dx_recv")
 def _feed_tables(sched: Schedule, p: int, m: int) -> dict[str, np.ndarray]:
     """The conveyors that bring stage 0 its inputs and take its input gradients back
     (`_tick_loop`) when the embedded microbatches are held in blocks over the stages: microbatch
-    i in slot i % (m/p) of stage i // (m/p), slot m/p a one-microbatch transit slot.
+    i in slot i % (m/p) of stage i // (m/p), slot m/p a one-microbatch transit slot for inputs and
+    m/p + 1 one for gradients; a gradient lands in the slot its input left (one buffer for both).
 
     Every tick, one collective-permute with fixed pairs (k -> k-1) moves at most one microbatch
     down each link and one with pairs (k -> k+1) one gradient up: no stage picks a peer at run
@@ -1171,6 +1216,7 @@ def _feed_tables(sched: Schedule, p: int, m: int) -> dict[str, np.ndarray]:
     for i in range(m):
         f, b, o = when[FWD, i], when[BWD, i], owner(i)
         assert f >= o, (f, o)  # stage 0 forwards microbatch i no earlier than tick i
+        assert b + max(o - 1, 0) > f - o, (b, f, o)  # the input has left when its gradient lands
         out["feed_read"][f, 0] = slot(i) if o == 0 else per
         for h in range(o, 0, -1):  # from stage h to h - 1 at tick f - h
             mark("feed_send", f - h, h, slot(i) if h == o else per)
@@ -1178,7 +1224,7 @@ def _feed_tables(sched: Schedule, p: int, m: int) -> dict[str, np.ndarray]:
         if o == 0:
             out["dx_keep"][b, 0] = slot(i)
         for h in range(o):  # from stage h to h + 1 at tick b + h
-            mark("dx_recv", b + h, h + 1, slot(i) if h + 1 == o else per)
+            mark("dx_recv", b + h, h + 1, slot(i) if h + 1 == o else per + 1)
     return out
 
 
@@ -1239,11 +1285,11 @@ class _Pipe:
     @property
     def x0_blocks(self) -> bool:
         """1f1b / zb with p dividing m: the embedded microbatches stay in blocks over the stages
-        (`_tick_loop`). Not nested in the caller's shard_map over `data` (grad_sync's explicit
-        paths) nor with `context` / `expert` manual: untested there, the batch is gathered."""
+        (`_tick_loop`), also nested in the caller's shard_map over `data` (grad_sync's explicit
+        paths). Not with `context` / `expert` manual (untested there): the batch is gathered."""
         explicit = not SCHEDULES[self.sched.name].autodiff_backward
         split = _CONTEXT in self.manual or _EXPERT in self.manual
-        return explicit and _blocks(self.sched) and not self.data_manual and not split
+        return explicit and _blocks(self.sched) and not split
 
     @property
     def batch_spec(self) -> PartitionSpec:

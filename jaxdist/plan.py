@@ -45,7 +45,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from jaxdist import compression, flops, hlo_cost, sharding, strategies
+from jaxdist import compression, flops, hlo_cost, sharding
 from jaxdist import config as config_lib
 from jaxdist.errors import ConfigError
 from models.api import abstract_model, remat_names
@@ -847,9 +847,8 @@ def _step(config, layout: Layout, model: ModelInfo, hw: Hardware) -> _Step:
 
         sched = pipeline.build_schedule(config.pipeline.schedule, p, m)
         ticks_1f1b = sched.ticks
-        if sched.name == "1f1b":  # (zb: costed as p slots each)
-            n = pipeline.exec_tables(sched)["slots"]
-            slots = (n["x"], n["g"], n["r"])
+        n = pipeline.exec_tables(sched)["slots"]  # zb: its stashes `b` and `w` hold 1f1b's `r`
+        slots = (n["x"], n["g"], n["r"] if sched.name == "1f1b" else max(n["b"], n["w"]))
     return _Step(
         config=config,
         model=model,
@@ -1092,11 +1091,9 @@ def _pipeline_terms(s: _Step, out: _Terms) -> None:
         # the last stage's outputs go back to the batch split over the stages for the head
         out.add("pp: batch into / out of the stages", "collective-permute", pa, act, A, False)
         out.add("pp: batch split over stages (all-to-all)", "all-to-all", pa, act, 2 * A, False)
-    # (not under grad_sync's explicit paths, nor with context / expert manual in the stages:
-    # jaxdist.pipeline._Pipe.x0_blocks)
-    explicit_sync = strategies.choose(s.config, s.sizes) != "pipelined"
+    # (not with context / expert manual in the stages: jaxdist.pipeline._Pipe.x0_blocks)
     split = s.sizes["context"] > 1 or s.sizes["expert"] > 1
-    if s.one_f_one_b and s.m % s.p == 0 and not explicit_sync and not split:
+    if s.one_f_one_b and s.m % s.p == 0 and not split:
         # jaxdist.pipeline._feed_tables: the embedded microbatches stay in blocks over the
         # stages; two conveyors, one fixed-pair permute each way on every tick, bring each to
         # stage 0 and its gradient back; only the integer targets reach every stage.
