@@ -38,6 +38,9 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,6 +198,23 @@ SHORTENED = {
         "--schedules=1f1b",
         "3 compiles on 8 devices; one row runs the same code",
     ),
+    "python scripts/train.py --config=configs/llama_tiny.py --workdir=runs/context "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.mesh.context=4 --config.train.steps=20": (
+        "--config.train.steps=2",
+        "20 steps of the tiny Llama; 2 compile and run the same context-parallel step",
+    ),
+    "python scripts/train.py --config=configs/llama_tiny.py --workdir=runs/moe "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.mesh.expert=4 "
+    "--config.model.num_experts=8 --config.train.steps=20": (
+        "--config.train.steps=2",
+        "20 steps of the tiny Llama; 2 compile and run the same expert-parallel step",
+    ),
+    "python scripts/plan.py --config=configs/gpt_1b.py --devices=64 --hardware=h100_nvlink_ib "
+    "[--top=10] [--out=plan.json] [--plot=scaling.png] [--config.train.batch_size=256]": (
+        "--plot_max_devices=64",
+        "the scaling plot plans every layout of 8 to 4096 devices (17 s of CPU); up to 64 devices "
+        "runs the same code (3.4 s)",
+    ),
     "python scripts/bench_data.py --study=loader": (
         "--steps=2",
         "30 timed batches of two sources; 2 run the same code",
@@ -231,6 +251,10 @@ NOT_RUN = {
     "bash scripts/gpu_check.sh runs/gpu_check": (
         "run by tests/test_gpu_check.py (the same CPU dry run into a temporary folder, its JSON and "
         "table checked there)"
+    ),
+    "bash scripts/gpu_check.sh": (
+        "its OUT_DIR defaults to runs/gpu_check: the run above, which tests/test_gpu_check.py "
+        "makes (45 s of CPU run twice otherwise)"
     ),
     "python scripts/bench_gpu.py --phase=point ...": (
         "a template; `bash scripts/gpu_check.sh` (run here) runs every point of it"
@@ -420,18 +444,31 @@ def _env(bin_dir: Path) -> dict[str, str]:
 
 
 def _run(command: str, cwd: Path, env: dict[str, str], timeout: int = 300):
-    return subprocess.run(
-        ["bash", "-c", command],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """Runs `command`; prints its wall and CPU seconds (its own rusage, not the other thread's)
+    to stderr, so `pytest -s` shows what each documented command costs."""
+    start = time.monotonic()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env, stdout=out, stderr=err)
+        killed: list[bool] = []
+        timer = threading.Timer(timeout, lambda: killed.append(True) or proc.kill())
+        timer.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if killed:
+            raise subprocess.TimeoutExpired(command, timeout)
+        out.seek(0), err.seek(0)
+        done = subprocess.CompletedProcess(command, proc.returncode, out.read(), err.read())
+    cpu = usage.ru_utime + usage.ru_stime
+    wall = time.monotonic() - start
+    print(f"[docs] {cpu:6.1f} s cpu {wall:6.1f} s wall  {command}", file=sys.stderr)
+    return done
 
 
-def _with_flags(run: str) -> str:
-    extra = SHORTENED.get(run, ("", ""))[0]
+def _with_flags(run: str, text: str = "") -> str:
+    """`run` with its SHORTENED flags: listed under the run itself or, for a command with
+    `[...]` optionals, under the command as documented (then both of its runs get them)."""
+    extra = SHORTENED.get(run, SHORTENED.get(text, ("", "")))[0]
     return f"{run} {extra}".strip()
 
 
@@ -459,7 +496,10 @@ def results(request, tmp_path_factory):
         root = base / f"root-{list(RUNNABLE).index(keys[0])}"
         _copy_source(root)
         shutil.copytree(fixture, root / "runs" / "default")
-        return {key: _run(_with_flags(RUNNABLE[key][1]), root, env) for key in keys}
+        return {
+            key: _run(_with_flags(RUNNABLE[key][1], RUNNABLE[key][0].text), root, env)
+            for key in keys
+        }
 
     out = {}
     # The quickstart's train command makes runs/default (shortened); every other command runs
@@ -484,9 +524,7 @@ def results(request, tmp_path_factory):
 def test_documented_command_runs(key, results):
     command, run = RUNNABLE[key]
     proc = results[key]
-    shown = (
-        f"{key} (+ {_with_flags(run)[len(run) :]!r})\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    )
+    shown = f"{key} (+ {_with_flags(run, command.text)[len(run) :]!r})\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stdout + proc.stderr, shown
     if command.expected:
         printed = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]

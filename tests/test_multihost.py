@@ -114,7 +114,6 @@ def audit_dir(tmp_path_factory) -> pathlib.Path:
 def _env(audit_dir: pathlib.Path | None, tag: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_CLUSTER_PREFIXES)}
     env.pop("REPLICATED_JOB_NAME", None)
-    env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"
     paths = [str(ROOT), env.get("PYTHONPATH")]
     if audit_dir is not None and tag is not None:
