@@ -668,8 +668,8 @@ def _computed_per_token(D: int, F: int, NT: int) -> tuple[float, float, float]:
 
 
 # Working set of one layer's backward (cotangents, slices of the saved stacks, what the policy
-# recomputes) as a multiple of the layer's full activation set (`_computed_per_token`). Read from XLA:CPU's
-# buffer assignment (`--xla_dump_to`, memory-usage report) of the GPT at d_model 128-256, T 64-128,
+# recomputes) as a multiple of the layer's full activation set (`_computed_per_token`). Read from
+# XLA:CPU's buffer assignment (`--xla_dump_to`, memory-usage report) of the GPT at d_model 128-256, T 64-128,
 # F 512-1024, from the change in temp between 2 and 4 rows: none 0.70-0.83, dots 0.65-0.97,
 # dots_no_batch 0.65-0.90. With `full` that marginal figure is 1.24-1.33 but the whole working set
 # at 1-2 rows per device is 0.9 of the layer's activations (the peak moves). Since the GELU keeps
