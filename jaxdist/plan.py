@@ -610,13 +610,13 @@ def _term_time(term: CommTerm, local: dict[str, int], hw: Hardware) -> float:
 # computes logits and softmax in float32), per remat policy, as XLA:CPU's buffer assignment shows
 # them for this model (D d_model, F mlp width, NT = heads × length scores per query; they agree
 # with what `jax.vjp` of the layer scan saves):
-#   none:          6 [b,T,D] (x, norms, residual sums)   | q, k, v, o (4 D), 6 [b,T,F] (up, GELU's
-#                                                          tanh pieces, output) | scores, probs (2 NT)
+#   none:          6 [b,T,D] (x, norms, residual sums)   | q, k, v, o (4 D), 2 [b,T,F] (GELU's
+#                                                          input and output) | scores, probs (2 NT)
 #   dots:          x, attention out (2 D)                | qkv, o (4 D), up (F) | scores (NT)
 #   dots_no_batch: x, attention out (2 D)                | qkv (3 D), up (F)    | —
 #   full:          x (D)                                 | —                    | —
-# Flash attention (`model.attention="cudnn"`) keeps no scores. GPU and TPU fuse GELU's elementwise
-# pieces, so there `none` keeps fewer [b,T,F] copies: the figure is conservative off CPU.
+# Flash attention (`model.attention="cudnn"`) keeps no scores. The GELU's backward recomputes its
+# tanh from its input (models/gpt.py `_gelu`), so no tanh pieces are kept on any backend.
 def _context_expert_terms(add, config, sizes: dict[str, int], tokens: int, dt: int, reps: int):
     """Context and expert parallelism's collectives per step. `tokens`: one microbatch's tokens on
     a device's data shard (before the context split); `dt`: bytes per value on the wire; `reps`:
@@ -653,7 +653,7 @@ def _context_expert_terms(add, config, sizes: dict[str, int], tokens: int, dt: i
 
 def _saved_per_token(remat: str, D: int, F: int, NT: int) -> tuple[float, float, float]:
     if remat == "none":
-        return 6 * D, 4 * D + 6 * F, 2 * NT
+        return 6 * D, 4 * D + 2 * F, 2 * NT
     if remat == "dots":
         return 2 * D, 4 * D + F, NT
     if remat == "dots_no_batch":
@@ -661,13 +661,20 @@ def _saved_per_token(remat: str, D: int, F: int, NT: int) -> tuple[float, float,
     return D, 0, 0
 
 
+def _computed_per_token(D: int, F: int, NT: int) -> tuple[float, float, float]:
+    """Everything one layer's forward computes (`none`'s row with the GELU's four tanh pieces,
+    which its backward recomputes): the unit of the working set below."""
+    return 6 * D, 4 * D + 6 * F, 2 * NT
+
+
 # Working set of one layer's backward (cotangents, slices of the saved stacks, what the policy
-# recomputes) as a multiple of the layer's full (remat none) activation set. Read from XLA:CPU's
-# buffer assignment (`--xla_dump_to`, memory-usage report) of the GPT at d_model 128-256, T 64-128,
+# recomputes) as a multiple of the layer's full activation set (`_computed_per_token`). Read from
+# XLA:CPU's buffer assignment (`--xla_dump_to`, memory-usage report) of the GPT at d_model 128-256, T 64-128,
 # F 512-1024, from the change in temp between 2 and 4 rows: none 0.70-0.83, dots 0.65-0.97,
 # dots_no_batch 0.65-0.90. With `full` that marginal figure is 1.24-1.33 but the whole working set
-# at 1-2 rows per device is 0.9 of the layer's activations (the peak moves).
-_WORKING_SET = {"none": 0.75, "dots": 0.7, "dots_no_batch": 0.7, "full": 0.9}
+# at 1-2 rows per device is 0.9 of the layer's activations (the peak moves). Since the GELU keeps
+# only its input, none and dots take the ends of their ranges (docs/PLANNER.md).
+_WORKING_SET = {"none": 0.83, "dots": 0.65, "dots_no_batch": 0.7, "full": 0.9}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1124,7 +1131,7 @@ def _activations(s: _Step) -> tuple[float, int, int, float, float]:
     # against all T keys.
     Tl = T // s.sizes["context"]
     row_bytes = lambda r, sp, sc: Tl * ((r + sp / s.tp) * adt + sc / s.tp * 4)
-    full_row = row_bytes(*_saved_per_token("none", D, m.mlp_dim, NT))
+    full_row = row_bytes(*_computed_per_token(D, m.mlp_dim, NT))
     # A stage's layer scan of one layer is no loop for XLA (trip count 1): nothing is stacked twice.
     Lc = s.Lp // s.v  # layers one tick runs
     stage_grads = 0  # a second float32 copy of the stage's layer grads (1F1B's per-tick vjp)

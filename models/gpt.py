@@ -84,6 +84,12 @@ def _rope(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Arra
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+# The tanh GELU with only its input saved for the backward, which recomputes the tanh from it (as
+# Megatron's fused bias-GELU does): autodiff of `jax.nn.gelu` keeps four more [B, T, F] pieces.
+# Same operations in the same order, so the same gradients (tests/test_gpt.py).
+_gelu = jax.checkpoint(jax.nn.gelu)
+
+
 def block(lp: dict[str, jax.Array], x: jax.Array, *, attention: str = "xla") -> jax.Array:
     """One pre-norm transformer layer. `lp` holds one layer's parameters; x is [B, T, D]."""
     c = lambda name: constrain(lp[name], BLOCK_AXES[name])  # gathered over fsdp for compute
@@ -103,7 +109,7 @@ def block(lp: dict[str, jax.Array], x: jax.Array, *, attention: str = "xla") -> 
     with jax.named_scope("mlp"):
         h = _norm(x, c("mlp_norm"), lp.get("mlp_norm_bias"))
         u = constrain(jnp.einsum("btd,df->btf", h, c("w_up")), ("batch", "length", "mlp"))
-        u = jax.nn.gelu(u)
+        u = _gelu(u)
         x = x + constrain(jnp.einsum("btf,fd->btd", u, c("w_down")), ("batch", "length", "embed"))
     return x
 
