@@ -251,10 +251,11 @@ def test_zb_table(p, m):
 def test_zb_table_with_the_measured_branch_costs():
     """zb's W ticks pay off in lock-step: with the branch costs the benchmark's compiled step
     measures (docs/PIPELINE.md, `branch_flops` in units of F = 117.4 M: B 134.2 M, W 100.7 M, the
-    head 8.4 M forward), its table costs at most 0.95× gpipe's at p = 4, m = 8 and 0.85× at
-    m = 4 (gpipe: its ticks, plus the head it runs outside them on 1/p of the batch)."""
+    head 8.4 M forward), its table costs at most 0.91× gpipe's at p = 4, m = 8 (the greedy table
+    alone: 0.94×) and 0.85× at m = 4 (gpipe: its ticks, plus the head it runs outside them on 1/p
+    of the batch)."""
     F, B, W, head = 117.4, 134.2, 100.7, 8.4
-    for m, bound in ((8, 0.95), (4, 0.85)):
+    for m, bound in ((8, 0.91), (4, 0.85)):
         gpipe, _ = pipeline.branch_lockstep(
             pipeline.build_schedule("gpipe", 4, m), F, B + W, B, W, head
         )
