@@ -7,14 +7,20 @@ a fresh folder per session means no result is ever carried over from an earlier 
 XLA:CPU compiles at LLVM optimisation level 0 (`--xla_backend_optimization_level=0`): the suite's
 programs are tiny and compile-bound, and the flag only changes machine-code generation after the
 HLO passes, so sharding, collectives and buffer assignment are those of a default compile
-(docs/PLANNER.md). It halves the suite's time. Fusions are emitted by XLA:CPU's elemental IR
-emitter instead of its MLIR fusion emitters (`--xla_cpu_use_fusion_emitters=false`, where this
-XLA has the flag): it cuts a train step's compile 2.5x (5.7 -> 2.2 CPU s for the MoE step of
-tests/test_compose_context_expert.py). It changes the code of elementwise fusions, so results can
-differ from a default compile in the last bits (a float32 ulp in the tiny GPT's parameters after
-3 steps) and temp bytes by a few hundred (0.01%); sharding and collectives are unchanged. Every
-comparison in the suite is between programs compiled the same way; subprocess runs inherit the
-flags unless a test sets its own environment.
+(docs/PLANNER.md). It halves the suite's time.
+
+With JAXDIST_TEST_FAST_CODEGEN=1 (the first half of README's test command) fusions are also
+emitted by XLA:CPU's elemental IR emitter instead of its MLIR fusion emitters
+(`--xla_cpu_use_fusion_emitters=false`, where this XLA has the flag): a train step compiles 2.5x
+faster (5.7 -> 2.2 CPU s for the MoE step of tests/test_compose_context_expert.py) and the suite
+in half the time. It changes the code of elementwise fusions, so a program can differ from a
+default compile in the last bits (a float32 ulp in the tiny GPT's parameters after 3 steps) and
+in temp bytes by a few hundred (0.01%), and two different programs that compute the same sums
+(the all-reduce algorithms against XLA's, one process against two) no longer agree to the bit.
+The tests that compare programs to the bit are marked `bitwise` and refuse the flag (the second
+half of the command runs them without it). Every other comparison in the suite is between
+programs compiled the same way at a fixed tolerance; subprocess runs inherit the flags unless a
+test sets its own environment.
 """
 
 import atexit
@@ -48,10 +54,24 @@ def _add_xla_flag(flag: str, probe: bool = False) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
 
 
+FAST_CODEGEN = os.environ.get("JAXDIST_TEST_FAST_CODEGEN") == "1"
 _add_xla_flag("--xla_backend_optimization_level=0")
-_add_xla_flag(_FUSION_EMITTERS, probe=True)  # the first process of the session probes once
+if FAST_CODEGEN:
+    _add_xla_flag(_FUSION_EMITTERS, probe=True)  # the first process of the session probes once
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected
+def pytest_collection_modifyitems(config, items):
+    bitwise = [item.nodeid for item in items if item.get_closest_marker("bitwise")]
+    if FAST_CODEGEN and bitwise:
+        raise pytest.UsageError(
+            f"{len(bitwise)} bitwise tests (e.g. {bitwise[0]}) need XLA:CPU's default fusion "
+            "emitters: run them without JAXDIST_TEST_FAST_CODEGEN=1, or deselect them with "
+            "-m 'not bitwise'"
+        )

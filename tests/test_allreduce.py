@@ -14,6 +14,8 @@ from jaxdist import allreduce, config, hlo_cost
 from jaxdist.errors import ConfigError
 from tests.helpers import compile_step, engine_for, tiny_gpt_config, train_steps
 
+pytestmark = pytest.mark.bitwise  # compares compiled programs to the bit (tests/conftest.py)
+
 EXACT = ("ring", "halving_doubling", "tree", "ps", "sharded_ps")
 
 

@@ -40,6 +40,8 @@ from tests.test_multihost import (
     records,
 )
 
+pytestmark = pytest.mark.bitwise  # compares compiled programs to the bit (tests/conftest.py)
+
 HYBRID = (*DATA_TENSOR, "--config.mesh.dcn_data=2", "--config.checkpoint.every=0")
 STEPS = "--config.train.steps=4"
 DATA8 = (  # data=8 as 2 hosts × 4: compress_over=dcn compresses the ring across them

@@ -9,6 +9,8 @@ import pytest
 from jaxdist import checkpoint
 from tests.helpers import engine_for, tiny_gpt_config
 
+pytestmark = pytest.mark.bitwise  # compares compiled programs to the bit (tests/conftest.py)
+
 
 def _cfg(tau: int, algorithm: str = "xla"):
     c = tiny_gpt_config(data=4, fsdp=2)

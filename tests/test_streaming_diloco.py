@@ -105,6 +105,7 @@ def test_int4_blocks_round_to_the_nearest_of_15_levels():
     assert len(np.unique(y[0])) > 8  # really 4-bit levels, not a coarser code
 
 
+@pytest.mark.bitwise  # compares compiled programs to the bit (tests/conftest.py)
 def test_overlapped_outer_step_lands_tau_steps_later_and_mixes():
     """tau = 1, F = 2: fragment 1 is sent after inner step 2 and its outer step lands after step 3,
     where every replica's copy becomes outer_mix * its own + (1 - outer_mix) * the new anchor."""
