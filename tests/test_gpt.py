@@ -44,6 +44,7 @@ def _loss_and_grads(c):
     return jax.device_get((loss, grads))
 
 
+@pytest.mark.bitwise  # compares compiled programs to the bit (tests/conftest.py)
 @pytest.mark.parametrize("mesh", [dict(data=1), dict(data=2, fsdp=2, tensor=2)])
 def test_gelu_recompute_changes_no_bit(monkeypatch, mesh):
     """The GPT's loss and every gradient with the GELU's backward recomputed equal, bit for bit,
