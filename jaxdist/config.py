@@ -224,7 +224,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     """Checks every field a user can get wrong; returns the resolved mesh shape.
 
     The choices and rules of models (`models/`), remat policies (`models/api.py`), pipeline
-    schedules (`jaxdist/pipeline.py`), optimizers and learning-rate schedules (`jaxdist/optim.py`),
+    schedules (`jaxdist/pipeline/`), optimizers and learning-rate schedules (`jaxdist/optim.py`),
     compressors and the gradient strategies (`jaxdist/compression.py`, `jaxdist/strategies.py`)
     are read from the modules that own them.
 

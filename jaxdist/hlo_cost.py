@@ -805,7 +805,7 @@ def _count_iterations(direction: str, start: int, bound: int, step: int) -> int 
 
 
 # --------------------------------------------------------------------------------------------------
-# The same reader for other per-instruction counts (jaxdist/pipeline.py's lock-step FLOPs)
+# The same reader for other per-instruction counts (jaxdist/pipeline/cost.py's lock-step FLOPs)
 # --------------------------------------------------------------------------------------------------
 
 

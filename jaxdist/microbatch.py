@@ -1,7 +1,7 @@
 """Microbatches: what the plain and the pipelined gradients share.
 
 The compute-dtype cast of the parameters, the split of a batch into microbatches that moves no row
-to another device, and gradient accumulation over such a split. `train.py` and `pipeline.py` both
+to another device, and gradient accumulation over such a split. `train.py` and `pipeline/` both
 use these; neither imports the other for them.
 """
 

@@ -45,7 +45,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from jaxdist import compression, flops, hlo_cost, sharding
+from jaxdist import compression, flops, hlo_cost, pipeline, sharding
 from jaxdist import config as config_lib
 from jaxdist.errors import ConfigError
 from models.api import abstract_model, remat_names
@@ -839,23 +839,20 @@ def _step(config, layout: Layout, model: ModelInfo, hw: Hardware) -> _Step:
     rows = int(config.train.batch_size) // math.prod(sizes[a] for a in sh.batch_axes)
     rows_mb = rows // A
     m = layout.microbatches if p > 1 else 1
-    v = int(config.pipeline.virtual_stages) if config.pipeline.schedule == "interleaved" else 1
+    spec = pipeline.schedule_spec(config.pipeline.schedule)
+    v = int(config.pipeline.virtual_stages) if spec.virtual else 1
     Lp = model.num_layers // p
     ticks = m * v + p - 1
-    # 1F1B (jaxdist.pipeline._one_f_one_b): its table's ticks, each a switch over idle / forward /
-    # backward / both (and the last stage's forward, head, loss and backward of one microbatch)
-    # whose collectives are charged as the costliest branch's (as jaxdist.hlo_cost counts
-    # conditionals): the last stage's, a forward and the stashed vjp (no forward recomputed).
-    # zb (jaxdist.pipeline._zero_bubble) is costed as 1F1B on its own table's ticks: the same
-    # switch, its backward split in two branches whose collectives are the backward's.
-    ticks_1f1b, slots = 0, (p, p, p)
-    if p > 1 and config.pipeline.schedule in ("1f1b", "zb"):
-        from jaxdist import pipeline
-
-        sched = pipeline.build_schedule(config.pipeline.schedule, p, m)
-        ticks_1f1b = sched.ticks
-        n = pipeline.exec_tables(sched)["slots"]  # zb: its stashes `b` and `w` hold 1f1b's `r`
-        slots = (n["x"], n["g"], n["r"] if sched.name == "1f1b" else max(n["b"], n["w"]))
+    # An explicit-backward schedule (1f1b: jaxdist.pipeline.one_f_one_b): its table's ticks, each
+    # a switch over idle / forward / backward / both (and the last stage's forward, head, loss and
+    # backward of one microbatch) whose collectives are charged as the costliest branch's (as
+    # jaxdist.hlo_cost counts conditionals): the last stage's, a forward and the stashed vjp (no
+    # forward recomputed). zb (jaxdist.pipeline.zero_bubble) is costed as 1F1B on its own table's
+    # ticks: the same switch, its backward split in two branches whose collectives are the
+    # backward's. Ticks, fused ticks and slots come from the spec's table (`tick_cost`).
+    explicit = p > 1 and not spec.autodiff_backward
+    tick = spec.tick_cost(p, m) if explicit else None
+    ticks_1f1b, slots = (tick.ticks, tick.slots) if tick else (0, (p, p, p))
     return _Step(
         config=config,
         model=model,
@@ -877,9 +874,9 @@ def _step(config, layout: Layout, model: ModelInfo, hw: Hardware) -> _Step:
         chunk_rows=rows_mb // m,
         reps=(Lp // v * ticks if p > 1 else Lp) * A,
         edge_rows=rows_mb // p if p > 1 and rows_mb % p == 0 else rows_mb,
-        one_f_one_b=p > 1 and config.pipeline.schedule in ("1f1b", "zb"),
+        one_f_one_b=explicit,
         ticks_1f1b=ticks_1f1b,
-        fused=p > 1 and config.pipeline.schedule == "1f1b",
+        fused=bool(tick and tick.fused),
         slots=slots,
         once=p > 1 and bool(config.pipeline.get("fsdp_gather_once", False)) and sizes["fsdp"] > 1,
     )
@@ -1054,8 +1051,6 @@ def _lockstep(s: _Step) -> tuple[float, float]:
     matmuls, its attention's two [T, T] matmuls, the head), plus the head gpipe and interleaved
     run outside the ticks. The bubble is the ticks' idle share: 1 - useful / (p · lock-step).
     """
-    from jaxdist import pipeline
-
     model, T, D = s.model, s.model.seq_len, s.model.d_model
     sched = pipeline.build_schedule(s.config.pipeline.schedule, s.p, s.m, s.v)
     matmul = 2 * sum(math.prod(x.shape) for x in model.params if x.stacked and len(x.shape) > 2)
@@ -1098,10 +1093,10 @@ def _pipeline_terms(s: _Step, out: _Terms) -> None:
         # the last stage's outputs go back to the batch split over the stages for the head
         out.add("pp: batch into / out of the stages", "collective-permute", pa, act, A, False)
         out.add("pp: batch split over stages (all-to-all)", "all-to-all", pa, act, 2 * A, False)
-    # (not with context / expert manual in the stages: jaxdist.pipeline._Pipe.x0_blocks)
+    # (not with context / expert manual in the stages: jaxdist.pipeline.gradients, x0_blocks)
     split = s.sizes["context"] > 1 or s.sizes["expert"] > 1
     if s.one_f_one_b and s.m % s.p == 0 and not split:
-        # jaxdist.pipeline._feed_tables: the embedded microbatches stay in blocks over the
+        # jaxdist.pipeline.feed_tables: the embedded microbatches stay in blocks over the
         # stages; two conveyors, one fixed-pair permute each way on every tick, bring each to
         # stage 0 and its gradient back; only the integer targets reach every stage.
         out.add(

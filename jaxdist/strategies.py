@@ -4,7 +4,7 @@
 
   plain        one `value_and_grad` of the loss; XLA reduces the gradients over `data`/`fsdp`.
   accumulated  the same, averaged over `train.grad_accum` microbatches (`microbatch.accumulated`).
-  pipelined    the model's stages over `mesh.pipeline` (jaxdist/pipeline.py), accumulated the same way.
+  pipelined    the model's stages over `mesh.pipeline` (jaxdist/pipeline/), accumulated the same way.
   compressed   per-replica gradients (one of the three above) reduced over `data` by the compressor
                `grad_sync.compression` names (jaxdist/compression.py, collectives.sync_grads).
   allreduce    the same per-replica path, reduced exactly by `grad_sync.algorithm` (ring, tree,

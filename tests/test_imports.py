@@ -225,3 +225,81 @@ def test_loop_does_not_import_the_planner():
     (`loop.run(checks=, layout_extras=)`): the loop itself does not depend on it."""
     graph = import_graph()
     assert "jaxdist.plan" not in graph["jaxdist.loop"], sorted(graph["jaxdist.loop"])
+
+
+# Packages whose private names (`_x`) no other module uses and which use no other module's:
+# what they share is public and documented. (Every package should join; each refactor adds its.)
+PRIVATE_CHECKED = ("jaxdist.pipeline",)
+
+
+def _private_uses(name: str, path: pathlib.Path, known: set[str]) -> set[tuple[str, str]]:
+    """(module, private name) pairs that `name` takes from another module of `known`:
+    `from m import _x`, and `m._x` through a name an import bound to module `m`."""
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    private = lambda attr: attr.startswith("_") and not attr.startswith("__")
+    bound: dict[str, str] = {}  # local name -> the module it is
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                bound[a.asname or a.name.split(".")[0]] = (
+                    a.name if a.asname else a.name.split(".")[0]
+                )
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            for a in node.names:
+                if f"{base}.{a.name}" in known:
+                    bound[a.asname or a.name] = f"{base}.{a.name}"
+                if private(a.name) and base in known and base != name:
+                    out.add((base, a.name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            chain, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in bound:
+                target = ".".join([bound[value.id], *reversed(chain)])
+                if target in known and target != name:
+                    out.add((target, node.attr))
+    return out
+
+
+def _all_sources(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
+    """The library and model modules by name, and the scripts and tests by path."""
+    out = dict(_modules(root))
+    for folder in ("scripts", "tests"):
+        out.update({str(f.relative_to(root)): f for f in sorted((root / folder).glob("*.py"))})
+    return out
+
+
+def _in(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_no_private_names_across_module_boundaries():
+    known = set(_modules(ROOT))
+    bad = sorted(
+        (name, f"{target}.{attr}")
+        for name, path in _all_sources().items()
+        for target, attr in _private_uses(name, path, known)
+        if _in(name, PRIVATE_CHECKED) or _in(target, PRIVATE_CHECKED)
+    )
+    assert not bad, bad
+
+
+def test_private_name_checker_can_fail(tmp_path):
+    (tmp_path / "lib" / "pkg").mkdir(parents=True)
+    (tmp_path / "lib" / "__init__.py").write_text("")
+    (tmp_path / "lib" / "pkg" / "__init__.py").write_text("from lib.pkg import a as _a\n")
+    (tmp_path / "lib" / "pkg" / "a.py").write_text("from lib.b import _helper\n_x = 1\n")
+    (tmp_path / "lib" / "b.py").write_text("from lib import pkg\ny = pkg.a._x\n_helper = 2\n")
+    known = set(_modules(tmp_path, ("lib",)))
+    uses = lambda n: _private_uses(n, _modules(tmp_path, ("lib",))[n], known)
+    assert uses("lib.pkg.a") == {("lib.b", "_helper")}
+    assert uses("lib.b") == {("lib.pkg.a", "_x")}
+    assert uses("lib.pkg") == set()  # its own submodule, imported under a private alias

@@ -13,7 +13,8 @@ from jaxdist import loop, metrics, pipeline, sharding, train
 from jaxdist.errors import ConfigError
 from tests.helpers import compile_step, engine_for, tiny_gpt_config
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+# Every registered schedule (`pipeline.SCHEDULES`): a new one runs the equivalence and table tests.
+SCHEDULES = tuple(pipeline.SCHEDULES)
 
 
 def _config(layers: int, mesh: dict, schedule: str = "gpipe", m: int = 1, **train_fields):
@@ -21,7 +22,7 @@ def _config(layers: int, mesh: dict, schedule: str = "gpipe", m: int = 1, **trai
     c.model.num_layers = layers
     c.pipeline.schedule = schedule
     c.pipeline.microbatches = m
-    c.pipeline.virtual_stages = 2 if schedule == "interleaved" else 1
+    c.pipeline.virtual_stages = 2 if pipeline.schedule_spec(schedule).virtual else 1
     for k, v in train_fields.items():
         c.train[k] = v
     return c
@@ -169,7 +170,7 @@ def test_bubble_fraction_matches_formula(p, m, v):
     """gpipe and interleaved: the textbook bubble. 1f1b (fused ticks, `one_f_one_b_table`): never
     below gpipe's in lock-step, at most 1.25× gpipe's lock-step time, at most p + 1 microbatches
     in flight. Every stage runs every (microbatch, chunk) forward and backward exactly once."""
-    for name in SCHEDULES:
+    for name in ("gpipe", "1f1b", "interleaved", "zb"):  # (every schedule: test_schedule_table)
         if name == "interleaved" and m % p or name == "zb":  # zb: test_zb_table
             continue
         sched = pipeline.build_schedule(name, p, m, v)
@@ -188,6 +189,55 @@ def test_bubble_fraction_matches_formula(p, m, v):
         if name == "1f1b":
             assert sched.max_in_flight() <= p + pipeline.ONE_F_ONE_B_EXTRA_IN_FLIGHT
             pipeline.exec_tables(sched)  # no stash slot is overwritten while live
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 1, 1), (2, 4, 2), (3, 5, 1), (4, 4, 1), (4, 8, 2)])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_table(schedule, p, m, v):
+    """Every registered schedule's table, at the sizes its config rules accept: each stage runs
+    every (microbatch, chunk) forward and backward (and a split backward's weight pass) once,
+    forwards go up the chunks and backwards down in order; an explicit backward gets its
+    executor's slots (none overwritten while live) and a cost for every switch branch it takes;
+    the planner's `tick_cost` is the table's."""
+    spec = pipeline.schedule_spec(schedule)
+    try:
+        spec.check(p, m, v)
+    except ConfigError:
+        pytest.skip(f"{schedule} refuses p={p}, m={m}, v={v}")
+    sched = spec.build(p, m, v)
+    v_eff = v if spec.virtual else 1
+    assert (sched.name, sched.stages, sched.microbatches) == (schedule, p, m)
+    assert sched.virtual_stages == v_eff
+    F, B, W = pipeline.FWD, pipeline.BWD, pipeline.WGT
+    when = {}
+    for t in range(sched.ticks):
+        for s in range(p):
+            for a, i, c in sched.cells(t, s):
+                assert (a, s, i, c) not in when, (a, s, i, c)
+                when[a, s, i, c] = t
+    acts = (F, B, W) if spec.split_backward else (F, B)
+    assert set(when) == {(a, s, i, c) for a in acts for s in range(p) for i in range(m)
+                         for c in range(v_eff)}  # fmt: skip
+    for i in range(m):
+        for g in range(p * v_eff):  # chunk g runs on stage g mod p, lap g // p
+            s, c = g % p, g // p
+            assert when[B, s, i, c] >= when[F, s, i, c]
+            if g:
+                prev = ((g - 1) % p, i, (g - 1) // p)
+                assert when[(F, s, i, c)] > when[(F, *prev)]
+                assert when[(B, s, i, c)] < when[(B, *prev)]
+            if spec.split_backward:
+                assert when[W, s, i, c] > when[B, s, i, c]
+    tick = spec.tick_cost(p, m, v)
+    assert (tick.ticks, tick.bubble_fraction) == (sched.ticks, sched.bubble_fraction)
+    assert 0 <= tick.bubble_fraction < 1
+    assert tick.switch_per_tick == (pipeline.executed_actions(sched) is not None)
+    if tick.switch_per_tick:
+        tables = pipeline.exec_tables(sched)  # raises if a slot is overwritten while live
+        costs = spec.branch_costs(1.0, 2.0, 1.0, 1.0, 0.1)
+        assert int(tables["action"].max()) < len(costs), (tables["action"].max(), costs)
+        assert tick.slots == (tables["slots"]["x"], tables["slots"]["g"], max(
+            tables["slots"][k] for k in spec.residual_stashes))  # fmt: skip
 
 
 def test_1f1b_dependencies_respected():

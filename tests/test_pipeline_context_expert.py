@@ -155,9 +155,7 @@ def test_ring_in_tick_branches_has_aligned_permutes(schedule, c, fwd, bwd):
             found = set(map(tuple, pairs.reshape(-1, 2).tolist()))
             return float(found == ring and "[]" not in inst.shape)
 
-        walk = pipeline._LockStep(
-            hlo_cost.parse_module(text), pipeline.executed_actions(sched), hop
-        )
+        walk = pipeline.LockStep(hlo_cost.parse_module(text), pipeline.executed_actions(sched), hop)
         walk.comp(walk.module.entry)
         return walk.branches
 

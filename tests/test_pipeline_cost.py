@@ -123,7 +123,7 @@ def test_weight_only_residuals_are_kept_once():
 
     @jax.jit  # traced, as inside the stages' shard_map
     def stash_and_backward(w, x):
-        vjp = pipeline._StashedVjp()
+        vjp = pipeline.StashedVjp()
         y, stashed, invariant = vjp.forward(layers, [w], w, x)
         return stashed, invariant, vjp.backward([w, *invariant], stashed, jnp.ones_like(y))
 
@@ -226,7 +226,7 @@ def test_zb_keeps_megatron_all_reduces():
     assert reduces[pipeline.WGT] == 0, reduces
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "interleaved"])
+@pytest.mark.parametrize("schedule", list(pipeline.SCHEDULES))
 def test_planner_lockstep_equals_the_compiled_program(schedule):
     """The planner's pipeline time uses the lock-step cost the layout record reads from the
     compiled step: its lock-step FLOPs (the executed table, branch FLOPs from the model's shapes)
