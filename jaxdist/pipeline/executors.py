@@ -30,7 +30,7 @@ def looped_forward(stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtua
       chunks: this device's chunks, every leaf [v, Lc, ...] (float32: cast per tick, so autodiff
         accumulates their gradients over the ticks in float32).
       x0: [m, b, T, D] embedded microbatches (the same on every stage; stage 0 reads them).
-      valid, micro, virtual: the [ticks, p] tables of `looped_forward_table`.
+      valid, micro, virtual: the [ticks, p] forward tables (`Schedule.forward_ticks`).
     Returns:
       ([m, b, T, D]: on the last stage the outputs of the last layer chunk, zeros elsewhere;
       this device's statistics summed over its layers and microbatches).

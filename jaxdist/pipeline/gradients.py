@@ -306,11 +306,19 @@ def _autodiff_outside(pipe: _Pipe) -> microbatch.GradFn:
     return gradients
 
 
+def _forward_ticks(sched: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The forward ticks `looped_forward` runs: an autodiff schedule's own, and for a schedule
+    with an explicit backward (evaluated by `make_loss` only) gpipe's over its microbatches."""
+    if schedule_spec(sched.name).autodiff_backward:
+        return sched.forward_ticks()
+    return looped_forward_table(sched.stages, sched.microbatches, 1)
+
+
 def _looped_loss(pipe: _Pipe) -> Callable:
-    """loss(params, batch) -> (mean loss, {}): the looped forward ticks (v = 1 unless interleaved)
+    """loss(params, batch) -> (mean loss, {}): the looped forward ticks of the schedule
     in the stages' shard_map, embedding and head outside it."""
-    p, v, m = pipe.sched.stages, pipe.sched.virtual_stages, pipe.sched.microbatches
-    valid, micro, virtual = looped_forward_table(p, m, v)
+    p, v = pipe.sched.stages, pipe.sched.virtual_stages
+    valid, micro, virtual = _forward_ticks(pipe.sched)
     stage_fn = pipe.looped_stage_fn()
     act = pipe.stages.activation_axes
 
@@ -362,7 +370,7 @@ def _stage_executor(pipe: _Pipe) -> Callable:
             return loss, jax.tree.map(lambda g: g[None], g_c), g_h, dx0, stats
 
         return explicit
-    valid, micro, virtual = looped_forward_table(p, m, v)
+    valid, micro, virtual = pipe.sched.forward_ticks()
     stage_fn = pipe.looped_stage_fn()
 
     def looped(head_loss, chunks, head, x0, targets):

@@ -61,6 +61,17 @@ class Schedule:
     def ticks(self) -> int:
         return int(self.action.shape[0])
 
+    def forward_ticks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(valid, micro, virtual), [ticks / 2, p]: the forward ticks of a schedule whose backward
+        is their autodiff (the table's first half; the second is their mirror), as
+        `executors.looped_forward` runs them: one ring shift per tick carries a microbatch from
+        stage s to s + 1 (from p - 1 to 0 at the next virtual stage)."""
+        half = self.ticks // 2
+        action = self.action[:half]
+        if np.any((action != IDLE) & (action != FWD)):
+            raise ValueError(f"{self.name}: its table's first half is not forward ticks")
+        return action == FWD, self.micro[:half], self.virtual[:half]
+
     def cells(self, t: int, s: int) -> list[tuple[int, int, int]]:
         """The (action, microbatch, virtual stage) units stage s runs at tick t, in order: none
         when idle, two for a FWD_BWD tick (its backward, then its forward; on the last stage the
