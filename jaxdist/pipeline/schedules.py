@@ -26,10 +26,10 @@ class Schedule:
     """Which stage does what at each tick, as the executors run it.
 
     Attributes:
-      name: `gpipe`, `1f1b`, `interleaved` or `zb`.
+      name: the `pipeline.schedule` it was built for (a `spec.SCHEDULES` name).
       stages: p, the size of the `pipeline` mesh axis.
       microbatches: m.
-      virtual_stages: v, layer chunks per device (1 unless interleaved).
+      virtual_stages: v, layer chunks per device (1 unless its spec is `virtual`).
       action: int8 [ticks, p]: IDLE, FWD, BWD, (zb) WGT or (1f1b) FWD_BWD for every tick and
         stage, forward and backward ticks together (for gpipe/interleaved the backward ticks are
         the autodiff mirror of the forward; zb's BWD is the input-gradient pass and WGT the
