@@ -122,7 +122,8 @@ def algorithm_table(best: Prediction, model: ModelInfo, hw: Hardware) -> tuple[s
     lines = [
         f"gradient all-reduce over data (N={n}, {local} per host, {size / 2**20:.1f} MiB per "
         f"device, {hw.name}): "
-        f"recommended grad_sync.algorithm={costs[0].algorithm}; fsdp/tensor/pipeline: xla",
+        f"recommended grad_sync.algorithm={costs[0].algorithm} (docs/AGGREGATION.md); "
+        "fsdp/tensor/pipeline: xla",
         f"  {'algorithm':<17}{'steps':>7}{'busiest MiB':>13}{'time ms':>10}",
     ]
     for c in costs:

@@ -9,6 +9,7 @@ import jax
 
 from jaxdist.errors import ConfigError
 from jaxdist.plan.hardware import GiB
+from jaxdist.plan.model import not_modelled
 from jaxdist.plan.predict import predict
 
 REFUSE_FACTOR = 1.5  # refuse a run whose predicted peak exceeds this multiple of device memory
@@ -39,11 +40,14 @@ def device_memory_bytes() -> tuple[float, str] | None:
 def layout_prediction(config, engine) -> dict[str, Any]:
     """The planner's per-device memory for the `layout` record (`predicted_bytes_per_device`).
 
-    Only the GPT is modelled. Local SGD keeps an outer state plus a copy of the model and
-    optimizer per replica, which the planner does not model: no prediction then either.
+    Every family that declares its accounting (`models.api.PlanCost`) is modelled; for one that
+    does not, the record's `planner` line says so. Local SGD keeps an outer state plus a copy of
+    the model and optimizer per replica, which the planner does not model: no prediction then.
     """
-    if config.model.name != "gpt" or "local" in engine.abstract_state:
+    if "local" in engine.abstract_state:
         return {}
+    if (why := not_modelled(config.model.name)) is not None:
+        return {"planner": why}
     predicted = predict(config, num_devices=engine.mesh.size).memory
     return {
         "predicted_bytes_per_device": {
@@ -56,10 +60,10 @@ def refuse_if_far_over_memory(config, num_devices: int, factor: float = REFUSE_F
     """ConfigError when the predicted per-device peak is over `factor` × the device's memory.
 
     Runs before anything is built or compiled, so an impossible run costs seconds and leaves
-    nothing behind. Only the GPT is modelled (other families pass), and local SGD's per-replica
-    copies are not (it passes too), as in the `layout` record's planner line.
+    nothing behind. A family without `PlanCost` is not modelled (it passes; the `layout`
+    record's planner line says so), nor are local SGD's per-replica copies (it passes too).
     """
-    if config.model.name != "gpt" or config.grad_sync.local_steps != 1:
+    if not_modelled(config.model.name) is not None or config.grad_sync.local_steps != 1:
         return
     device = device_memory_bytes()
     if device is None:
@@ -73,7 +77,7 @@ def refuse_if_far_over_memory(config, num_devices: int, factor: float = REFUSE_F
     raise ConfigError(
         f"predicted memory per device {total / GiB:.1f} GiB (params {memory['params'] / GiB:.1f}, "
         f"optimizer {memory['opt_state'] / GiB:.1f}, temp {memory['temp'] / GiB:.1f} GiB; "
-        f"jaxdist/plan.py) is {total / capacity:.1f}× the {capacity / GiB:.1f} GiB of one device "
+        f"jaxdist/plan/) is {total / capacity:.1f}× the {capacity / GiB:.1f} GiB of one device "
         f"({source}), over the {factor}× limit; make the model smaller (model.vocab_size="
         f"{m.vocab_size}, model.d_model={m.d_model}, model.num_layers={m.num_layers}, "
         f"model.seq_len={m.seq_len}), train.batch_size={config.train.batch_size} smaller, or "

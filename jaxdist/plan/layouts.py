@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from jaxdist import config as config_lib
 from jaxdist.errors import ConfigError
 from jaxdist.plan.hardware import Hardware
+from jaxdist.plan.model import model_info
 from models.api import remat_names
 
 
@@ -89,14 +90,15 @@ def powers_of_two(limit: int) -> list[int]:
     return out
 
 
-def mesh_shapes(config, n: int) -> Iterable[tuple[int, ...]]:
+def mesh_shapes(config, n: int, context: bool) -> Iterable[tuple[int, ...]]:
     """(data, fsdp, tensor, pipeline, expert, context) with product n: `expert` over the divisors
-    of model.num_experts, `context` over powers of two for the Llama family (the only one with
-    context attention); the rest all ordered factorizations of what is left."""
+    of model.num_experts, `context` over powers of two if the family runs context attention
+    (`context`: its `PlanCost.context_parallel`); the rest all ordered factorizations of what is
+    left."""
     m = config.model
     experts = int(m.get("num_experts", 0) or 0)
     expert_sizes = [e for e in range(1, experts + 1) if experts % e == 0] if experts else [1]
-    context_sizes = powers_of_two(n) if m.name == "llama" else [1]
+    context_sizes = powers_of_two(n) if context else [1]
     for e in expert_sizes:
         for c in context_sizes:
             if n % (e * c) == 0:
@@ -112,6 +114,7 @@ def enumerate_layouts(
     max_grad_accum: int = 16,
     max_microbatches: int = 64,
     pipeline: bool = True,
+    context: bool | None = None,
 ) -> list[Layout]:
     """Every layout `jaxdist.config.validate` accepts for this config on `num_devices`.
 
@@ -120,7 +123,8 @@ def enumerate_layouts(
     grad_accum runs over powers of two up to `max_grad_accum`; pipeline microbatches over
     p·2^k up to `max_microbatches`; remat over `remats` (default: every policy). Each candidate is
     set on one working copy of the config and checked by `validate` itself, so the planner accepts
-    exactly what training accepts.
+    exactly what training accepts. `context`: whether the family runs context attention (None:
+    ask its `PlanCost`).
     """
     remats = tuple(remats or remat_names())
     work = copy.deepcopy(config)
@@ -131,8 +135,10 @@ def enumerate_layouts(
         raise ConfigError(
             f"remat policies {unknown} are not valid; choose from {', '.join(remat_names())}"
         )
+    if context is None:
+        context = model_info(config).cost.context_parallel
     out = []
-    for d, f, t, p, e, c in mesh_shapes(config, num_devices):
+    for d, f, t, p, e, c in mesh_shapes(config, num_devices, context):
         if p > 1 and not pipeline:
             continue
         accums = powers_of_two(max_grad_accum) if p == 1 else [1]

@@ -12,17 +12,19 @@ import optax
 import models
 from jaxdist import optim, sharding
 from jaxdist.errors import ConfigError
-from models.api import abstract_model
+from models.api import PlanCost, abstract_model
 
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One parameter: its path, global shape, logical axes and bytes per element."""
+    """One parameter: its path, global shape, logical axes, bytes per element, and whether it is
+    part of the embedding."""
 
     path: str
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     itemsize: int
+    embed: bool = False  # part of the embedding (`Stages.split`), which stays outside the stages
 
     @property
     def stacked(self) -> bool:
@@ -31,24 +33,43 @@ class Leaf:
 
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
-    """What the cost model needs of a GPT config, read from `jax.eval_shape` (nothing allocated).
+    """What the cost model needs of a model config, read from `jax.eval_shape` (nothing allocated)
+    and from its family's declared accounting (`models.api.PlanCost`).
 
     Attributes:
+      family: the family's `model.name`.
+      cost: the family's `PlanCost` for this config (sizes, one layer's activations, collectives).
       params: every parameter leaf, in tree order.
       opt: every optimizer-state leaf as (shape, itemsize, index of the parameter whose sharding it
         takes, or -1 for replicated leaves such as step counts), as `train.build` maps them.
+      flops: model FLOPs per token, the family's `flops_per_token`.
     """
 
-    num_layers: int
-    d_model: int
-    num_heads: int
-    mlp_dim: int
-    vocab_size: int
-    seq_len: int
+    family: str
+    cost: PlanCost
     params: tuple[Leaf, ...]
     opt: tuple[tuple[tuple[int, ...], int, int], ...]
-    flops: float  # model FLOPs per token, the family's `flops_per_token`
-    idle_params: int = 0  # MoE: expert weights a token does not pass through (1 − k/E of them)
+    flops: float
+
+    @property
+    def num_layers(self) -> int:
+        return self.cost.num_layers
+
+    @property
+    def d_model(self) -> int:
+        return self.cost.width
+
+    @property
+    def seq_len(self) -> int:
+        return self.cost.seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cost.vocab_size
+
+    @property
+    def idle_params(self) -> int:
+        return self.cost.idle_params
 
     @property
     def num_params(self) -> int:
@@ -56,38 +77,59 @@ class ModelInfo:
 
     @property
     def embed_params(self) -> int:
-        return sum(math.prod(p.shape) for p in self.params if p.path == "embed")
+        return sum(math.prod(p.shape) for p in self.params if p.embed)
 
     def flops_per_token(self) -> float:
-        """Model FLOPs per token as the layout record counts them (6N' + 12·L·D·T, N' without the
-        embedding table)."""
+        """Model FLOPs per token as the layout record counts them (the family's count: for a
+        decoder 6N' + 12·L·D·T, N' without the embedding table)."""
         return self.flops
 
 
-def model_info(config) -> ModelInfo:
-    """Parameter and optimizer-state leaves of the configured GPT, exactly as `train.build` sees them."""
-    m = config.model
-    if m.name not in ("gpt", "llama"):
-        raise ConfigError(
-            f"the planner models the GPT and Llama families; model.name={m.name!r} is not supported"
+def not_modelled(name: str) -> str | None:
+    """None when the planner models `model.name`=`name`, else the one line that says it does not."""
+    if models.get(name).plan_cost is None:
+        return (
+            f"model.name={name!r} is not modelled by the planner: its family declares no "
+            "plan_cost (models/api.py PlanCost), so no memory or step-time prediction"
         )
+    return None
+
+
+def model_info(config) -> ModelInfo:
+    """Parameter and optimizer-state leaves of the configured model, exactly as `train.build` sees
+    them, and its family's accounting.
+
+    Raises:
+      ConfigError: the family declares no `plan_cost` (`not_modelled`).
+    """
+    m = config.model
     family = models.get(m.name)
+    if (why := not_modelled(m.name)) is not None:
+        raise ConfigError(why)
     abstract = abstract_model(family.make(m, None))
     abstract_params, param_axes = abstract.params, abstract.axes
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
     axes = jax.tree.leaves(param_axes, is_leaf=sharding.is_axes)
+    index = jax.tree.unflatten(treedef, [np.int64(i) for i in range(len(flat))])
+    # The embedding's leaves, as the family's pipeline stages split them (its lookup is no matmul
+    # and it stays outside the stages); a family without stages has none.
+    embed = (
+        {int(i) for i in jax.tree.leaves(family.stages(m).split(index)[0])}
+        if family.stages is not None
+        else set()
+    )
     leaves = tuple(
         Leaf(
             "/".join(str(getattr(k, "key", k)) for k in path),
             tuple(int(d) for d in x.shape),
             ax,
             np.dtype(x.dtype).itemsize,
+            i in embed,
         )
-        for (path, x), ax in zip(flat, axes, strict=True)
+        for i, ((path, x), ax) in enumerate(zip(flat, axes, strict=True))
     )
     tx, _ = optim.build(config.train, param_axes)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    index = jax.tree.unflatten(treedef, [np.int64(i) for i in range(len(leaves))])
     owner = optax.tree_map_params(
         tx,
         lambda _, i: i,
@@ -100,21 +142,11 @@ def model_info(config) -> ModelInfo:
         (tuple(int(d) for d in x.shape), np.dtype(x.dtype).itemsize, int(i))
         for x, i in zip(jax.tree.leaves(abstract_opt), jax.tree.leaves(owner), strict=True)
     )
-    mlp, idle = m.mlp_dim or 4 * m.d_model, 0
-    if m.get("num_experts", 0):  # a token's MLP activations: k experts' (+ the shared one's)
-        k, experts = m.experts_per_token, m.num_experts
-        expert_elems = sum(math.prod(x.shape) for x in leaves if "experts" in x.axes)
-        idle = round(expert_elems * (1 - k / experts))
-        mlp = mlp * (k + bool(m.moe_shared_expert))
+    flops = family.flops_per_token(m, abstract_params) if family.flops_per_token else 0.0
     return ModelInfo(
-        num_layers=m.num_layers,
-        d_model=m.d_model,
-        num_heads=m.num_heads,
-        mlp_dim=mlp,
-        vocab_size=m.vocab_size,
-        seq_len=m.seq_len,
+        family=m.name,
+        cost=family.plan_cost(m, abstract_params),
         params=leaves,
         opt=opt,
-        flops=family.flops_per_token(m, abstract_params),
-        idle_params=idle,
+        flops=flops,
     )

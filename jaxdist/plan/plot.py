@@ -7,6 +7,8 @@ from typing import Any
 
 def plot_scaling(curves: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> None:
     """Scaling efficiency and MFU vs device count, one line per hardware profile, to a PNG."""
+    # Imported here: matplotlib is the optional `plot` extra (pyproject.toml), and the headless Agg
+    # backend has to be chosen before pyplot is imported. Not a project import; no cycle involved.
     import matplotlib
 
     matplotlib.use("Agg")

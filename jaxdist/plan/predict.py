@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -19,13 +20,14 @@ from jaxdist.plan.terms import (
     Terms,
     context_expert_terms,
     fsdp_terms,
+    grad_sync_ratio,
     grad_sync_terms,
     pipeline_terms,
     step_of,
     tensor_terms,
     term_time,
-    topk_fraction,
 )
+from models.api import ACTIVATION_KINDS, Activation, RematPolicy
 
 
 @dataclasses.dataclass
@@ -90,45 +92,18 @@ class Prediction:
         }
 
 
-# Activations the backward keeps per token of one layer, in elements, split into the part
-# replicated over the tensor axis ([b, T, D] residual stream, norms), the part divided by it (heads,
-# MLP units) and the attention scores (divided by it too, always float32: jax.nn.dot_product_attention
-# computes logits and softmax in float32), per remat policy, as XLA:CPU's buffer assignment shows
-# them for this model (D d_model, F mlp width, NT = heads × length scores per query; they agree
-# with what `jax.vjp` of the layer scan saves):
-#   none:          6 [b,T,D] (x, norms, residual sums)   | q, k, v, o (4 D), 2 [b,T,F] (GELU's
-#                                                          input and output) | scores, probs (2 NT)
-#   dots:          x, attention out (2 D)                | qkv, o (4 D), up (F) | scores (NT)
-#   dots_no_batch: x, attention out (2 D)                | qkv (3 D), up (F)    | —
-#   full:          x (D)                                 | —                    | —
-# Flash attention (`model.attention="cudnn"`) keeps no scores. The GELU's backward recomputes its
-# tanh from its input (models/gpt.py `_gelu`), so no tanh pieces are kept on any backend.
-
-
-def _saved_per_token(remat: str, D: int, F: int, NT: int) -> tuple[float, float, float]:
-    if remat == "none":
-        return 6 * D, 4 * D + 2 * F, 2 * NT
-    if remat == "dots":
-        return 2 * D, 4 * D + F, NT
-    if remat == "dots_no_batch":
-        return 2 * D, 3 * D + F, 0
-    return D, 0, 0
-
-
-def _computed_per_token(D: int, F: int, NT: int) -> tuple[float, float, float]:
-    """Everything one layer's forward computes (`none`'s row with the GELU's four tanh pieces,
-    which its backward recomputes): the unit of the working set below."""
-    return 6 * D, 4 * D + 6 * F, 2 * NT
-
-
-# Working set of one layer's backward (cotangents, slices of the saved stacks, what the policy
-# recomputes) as a multiple of the layer's full activation set (`_computed_per_token`). Read from
-# XLA:CPU's buffer assignment (`--xla_dump_to`, memory-usage report) of the GPT at d_model 128-256, T 64-128,
-# F 512-1024, from the change in temp between 2 and 4 rows: none 0.70-0.83, dots 0.65-0.97,
-# dots_no_batch 0.65-0.90. With `full` that marginal figure is 1.24-1.33 but the whole working set
-# at 1-2 rows per device is 0.9 of the layer's activations (the peak moves). Since the GELU keeps
-# only its input, none and dots take the ends of their ranges (docs/PLANNER.md).
-_WORKING_SET = {"none": 0.83, "dots": 0.65, "dots_no_batch": 0.7, "full": 0.9}
+def _row_bytes(
+    acts: tuple[Activation, ...], kinds: Collection[str], tokens: int, adt: int, tp: int
+) -> float:
+    """Bytes of one row (example) of one layer's activations of these kinds on one device:
+    `tokens` tokens of it, the tensor-split ones over `tp`, float32 ones (attention scores:
+    jax.nn.dot_product_attention computes logits and softmax in float32) at 4 bytes, the rest at
+    the activation itemsize `adt`."""
+    return tokens * sum(
+        a.width * (4 if a.float32 else adt) / (tp if a.split else 1)
+        for a in acts
+        if a.kind in kinds
+    )
 
 
 # Elementwise bytes per token of one layer, in units of d_model × the activation itemsize: norms,
@@ -144,23 +119,25 @@ LOSS_BYTES_PER_VOCAB = 24
 SCORE_PASSES = 16
 
 
-def _compute_time(config, model: ModelInfo, hw: Hardware, remat: str, tokens: int) -> float:
+def _compute_time(
+    config, model: ModelInfo, hw: Hardware, policy: RematPolicy, tokens: int
+) -> float:
     """Seconds of compute for one step on one device's worth of FLOPs (divide by devices)."""
-    L, D, T = model.num_layers, model.d_model, model.seq_len
-    flash = config.model.attention == "cudnn" or (
-        config.model.attention == "auto" and hw.fused_attention
-    )
+    cost = model.cost
+    L, D = model.num_layers, model.d_model
+    flash = cost.attention == "cudnn" or (cost.attention == "auto" and hw.fused_attention)
     active = model.num_params - model.idle_params  # MoE: k of the E experts' weights
     dense = 6 * (active - model.embed_params)  # per token, the head included
-    attn = 12 * D * T  # per layer, per token: attention's model FLOPs
+    attn = cost.attention_flops  # per layer, per token: attention's model FLOPs
     layer_matmul = 6 * (active - model.embed_params - D * model.vocab_size) / max(L, 1)
-    # What the policy recomputes in the backward; dots_no_batch keeps fused attention's outputs.
-    recompute = {
-        "none": 0.0,
-        "dots": 0.0,
-        "dots_no_batch": 0.0 if flash and hw.hbm_bandwidth else attn / 3,
-        "full": (layer_matmul + attn) / 3,
-    }[remat]
+    # What the policy recomputes in the backward (a forward is a third of the FLOPs): the matmuls
+    # whose outputs it drops, attention unless it keeps its batch dots or fused attention's outputs.
+    keeps_attention = "batch_dot" in policy.keeps or (
+        policy.keeps_fused_attention and flash and hw.hbm_bandwidth
+    )
+    recompute = (0.0 if "dot" in policy.keeps else layer_matmul / 3) + (
+        0.0 if keeps_attention else attn / 3
+    )
     if not hw.hbm_bandwidth:  # every FLOP at one calibrated rate (the CPU profile)
         flops = (dense + (attn + recompute) * L) * tokens
         return flops / (hw.peak_flops * hw.matmul_efficiency)
@@ -170,7 +147,7 @@ def _compute_time(config, model: ModelInfo, hw: Hardware, remat: str, tokens: in
     act_bytes = np.dtype(config.train.compute_dtype).itemsize
     moved = ELEMENTWISE_PASSES * D * act_bytes * L + LOSS_BYTES_PER_VOCAB * model.vocab_size
     if not flash:
-        moved += SCORE_PASSES * model.num_heads * T * 4 * L
+        moved += SCORE_PASSES * cost.scores * 4 * L
     return matmul_s + attn_s + moved * tokens / hw.hbm_bandwidth
 
 
@@ -185,10 +162,12 @@ def _lockstep(s: Step) -> tuple[float, float]:
     sched = pipeline.build_schedule(s.config.pipeline.schedule, s.p, s.m, s.v)
     matmul = 2 * sum(math.prod(x.shape) for x in model.params if x.stacked and len(x.shape) > 2)
     tokens = s.chunk_rows * T / s.tp  # one microbatch on one device
-    weights, attn = matmul / model.num_layers * s.Lp * tokens, 4 * T * D * s.Lp * tokens
+    attn = model.cost.attention_flops / 3 * s.Lp * tokens  # the forward's third
+    weights = matmul / model.num_layers * s.Lp * tokens
     head = 2 * D * model.vocab_size * tokens
     fwd = weights + attn
-    full = s.remat == "full"  # the backward recomputes the forward; zb's W then holds nothing
+    # a policy that drops the dots recomputes the forward in the backward; zb's W then holds nothing
+    full = "dot" not in s.policy.keeps
     bwd = 2 * fwd + (fwd if full else 0)
     b_input, b_weight = (bwd, 0.0) if full else (weights + 2 * attn, weights)
     total, useful = pipeline.branch_lockstep(sched, fwd, bwd, b_input, b_weight, head)
@@ -200,21 +179,21 @@ def _activations(s: Step) -> tuple[float, int, int, float, float]:
     """(saved + working activation bytes, rows of the working set, rows of the logits,
     extra float32 copies of the stage's layer grads, copies of the layer weights saved)."""
     # XLA:CPU computes bf16 in float32: activations there are float32 whatever the compute dtype.
-    m, T, D = s.model, s.model.seq_len, s.model.d_model
+    T, D = s.model.seq_len, s.model.d_model
     adt = s.cdt if s.hw.bf16_activations else 4
-    NT = m.num_heads * T if s.config.model.attention != "cudnn" else 0
-    rep, split, scores = _saved_per_token(s.remat, D, m.mlp_dim, NT)
-    # one row of one layer, bytes. With mesh.context a device holds T/c tokens; each still scores
-    # against all T keys.
+    acts = s.model.cost.activations
+    # One row of one layer, bytes: what the policy keeps, and everything the forward computes
+    # (the unit of the backward's working set). With mesh.context a device holds T/c tokens;
+    # each still scores against all T keys.
     Tl = T // s.sizes["context"]
-    row_bytes = lambda r, sp, sc: Tl * ((r + sp / s.tp) * adt + sc / s.tp * 4)
-    full_row = row_bytes(*_computed_per_token(D, m.mlp_dim, NT))
+    kept = _row_bytes(acts, s.policy.keeps, Tl, adt, s.tp)
+    full_row = _row_bytes(acts, ACTIVATION_KINDS, Tl, adt, s.tp)
     # A stage's layer scan of one layer is no loop for XLA (trip count 1): nothing is stacked twice.
     Lc = s.Lp // s.v  # layers one tick runs
     stage_grads = 0  # a second float32 copy of the stage's layer grads (1F1B's per-tick vjp)
     weight_copies = 1  # copies of the layers' weights the backward saved, remat none
     if s.p == 1:
-        saved = s.rows_mb * s.Lp * row_bytes(rep, split, scores)
+        saved = s.rows_mb * s.Lp * kept
         work_rows, logit_rows = s.rows_mb, s.rows_mb
     elif s.one_f_one_b:
         # Input and gradient buffers, the embedded microbatches and their gradient, and the stash:
@@ -225,16 +204,16 @@ def _activations(s: Step) -> tuple[float, int, int, float, float]:
         n_x, n_g, n_stash = s.slots
         buffers = (n_x + n_g + 2 * s.m) * s.chunk_rows * T * D * adt
         live = n_stash + 4 + s.fused
-        saved = buffers + live * s.chunk_rows * s.Lp * row_bytes(rep, split, scores)
+        saved = buffers + live * s.chunk_rows * s.Lp * kept
         work_rows, logit_rows = s.chunk_rows, s.chunk_rows
         stage_grads = 1 if Lc > 1 else 0
     else:
         # Autodiff through the ticks keeps every tick's residuals and (remat none) its weights, idle
         # ticks included (SPMD), plus the stacks of the tick it is in.
-        saved = (s.ticks + (Lc > 1)) * s.chunk_rows * Lc * row_bytes(rep, split, scores)
+        saved = (s.ticks + (Lc > 1)) * s.chunk_rows * Lc * kept
         work_rows, logit_rows = s.chunk_rows, s.rows_mb
         weight_copies = s.ticks / s.v
-    working = _WORKING_SET[s.remat] * work_rows * full_row
+    working = s.policy.working_set * work_rows * full_row
     return saved + working, work_rows, logit_rows, stage_grads, weight_copies
 
 
@@ -261,8 +240,8 @@ def _memory(s: Step) -> dict[str, float]:
     weights_b = 0
     for x, n_cp, g in zip(params, computed, fsdp_gathered):
         if x.stacked and s.once and g:  # the whole stage, gathered for the step
-            weights_b += n_cp * cdt * (1 + (s.remat == "none" and weight_copies > 1))
-        elif x.stacked and s.remat == "none":
+            weights_b += n_cp * cdt * (1 + (not s.policy.recomputes and weight_copies > 1))
+        elif x.stacked and not s.policy.recomputes:
             weights_b += n_cp * cdt * weight_copies
         elif x.stacked and g:
             weights_b += n_cp // Lp * cdt
@@ -312,7 +291,8 @@ def predict(
       model: `model_info(config)`, to reuse across many layouts.
       compression_ratio: bytes on the wire of the gradient sync over the data axis relative to
         float32 (`grad_sync.compression`: bf16 0.5, int8 ≈ 0.25, ...); 1 = uncompressed, or
-        for `compression='topk'` its bytes at this layout's replica count (`topk_fraction`).
+        the configured compressor's bytes at this layout's replica count
+        (`terms.grad_sync_wire_bytes`).
     """
     hw = hardware(hw)
     if layout is None:
@@ -324,8 +304,8 @@ def predict(
     out = Terms(s.sizes)
     tensor_terms(s, out)
     fsdp_terms(s, out)
-    if compression_ratio == 1.0 and config.grad_sync.get("compression") == "topk":
-        compression_ratio = topk_fraction(s)
+    if compression_ratio == 1.0:  # the configured compressor's own price
+        compression_ratio = grad_sync_ratio(s)
     grad_sync_terms(s, out, compression_ratio)
     pipeline_terms(s, out)
     # Per layer run, one pipeline microbatch's tokens; 1f1b / zb: every tick's costliest branch.
@@ -337,7 +317,7 @@ def predict(
     tokens = int(config.train.batch_size) * model.seq_len
     model_flops = model.flops_per_token() * tokens
     n = layout.devices
-    compute_s = _compute_time(config, model, hw, s.remat, tokens) / n
+    compute_s = _compute_time(config, model, hw, s.policy, tokens) / n
     lockstep, bubble = _lockstep(s) if s.p > 1 else (None, 0.0)
     compute_s /= 1 - bubble
     local, hosts = hosts_of(layout, hw)

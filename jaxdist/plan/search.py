@@ -53,7 +53,8 @@ class Plan:
         hw = self.hardware
         fitting = sum(p.fits for p in self.predictions)
         head = (
-            f"{self.model['params'] / 1e9:.3g}B-parameter GPT on {self.num_devices} × {hw.name} "
+            f"{self.model['params'] / 1e9:.3g}B-parameter {self.model['label']} on "
+            f"{self.num_devices} × {hw.name} "
             f"({hw.memory_bytes / GiB:.0f} GiB/device, {hw.devices_per_host}/host): "
             f"{len(self.predictions)} valid layouts, {fitting} fit"
         )
@@ -123,7 +124,10 @@ def plan(
         raise ConfigError(f"devices={num_devices} must be >= 1")
     model = model or model_info(config)
     total = sum(
-        1 for _ in _candidates(config, num_devices, max_grad_accum, max_microbatches, remats)
+        1
+        for _ in _candidates(
+            config, num_devices, max_grad_accum, max_microbatches, remats, model.cost
+        )
     )
     layouts = enumerate_layouts(
         config,
@@ -131,13 +135,14 @@ def plan(
         remats=remats,
         max_grad_accum=max_grad_accum,
         max_microbatches=max_microbatches,
+        context=model.cost.context_parallel,
     )
     if not layouts:
         raise ConfigError(
             f"no (data, fsdp, tensor, pipeline, expert, context) layout of {num_devices} devices "
             "is valid for this "
-            f"config (train.batch_size={config.train.batch_size}, model.num_heads="
-            f"{config.model.num_heads}, model.d_model={config.model.d_model}); "
+            f"config (train.batch_size={config.train.batch_size}, model.d_model="
+            f"{model.d_model}, model.num_layers={model.num_layers}); "
             "change the batch size or the device count"
         )
     preds = [
@@ -149,7 +154,8 @@ def plan(
         "params": model.num_params,
         "layers": model.num_layers,
         "d_model": model.d_model,
-        "heads": model.num_heads,
+        "family": model.family,
+        "label": model.cost.label,
         "vocab": model.vocab_size,
         "seq_len": model.seq_len,
         "global_batch": int(config.train.batch_size),
@@ -160,9 +166,9 @@ def plan(
     return Plan(num_devices, hw, info, preds, total - len(layouts))
 
 
-def _candidates(config, n: int, max_accum: int, max_mb: int, remats) -> Iterable[tuple]:
+def _candidates(config, n: int, max_accum: int, max_mb: int, remats, cost) -> Iterable[tuple]:
     remats = tuple(remats or remat_names())
-    for _, _, _, p, _, _ in mesh_shapes(config, n):
+    for _, _, _, p, _, _ in mesh_shapes(config, n, cost.context_parallel):
         accums = len(powers_of_two(max_accum)) if p == 1 else 1
         mbs = len(powers_of_two(max(1, max_mb // p))) if p > 1 else 1
         for _ in range(accums * mbs * len(remats)):

@@ -20,6 +20,7 @@ from jaxdist import config as config_lib
 from jaxdist.plan.hardware import Hardware
 from jaxdist.plan.layouts import Layout
 from jaxdist.plan.model import ModelInfo
+from models.api import REMAT, RematPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +203,7 @@ class Step:
     sh: Shards
     sizes: dict[str, int]
     remat: str
+    policy: RematPolicy  # the remat policy's spec (models.api.REMAT)
     cdt: int  # compute dtype bytes
     A: int  # gradient-accumulation microbatches
     p: int  # pipeline stages
@@ -234,7 +236,7 @@ class Step:
         return rows * self.model.seq_len * self.model.d_model * self.wire_dt(self.cdt)
 
     def in_stage(self, x) -> bool:
-        return x.stacked or (self.one_f_one_b and x.path != "embed")
+        return x.stacked or (self.one_f_one_b and not x.embed)
 
 
 def step_of(config, layout: Layout, model: ModelInfo, hw: Hardware) -> Step:
@@ -269,6 +271,7 @@ def step_of(config, layout: Layout, model: ModelInfo, hw: Hardware) -> Step:
         sh=sh,
         sizes=sizes,
         remat=layout.remat,
+        policy=REMAT[layout.remat],
         cdt=np.dtype(config.train.compute_dtype).itemsize,
         A=A,
         p=p,
@@ -321,13 +324,14 @@ def tensor_terms(s: Step, out: Terms) -> None:
     # Layer executions whose all-reduces run: 1F1B charges every tick's backward branch, whose
     # stashed vjp runs the backward's all-reduces only.
     layer_runs = s.Lp * s.ticks_1f1b * s.A if s.one_f_one_b else s.reps
-    names = ["QKV, up-projection input grads, bwd"]
+    fwd, bwd, rerun = s.model.cost.tensor_all_reduces  # per layer, the family's count
+    names = [("input grads of the column-parallel projections, bwd", bwd)]
     if not s.one_f_one_b or s.fused:
-        names.insert(0, "attention, MLP outputs (row-parallel), fwd")
-    for name in names:
-        out.add(f"tp: {name}", "all-reduce", tpa, act_chunk, 2 * layer_runs, False)
-    if s.remat == "full" and not s.one_f_one_b:
-        out.add("tp: attention output recomputed, bwd", "all-reduce", tpa, act_chunk, s.reps, False)
+        names.insert(0, ("outputs of the row-parallel projections, fwd", fwd))
+    for name, per_layer in names:
+        out.add(f"tp: {name}", "all-reduce", tpa, act_chunk, per_layer * layer_runs, False)
+    if "dot" not in s.policy.keeps and not s.one_f_one_b:  # the policy re-runs the projections
+        out.add("tp: outputs recomputed, bwd", "all-reduce", tpa, act_chunk, rerun * s.reps, False)
     if s.one_f_one_b:  # the head runs per microbatch in the last stage, every tick
         head_rows, head_count, ce_terms = s.chunk_rows, s.ticks_1f1b * s.A, 2  # one-hot target
     else:
@@ -340,7 +344,7 @@ def tensor_terms(s: Step, out: Terms) -> None:
 
 def fsdp_terms(s: Step, out: Terms) -> None:
     """FSDP all-gathers: each layer's weights per execution (twice with remat), the rest once."""
-    regather = 2 if s.remat != "none" else 1
+    regather = 2 if s.policy.recomputes else 1
     # Under 1F1B / zb with FSDP, each layer's weights are gathered in a forward (1f1b's costliest
     # branch runs one) and, with remat, again when the backward recomputes it: per tick.
     for x, gathered, n_cp in zip(s.model.params, s.sh.gathered, s.sh.computed):
@@ -358,22 +362,30 @@ def fsdp_terms(s: Step, out: Terms) -> None:
             out.add(f"fsdp: all-gather {x.path}", "all-gather", gathered, payload, count, True)
 
 
-def topk_fraction(s: Step) -> float:
-    """Top-k's gradient bytes over f32's at this layout's data replicas R: each layer of each
-    tensor's device shard priced by `compression.topk_wire_ratio` (its own k; the all-gather's
-    bytes grow with R up to the dense reduce of the union, the two-phase exchange's do not)."""
-    g = s.config.grad_sync
-    two_phase = g.get("topk_exchange", "all_gather") == "two_phase"
+def grad_sync_wire_bytes(grad_sync, size: int, replicas: int) -> float:
+    """The planner's one price of a gradient compressor: the bytes one tensor's gradient shard of
+    `size` float32 elements puts on the data axis's reduction over `replicas`, as the payload of
+    the dense all-reduce that moves as much (4·size uncompressed).
+
+    Only top-k is priced here (`compression.topk_wire_ratio`: its own k; the all-gather's bytes
+    grow with R up to the dense reduce of the union, the two-phase exchange's do not); every other
+    `grad_sync.compression` is priced as uncompressed (`predict(compression_ratio=)` overrides).
+    """
+    if grad_sync.get("compression", "none") != "topk":
+        return 4.0 * size
+    two_phase = grad_sync.get("topk_exchange", "all_gather") == "two_phase"
+    return 4.0 * size / compression.topk_wire_ratio(size, replicas, grad_sync.topk_ratio, two_phase)
+
+
+def grad_sync_ratio(s: Step) -> float:
+    """The configured compressor's gradient bytes over float32's at this layout's data replicas:
+    each layer of each tensor's device shard priced by `grad_sync_wire_bytes`."""
     dense = sent = 0.0
     for x, n in zip(s.model.params, s.sh.computed):
         layers = s.Lp if x.stacked else 1
         size = n // layers
         dense += layers * size
-        sent += (
-            layers
-            * size
-            / compression.topk_wire_ratio(size, s.sizes["data"], g.topk_ratio, two_phase)
-        )
+        sent += layers * grad_sync_wire_bytes(s.config.grad_sync, size, s.sizes["data"]) / 4
     return sent / dense
 
 
