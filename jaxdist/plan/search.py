@@ -117,7 +117,7 @@ def plan(
     """Predicts every valid layout of `config` on `num_devices` devices of `hw` and ranks them.
 
     Raises:
-      ConfigError: the model is not a GPT, or no layout passes `config.validate`.
+      ConfigError: the family declares no `plan_cost`, or no layout passes `config.validate`.
     """
     hw = hardware(hw)
     if num_devices < 1:
