@@ -1,4 +1,4 @@
-"""The model, abstractly: every parameter and optimizer-state leaf the planner costs, from `eval_shape`."""
+"""The model as the planner sees it: parameter and optimizer-state leaves (`eval_shape`) and its family's `PlanCost`."""
 
 from __future__ import annotations
 
