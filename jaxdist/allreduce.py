@@ -22,7 +22,7 @@ a residual per chunk (error feedback): `ring` with `grad_sync.compression`, or `
 `grad_sync.compress_over=dcn` (exact within a host, compressed across hosts).
 
 Step counts and bytes are pinned against the compiled HLO in tests/test_allreduce.py and costed by
-the planner (jaxdist/plan.py `algorithm_cost`); docs/AGGREGATION.md compares them.
+the planner (jaxdist/plan/algorithms.py `algorithm_cost`); docs/AGGREGATION.md compares them.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every collective the compiler actually emitted, with its group size, payload and how many times it
 runs per step (ops inside ``while`` loops from ``lax.scan`` / ``fori_loop`` run trip-count times),
 costed as a bandwidth-optimal ring algorithm. ``collective_bytes(compiled.as_text())`` is what goes
-into the layout record (jaxdist/loop.py) and the planner's cross-check (jaxdist/plan.py).
+into the layout record (jaxdist/loop.py) and the planner's cross-check (jaxdist/plan/).
 
 Why text and not jaxlib's structured ``HloModule``: in jax 0.10.2,
 ``compiled.runtime_executable().hlo_modules()`` gives ``jaxlib._hlo.HloModule`` objects whose

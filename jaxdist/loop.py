@@ -137,8 +137,10 @@ def summary(record: dict[str, Any]) -> str:
         p = record["predicted_bytes_per_device"]
         lines.append(
             f"planner │ predicted params {metrics.human_bytes(p['params'])}, optimizer {metrics.human_bytes(p['opt_state'])}, "
-            f"temp {metrics.human_bytes(p['temp'])} (jaxdist/plan.py)"
+            f"temp {metrics.human_bytes(p['temp'])} (jaxdist/plan/)"
         )
+    if "planner" in record:  # the family is not modelled, in one line
+        lines.append(f"planner │ {record['planner']}")
     if "bubble_fraction" in record:
         line = f"pipeline│ bubble fraction {record['bubble_fraction']:.3f}"
         if "lockstep_vs_ideal" in record.get("pipeline", {}):

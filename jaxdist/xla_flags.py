@@ -13,7 +13,7 @@ import os
 # What NVIDIA's JAX-Toolbox and MaxText's GPU recipes set for LLM training.
 GPU_PERFORMANCE_FLAGS: dict[str, str] = {
     # Schedule collectives early and wait late, so FSDP gathers and gradient reductions run under
-    # compute (`Hardware.overlap` in jaxdist/plan.py assumes this), on a high-priority stream.
+    # compute (`Hardware.overlap` in jaxdist/plan/hardware.py assumes this), on a high-priority stream.
     "xla_gpu_enable_latency_hiding_scheduler": "true",
     "xla_gpu_enable_highest_priority_async_stream": "true",
     # Combine the per-layer collectives of the scanned layers into fewer, larger ones (128 MiB).

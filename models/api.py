@@ -35,17 +35,80 @@ def _dots_no_batch_and_fused_attention(prim, *args, **params) -> bool:
     ) or prim.name.startswith("dot_product_attention_fwd")
 
 
-# `train.remat` names → what a layer keeps for its backward; "none" keeps everything.
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": _dots_no_batch_and_fused_attention,
+# What a layer's activations are, for the planner (`RematPolicy.keeps` names these kinds):
+#   input:       the layer's input (the scan's carry), kept by every policy;
+#   dot:         a matmul output without batch dimensions (projections against the weights);
+#   batch_dot:   a matmul output with batch dimensions (attention scores, their weighted sum);
+#   elementwise: everything else the forward computes and autodiff keeps (norms, activations,
+#                residual sums, softmax probabilities);
+#   transient:   computed, kept by no policy (the backward recomputes it), so it counts in the
+#                working set of a layer's backward only.
+ACTIVATION_KINDS = ("input", "dot", "batch_dot", "elementwise", "transient")
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPolicy:
+    """One `train.remat` choice: what `jax.checkpoint` keeps of a layer, and what that costs.
+
+    Attributes:
+      name: its `train.remat` value.
+      policy: the `jax.checkpoint` policy, or None for no checkpoint at all (the backward keeps
+        every activation, and the layer's weights as the scan's residuals).
+      keeps: the `ACTIVATION_KINDS` of a layer's activations the backward keeps (the planner's
+        saved bytes; what it drops it recomputes: FLOPs and, for dots, their collectives).
+      working_set: the working set of one layer's backward (cotangents, slices of the saved
+        stacks, what the policy recomputes) as a multiple of the layer's full activation set, read
+        from XLA:CPU's buffer assignment (`--xla_dump_to`, memory-usage report) of the GPT at
+        d_model 128-256, T 64-128, F 512-1024 from the change in temp between 2 and 4 rows: none
+        0.70-0.83, dots 0.65-0.97, dots_no_batch 0.65-0.90; with `full` that marginal figure is
+        1.24-1.33 but the whole working set at 1-2 rows per device is 0.9 of the layer's
+        activations (the peak moves). Since the GPT's GELU keeps only its input, none and dots
+        take the ends of their ranges (docs/PLANNER.md).
+      keeps_fused_attention: whether fused (flash) attention's outputs are kept, so its backward
+        does not run attention again even though batch dots are dropped.
+    """
+
+    name: str
+    policy: Callable[..., bool] | None
+    keeps: frozenset[str]
+    working_set: float
+    keeps_fused_attention: bool = False
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether the backward runs the layer's forward again (any checkpoint policy)."""
+        return self.policy is not None
+
+
+# `train.remat` names → what a layer keeps for its backward; "none" keeps everything. The one
+# registry of remat policies: scan_layers, config validation and the planner read it.
+REMAT: dict[str, RematPolicy] = {
+    p.name: p
+    for p in (
+        RematPolicy("none", None, frozenset(ACTIVATION_KINDS[:-1]), 0.83),
+        RematPolicy("full", jax.checkpoint_policies.nothing_saveable, frozenset({"input"}), 0.9),
+        RematPolicy(
+            "dots",
+            jax.checkpoint_policies.checkpoint_dots,
+            frozenset({"input", "dot", "batch_dot"}),
+            0.65,
+        ),
+        RematPolicy(
+            "dots_no_batch",
+            _dots_no_batch_and_fused_attention,
+            frozenset({"input", "dot"}),
+            0.7,
+            keeps_fused_attention=True,
+        ),
+    )
 }
+# name → jax.checkpoint policy, for the policies that checkpoint.
+REMAT_POLICIES = {name: p.policy for name, p in REMAT.items() if p.policy is not None}
 
 
 def remat_names() -> tuple[str, ...]:
     """Every valid `train.remat`."""
-    return ("none", *REMAT_POLICIES)
+    return tuple(REMAT)
 
 
 def scan_layers(
@@ -102,6 +165,67 @@ def decoder_flops_per_token(n_params: int, num_layers: int, d_model: int, seq_le
       seq_len: T, tokens per sequence.
     """
     return 6.0 * n_params + 12.0 * num_layers * d_model * seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """One activation of a layer's forward, per token: what the planner prices as kept or recomputed.
+
+    Attributes:
+      name: what it is (docs and debugging only).
+      width: elements per token.
+      kind: one of `ACTIVATION_KINDS`; `RematPolicy.keeps` says which kinds each policy keeps.
+      split: divided over the tensor axis (heads, MLP units) rather than replicated on it.
+      float32: always float32 (attention scores) rather than in the activation dtype.
+    """
+
+    name: str
+    width: float
+    kind: str
+    split: bool = False
+    float32: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCost:
+    """What the planner (jaxdist/plan/) needs of a family beyond its parameter and optimizer-state
+    shapes (which it reads from `jax.eval_shape`) and its `flops_per_token`: one layer's
+    activations and collectives, per token. A decoder's stacked layers run on [b, T, D] streams.
+
+    Attributes:
+      label: the model in words for the planner's summary, e.g. "GPT", "Llama (MoE)".
+      num_layers: L, the stacked layers.
+      width: D, the residual stream's width: what crosses pipeline stages and what a tensor-
+        parallel all-reduce carries, per token.
+      seq_len: T, tokens per example.
+      vocab_size: V, the head's logits per token (float32 in the loss).
+      activations: every activation of one layer's forward (`Activation`); the kept ones per
+        policy are its saved bytes, all of them the unit of its backward's working set.
+      attention_flops: model FLOPs per token of one layer's attention (12·D·T forward and
+        backward), the part of `flops_per_token` that is no matmul against weights; 0: none.
+      scores: float32 attention scores per token of one layer when attention is not fused
+        (heads × T): the bytes unfused attention moves.
+      attention: `model.attention` ("xla", "cudnn", "auto"), whether attention runs fused.
+      tensor_all_reduces: [b, T, D] all-reduces one layer runs over `mesh.tensor`, as
+        (forward, backward, re-run in the backward by a policy that drops the dots).
+      context_parallel: whether the family runs attention over `mesh.context`
+        (models/attention.py, reading `model.num_kv_heads`, `model.head_dim`,
+        `model.context_attention`); the planner searches `mesh.context` only then.
+      idle_params: parameters a token does not pass through (an MoE's unchosen experts).
+    """
+
+    label: str
+    num_layers: int
+    width: int
+    seq_len: int
+    vocab_size: int
+    activations: tuple[Activation, ...]
+    attention_flops: float = 0.0
+    scores: int = 0
+    attention: str = "xla"
+    tensor_all_reduces: tuple[int, int, int] = (0, 0, 0)
+    context_parallel: bool = False
+    idle_params: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +390,8 @@ class ModelFamily:
       stages: config.model -> `Stages`, or None for a family that cannot be pipelined.
       decoder: config.model -> `Decoder`, or None for a family that cannot generate.
       hf: its Hugging Face form (`HFFormat`), or None.
+      plan_cost: (config.model, params or their shapes) -> `PlanCost`, or None for a family the
+        planner does not model (it then says so, and predicts and guards nothing).
     """
 
     name: str
@@ -279,6 +405,7 @@ class ModelFamily:
     stages: Callable[[Any], Stages] | None = None
     decoder: Callable[[Any], Decoder] | None = None
     hf: HFFormat | None = None
+    plan_cost: Callable[[Any, Params], PlanCost] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

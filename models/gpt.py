@@ -226,6 +226,46 @@ def flops_per_token(cfg, params: dict[str, Any]) -> float:
     return api.decoder_flops_per_token(n, cfg.num_layers, cfg.d_model, cfg.seq_len)
 
 
+def layer_activations(D: int, F: float, NT: int) -> tuple[api.Activation, ...]:
+    """One pre-norm decoder layer's activations per token (D wide, F MLP units, NT float32
+    attention scores, 0 when attention is fused), as XLA:CPU's buffer assignment shows them for
+    this model; they agree with what `jax.vjp` of the layer scan saves. The GELU's backward
+    recomputes its tanh from its input (`_gelu`), so no policy keeps its four tanh pieces."""
+    A = api.Activation
+    return (
+        A("layer input x", D, "input"),
+        A("attention block output", D, "dot"),
+        A("norms, residual sums", 4 * D, "elementwise"),
+        A("q, k, v", 3 * D, "dot", split=True),
+        A("attention output o", D, "batch_dot", split=True),
+        A("MLP up-projection", F, "dot", split=True),
+        A("GELU output", F, "elementwise", split=True),
+        A("GELU's tanh pieces", 4 * F, "transient", split=True),
+        A("attention scores", NT, "batch_dot", split=True, float32=True),
+        A("softmax probabilities", NT, "elementwise", split=True, float32=True),
+    )
+
+
+def plan_cost(cfg, params: dict[str, Any]) -> api.PlanCost:
+    """The planner's accounting (`api.PlanCost`): per layer, 2 tensor-parallel all-reduces
+    forward (attention and MLP outputs), 2 backward (QKV and up-projection input grads) and the
+    attention output's again when the dots are not kept (its norm needs it)."""
+    D, T = cfg.d_model, cfg.seq_len
+    NT = cfg.num_heads * T if cfg.attention != "cudnn" else 0
+    return api.PlanCost(
+        label="GPT",
+        num_layers=cfg.num_layers,
+        width=D,
+        seq_len=T,
+        vocab_size=cfg.vocab_size,
+        activations=layer_activations(D, cfg.mlp_dim or 4 * D, NT),
+        attention_flops=12.0 * D * T,
+        scores=cfg.num_heads * T,
+        attention=cfg.attention,
+        tensor_all_reduces=(2, 2, 1),
+    )
+
+
 def describe(cfg) -> dict[str, Any]:
     return {
         "layers": cfg.num_layers,
@@ -313,4 +353,5 @@ FAMILY = api.ModelFamily(
     flops_per_token=flops_per_token,
     tokens_per_example=lambda cfg: cfg.seq_len,
     stages=stages,
+    plan_cost=plan_cost,
 )

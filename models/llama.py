@@ -435,6 +435,57 @@ def flops_per_token(cfg, params: dict[str, Any]) -> float:
     return api.decoder_flops_per_token(n, d["L"], d["N"] * d["H"], cfg.seq_len)
 
 
+def layer_activations(D: int, F: float, NT: int) -> tuple[api.Activation, ...]:
+    """One Llama layer's activations per token (D wide, F MLP units, NT float32 attention scores,
+    0 when attention is fused): the GPT's (`gpt.layer_activations`) with SwiGLU's MLP, two
+    F-wide projections (gate, up) and three F-wide elementwise pieces (SiLU, its sigmoid, the
+    gated product). Checked against the compiled temp by tests/test_plan_families.py: within 6%
+    at remat none, dots and full, L 2 and 4, D 32, T 64 (docs/PLANNER.md)."""
+    A = api.Activation
+    return (
+        A("layer input x", D, "input"),
+        A("attention block output", D, "dot"),
+        A("RMSNorms, residual sums", 4 * D, "elementwise"),
+        A("q, k, v", 3 * D, "dot", split=True),
+        A("attention output o", D, "batch_dot", split=True),
+        A("MLP gate and up projections", 2 * F, "dot", split=True),
+        A("SiLU, sigmoid, gated product", 3 * F, "elementwise", split=True),
+        A("recomputed in the backward", 4 * F, "transient", split=True),
+        A("attention scores", NT, "batch_dot", split=True, float32=True),
+        A("softmax probabilities", NT, "elementwise", split=True, float32=True),
+    )
+
+
+def plan_cost(cfg, params: dict[str, Any]) -> api.PlanCost:
+    """The planner's accounting (`api.PlanCost`): `layer_activations`, with the MLP's width k + 1
+    experts' (k without a shared expert) under MoE, whose unchosen experts' weights are idle.
+    Tensor-parallel all-reduces per layer: the attention and MLP outputs forward; backward, the
+    input gradients of the five column-parallel projections (q, k, v, gate, up: XLA reduces each
+    before summing them, as the compiled step shows); the attention output again without dots."""
+    D, T = cfg.d_model, cfg.seq_len
+    F, idle, label = cfg.mlp_dim or 4 * D, 0, "Llama"
+    if cfg.num_experts:  # a token's MLP activations: k experts' (+ the shared one's)
+        k, E = cfg.experts_per_token, cfg.num_experts
+        experts = sum(math.prod(params["layers"][w].shape) for w in ("e_gate", "e_up", "e_down"))
+        idle = round(experts * (1 - k / E))
+        F, label = F * (k + bool(cfg.moe_shared_expert)), f"Llama (MoE, {k} of {E} experts)"
+    NT = cfg.num_heads * T if cfg.attention != "cudnn" else 0
+    return api.PlanCost(
+        label=label,
+        num_layers=cfg.num_layers,
+        width=D,
+        seq_len=T,
+        vocab_size=cfg.vocab_size,
+        activations=layer_activations(D, F, NT),
+        attention_flops=12.0 * D * T,
+        scores=cfg.num_heads * T,
+        attention=cfg.attention,
+        tensor_all_reduces=(2, 5, 1),
+        context_parallel=True,
+        idle_params=idle,
+    )
+
+
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -729,4 +780,5 @@ FAMILY = api.ModelFamily(
     stages=stages,
     decoder=decoder,
     hf=HF,
+    plan_cost=plan_cost,
 )

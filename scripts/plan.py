@@ -32,7 +32,9 @@ def _define_flags(argv: list[str]) -> None:
 
     define_config_flag(argv, DEFAULT_CONFIG, "Experiment config (model and batch).")
     flags.DEFINE_integer("devices", None, "Number of devices to plan for.", required=True)
-    flags.DEFINE_string("hardware", "h100_nvlink_ib", "Hardware profile (see jaxdist/plan.py).")
+    flags.DEFINE_string(
+        "hardware", "h100_nvlink_ib", "Hardware profile (see jaxdist/plan/hardware.py)."
+    )
     flags.DEFINE_integer("top", 10, "Rows of the ranked table to print (0 = all).")
     flags.DEFINE_string("out", "", "Write the plan as JSON here.")
     flags.DEFINE_string("plot", "", "Write a weak-scaling plot (8 to 4096 devices) as PNG here.")
@@ -119,7 +121,8 @@ def main(argv):
             for name in names
         }
         title = (
-            f"{model.num_params / 1e9:.3g}B GPT, {per_device} × {model.seq_len} tokens per device "
+            f"{model.num_params / 1e9:.3g}B {model.cost.label}, {per_device} × {model.seq_len} "
+            "tokens per device "
             "(weak scaling, best fitting layout)"
         )
         _makedirs(F.plot)

@@ -1,5 +1,5 @@
-"""The planner's layout search over `mesh.context` and `mesh.expert` (jaxdist/plan.py
-`_mesh_shapes`): a long sequence whose context=1 layouts do not fit gets context > 1, an MoE model
+"""The planner's layout search over `mesh.context` and `mesh.expert` (jaxdist/plan/layouts.py
+`mesh_shapes`): a long sequence whose context=1 layouts do not fit gets context > 1, an MoE model
 whose experts do not fit on expert=1 gets expert > 1."""
 
 from __future__ import annotations

@@ -63,6 +63,38 @@ class ResidualMLP(nnx.Module):
         return head_loss({"out": self.proj["out"][...]}, x, batch["targets"]), {}
 
 
+def flops_per_token(cfg, params) -> float:
+    """6·N: every parameter but the embedding table is a matmul weight; no attention."""
+    n = sum(x.size for x in jax.tree.leaves(params)) - params["tok"].size
+    return api.decoder_flops_per_token(n, cfg.num_layers, 0, cfg.seq_len)
+
+
+def plan_cost(cfg, params) -> api.PlanCost:
+    """The planner's accounting. Per token, a layer computes h = x·W1 (F, split over tensor),
+    gelu(h) and the pieces autodiff of the tanh GELU keeps, and gelu(h)·W2 (D), added to x as the
+    next layer's input. What is kept was fitted to the compiled temp (tests/test_plan_families.py
+    at T = 64): five F-wide GELU pieces, and W2's output under `dots`. One all-reduce forward (the
+    row-parallel W2's output), one backward (the column-parallel W1's input gradient), none
+    re-run by a policy that drops the dots (nothing downstream of W2 is recomputed)."""
+    D, F = cfg.d_model, cfg.mlp_dim or 2 * cfg.d_model
+    A = api.Activation
+    return api.PlanCost(
+        label="toy residual MLP",
+        num_layers=cfg.num_layers,
+        width=D,
+        seq_len=cfg.seq_len,
+        vocab_size=cfg.vocab_size,
+        activations=(
+            A("layer input x", D, "input"),
+            A("up-projection h", F, "dot", split=True),
+            A("GELU output", F, "elementwise", split=True),
+            A("GELU's tanh pieces", 5 * F, "elementwise", split=True),
+            A("down-projection output", D, "dot"),
+        ),
+        tensor_all_reduces=(1, 1, 0),
+    )
+
+
 def stages(cfg) -> api.Stages:
     split = lambda p: ({"tok": p["tok"]}, p["stack"], p["proj"])
     join = lambda e, stacked, head: {**e, "stack": stacked, "proj": head}
@@ -74,5 +106,7 @@ FAMILY = api.ModelFamily(
     make=lambda cfg, ds: lambda rngs: ResidualMLP(cfg, rngs=rngs),
     batch_axes=lambda cfg, ds: {"inputs": ("batch", "length"), "targets": ("batch", "length")},
     tokens_per_example=lambda cfg: cfg.seq_len,
+    flops_per_token=flops_per_token,
     stages=stages,
+    plan_cost=plan_cost,
 )
