@@ -21,10 +21,12 @@ NOT_A_FAMILY = {"models", "models.api", "models.attention", "models.moe"}
 
 
 def _modules(root: pathlib.Path, packages=PACKAGES) -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, subpackages included (`jaxdist/compression/topk.py`)."""
     out = {}
     for pkg in packages:
-        for f in sorted((root / pkg).glob("*.py")):
-            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+        for f in sorted((root / pkg).rglob("*.py")):
+            parts = f.relative_to(root).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     return out
 
 
@@ -167,7 +169,7 @@ LAYERS = (
     },
     {"jaxdist.sharding", "jaxdist.mesh", "jaxdist.config", "jaxdist.xla_flags"},
     {"jaxdist.aligned_switch"},  # lax.switch with as many collective-permutes in every branch
-    {"jaxdist", "jaxdist.errors"},
+    {"jaxdist", "jaxdist.errors", "jaxdist.compression_fields"},
 )
 # config.validate reads each choice's names and rules from the module that owns them: imports
 # inside that function, never at module level (so importing config stays at the bottom).
@@ -191,11 +193,25 @@ def _module_level_targets(path: pathlib.Path, known: set[str]) -> set[str]:
     return out & known
 
 
+def _layer_ranks(library: set[str]) -> dict[str, int]:
+    """Each library module's index in LAYERS; a package's modules sit in the package's layer."""
+    listed = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+    rank = {}
+    for m in library:
+        prefixes = [".".join(m.split(".")[:k]) for k in range(m.count(".") + 1, 0, -1)]
+        found = [listed[p] for p in prefixes if p in listed and (p == m or p != "jaxdist")]
+        if found:
+            rank[m] = found[0]
+    return rank
+
+
 def test_library_imports_go_down_the_layers():
     graph = import_graph()
-    rank = {m: i for i, layer in enumerate(LAYERS) for m in layer}
     library = {n for n in graph if n.startswith("jaxdist")}
-    assert library == set(rank), f"place these in LAYERS: {sorted(library ^ set(rank))}"
+    rank = _layer_ranks(library)
+    listed = {m for layer in LAYERS for m in layer}
+    missing = (library - set(rank)) | (listed - library)
+    assert not missing, f"place these in LAYERS: {sorted(missing)}"
     up = {
         (a, b)
         for a in library
@@ -212,3 +228,67 @@ def test_loop_does_not_import_the_planner():
     (`loop.run(checks=, layout_extras=)`): the loop itself does not depend on it."""
     graph = import_graph()
     assert "jaxdist.plan" not in graph["jaxdist.loop"], sorted(graph["jaxdist.loop"])
+
+
+# --------------------------------------------------------------------------------------------------
+# No module reaches into another's private names
+
+
+def _private_uses(name: str, path: pathlib.Path, known: set[str]) -> list[str]:
+    """`from jaxdist.x import _y` and `x._y` (x a library module bound by an import) in `name`'s
+    source where x is another module: what it borrows that is not public."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    private = lambda attr: attr.startswith("_") and not attr.startswith("__")  # noqa: E731
+    modules: dict[str, str] = {}  # local name -> the library module it is bound to
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in known:
+                    modules[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            for a in node.names:
+                if f"{base}.{a.name}" in known:
+                    modules[a.asname or a.name] = f"{base}.{a.name}"
+                elif base in known and base != name and private(a.name):
+                    out.append(f"from {base} import {a.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            target = modules.get(node.value.id)
+            if target and target != name and private(node.attr):
+                out.append(f"{node.value.id}.{node.attr}")
+    return out
+
+
+def private_imports(root: pathlib.Path = ROOT, packages=("jaxdist",)) -> dict[str, list[str]]:
+    """module -> the other modules' private names it uses (empty modules left out)."""
+    mods = _modules(root, packages)
+    uses = {name: _private_uses(name, path, set(mods)) for name, path in mods.items()}
+    return {name: found for name, found in uses.items() if found}
+
+
+def test_no_cross_module_private_names():
+    """What modules share is public and documented (e.g. jaxdist/compression/replica.py)."""
+    assert not private_imports(), private_imports()
+
+
+def test_private_name_checker_can_fail(tmp_path):
+    (tmp_path / "lib" / "sub").mkdir(parents=True)
+    (tmp_path / "lib" / "__init__.py").write_text("")
+    (tmp_path / "lib" / "sub" / "__init__.py").write_text("")
+    (tmp_path / "lib" / "a.py").write_text("def _x():\n    pass\n\n_x()\n")
+    (tmp_path / "lib" / "sub" / "b.py").write_text(
+        "from lib.a import _x\nfrom lib import a\nimport lib.a as aa\n\n"
+        "def f():\n    return a._x, aa._x, a.__name__\n"
+    )
+    (tmp_path / "lib" / "sub" / "c.py").write_text("from .. import a\n\na._x()\n")
+    found = private_imports(tmp_path, ("lib",))
+    assert found == {
+        "lib.sub.b": ["from lib.a import _x", "a._x", "aa._x"],
+        "lib.sub.c": ["a._x"],
+    }, found
