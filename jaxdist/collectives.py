@@ -114,10 +114,10 @@ def replica_grads(grad_fn: GradFn, mesh: Mesh, axes: tuple[str, ...], per_replic
     reducer (`sharded_reduce`, `allreduce.reducer`) to reduce.
     """
     if per_replica == "vmap":
-        replica_grads = _replica_vmap(grad_fn, (None,), mesh, axes)
+        stacked_grads = _replica_vmap(grad_fn, (None,), mesh, axes)
 
         def grads_of(params, batch):
-            losses, grads = replica_grads(params, batch)
+            losses, grads = stacked_grads(params, batch)
             return jnp.mean(losses), grads
 
         return grads_of

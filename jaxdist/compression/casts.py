@@ -18,7 +18,14 @@ import optax
 
 from jaxdist.compression import replica, tensors
 from jaxdist.compression.replica import AxisName, num_replicas
-from jaxdist.compression.spec import Codec, CompressorSpec, TrainFields, field, ring
+from jaxdist.compression.spec import (
+    Codec,
+    CompressorSpec,
+    TrainFields,
+    dense_wire_bytes,
+    field,
+    ring,
+)
 from jaxdist.compression.tensors import shard_layout
 
 
@@ -260,9 +267,7 @@ NONE = CompressorSpec(
     name="none",
     build=lambda axis_name, cfg, t: none(axis_name),
     summary="f32 mean over replicas (lax.pmean)",
-    wire_bytes=lambda grad_bytes, replicas, cfg, shape=None: ring(
-        "all-reduce", grad_bytes, replicas
-    ),
+    wire_bytes=dense_wire_bytes,
 )
 BF16 = CompressorSpec(
     name="bf16",

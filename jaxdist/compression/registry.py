@@ -8,7 +8,7 @@ replaces Adam's moments. No other module lists compressor names: ask the spec.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import optax
@@ -170,8 +170,3 @@ def deprecated(grad_sync_cfg: Any) -> str | None:
     """The new name where `grad_sync.compression` is an old one (accepted, with a warning)."""
     spec = COMPRESSORS.get(field(grad_sync_cfg, "compression"))
     return None if spec is None else spec.deprecated_for
-
-
-def specs() -> Mapping[str, CompressorSpec]:
-    """The registry, read-only."""
-    return dict(COMPRESSORS)
