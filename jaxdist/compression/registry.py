@@ -81,9 +81,13 @@ def check(grad_sync_cfg: Any) -> None:
     spec = spec_of(grad_sync_cfg)
     if field(grad_sync_cfg, "momentum_correction"):
         if not spec.momentum_corrected:
+            which = " or ".join(
+                f"{n!r} ({s.momentum_corrected})"
+                for n, s in COMPRESSORS.items()
+                if s.momentum_corrected and not s.deprecated_for
+            )
             raise ConfigError(
-                "grad_sync.momentum_correction applies to compression "
-                f"{_names(lambda s: s.momentum_corrected)}, not {spec.name!r}"
+                f"grad_sync.momentum_correction applies to compression={which}, not {spec.name!r}"
             )
         if not field(grad_sync_cfg, "error_feedback"):
             raise ConfigError("grad_sync.momentum_correction needs grad_sync.error_feedback=True")

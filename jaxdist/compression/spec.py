@@ -94,8 +94,9 @@ class CompressorSpec:
       residual_fields: state fields holding compression error (for `residual_norm`, the
         conservation test and elastic resizes: "worker"/"residual" per replica, "server" one
         shard per replica).
-      momentum_corrected: accepts `grad_sync.momentum_correction` (the optimizer's momentum moves
-        inside it: DGC, 1-bit momentum SGD).
+      momentum_corrected: where it accepts `grad_sync.momentum_correction` (the optimizer's
+        momentum moves inside it), what that makes of it ("DGC", "1-bit momentum SGD"); "" where
+        it does not.
       freezes_variance: accepts `grad_sync.freeze_variance` (Adam with its variance frozen after
         `warmup_steps`, chained as the preconditioner).
       preconditioner: `(grad_sync config, TrainFields) -> optax transform` where the compressor
@@ -134,7 +135,7 @@ class CompressorSpec:
     fields: tuple[str, ...] = ()
     error_feedback: bool = False
     residual_fields: tuple[str, ...] = ()
-    momentum_corrected: bool = False
+    momentum_corrected: str = ""
     freezes_variance: bool = False
     preconditioner: Callable[[Any, TrainFields], optax.GradientTransformation] | None = None
     deprecated_for: str | None = None

@@ -296,7 +296,7 @@ TOPK = CompressorSpec(
     ),  # fmt: skip
     error_feedback=True,
     residual_fields=("residual", "server"),
-    momentum_corrected=True,
+    momentum_corrected="DGC",
     freezes_variance=True,
     per_hop=topk_codec,
     local_adam=lambda cfg: {
