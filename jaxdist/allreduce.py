@@ -17,7 +17,7 @@ replica's gradient.
   sharded_ps        every device serves 1/N of the buffer: push shards (one all-to-all), owners
                     sum, pull the reduced shards (one all-gather). ZeRO's traffic, as a server.
 
-`ring_per_hop` runs a ring with a codec (`CODECS`: bf16, int8, topk) on the wire at every hop and
+`ring_per_hop` runs a ring with a codec (a compressor spec's `per_hop`: bf16, int8, topk) at every hop and
 a residual per chunk (error feedback): `ring` with `grad_sync.compression`, or `hierarchical` with
 `grad_sync.compress_over=dcn` (exact within a host, compressed across hosts).
 
@@ -27,9 +27,10 @@ the planner (jaxdist/plan/algorithms.py `algorithm_cost`); docs/AGGREGATION.md c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import compression, sharding
+from jaxdist.compression import Codec
 from jaxdist.errors import ConfigError
 
 # (flat [S] buffer, axis name, axis size, hosts) -> its sum over the axis, [S] on every device.
@@ -175,26 +177,48 @@ def xla(x: jax.Array, axis: str, n: int, hosts: int = 1) -> jax.Array:
     return jax.lax.psum(x, axis)
 
 
-# name -> (reduce, padding multiple of the flat buffer as a function of (N, hosts)).
-ALGORITHMS: dict[str, tuple[Reduce, Callable[[int, int], int]]] = {
-    "xla": (xla, lambda n, h: 1),
-    "ring": (ring, lambda n, h: n),
-    "halving_doubling": (halving_doubling, lambda n, h: n),
-    "tree": (tree, lambda n, h: 1),
-    "hierarchical": (hierarchical, lambda n, h: n),
-    "ps": (ps, lambda n, h: 1),
-    "sharded_ps": (sharded_ps, lambda n, h: n),
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSpec:
+    """One `grad_sync.algorithm`: its reduce, its buffer padding and what it can do.
+
+    Attributes:
+      reduce: `(flat [S] buffer, axis, N, hosts) -> its sum on every device`.
+      multiple: `(N, hosts) -> the multiple the flat buffer is zero-padded to`.
+      native: the backend's own collective (`lax.psum`): no rules of its own.
+      per_hop: runs a compressor's per-hop codec (its spec's `per_hop`) at every hop.
+      power_of_two: needs a power-of-two number of replicas.
+      across_hosts: reduces within each host, then across hosts (`mesh.dcn_data`): needs
+        1 < hosts < N, and is the one `grad_sync.compress_over='dcn'` compresses.
+    """
+
+    reduce: Reduce
+    multiple: Callable[[int, int], int]
+    native: bool = False
+    per_hop: bool = False
+    power_of_two: bool = False
+    across_hosts: bool = False
+
+
+# The one registry of `grad_sync.algorithm` names.
+ALGORITHMS: dict[str, AlgorithmSpec] = {
+    "xla": AlgorithmSpec(xla, lambda n, h: 1, native=True),
+    "ring": AlgorithmSpec(ring, lambda n, h: n, per_hop=True),
+    "halving_doubling": AlgorithmSpec(halving_doubling, lambda n, h: n, power_of_two=True),
+    "tree": AlgorithmSpec(tree, lambda n, h: 1),
+    "hierarchical": AlgorithmSpec(hierarchical, lambda n, h: n, per_hop=True, across_hosts=True),
+    "ps": AlgorithmSpec(ps, lambda n, h: 1),
+    "sharded_ps": AlgorithmSpec(sharded_ps, lambda n, h: n),
 }
 
 
 def all_reduce(x: jax.Array, axis: str, n: int, algorithm: str, hosts: int = 1) -> jax.Array:
     """The sum over `axis` of a flat buffer of any length (zero-padded for the algorithm)."""
-    reduce, multiple = ALGORITHMS[algorithm]
+    spec = ALGORITHMS[algorithm]
     size = x.shape[0]
-    pad = -size % multiple(n, hosts)
+    pad = -size % spec.multiple(n, hosts)
     if pad:
         x = jnp.concatenate([x, jnp.zeros((pad,), x.dtype)])
-    return reduce(x, axis, n, hosts)[:size]
+    return spec.reduce(x, axis, n, hosts)[:size]
 
 
 def mean_tree(tree: Any, axis: str, algorithm: str, hosts: int = 1) -> Any:
@@ -210,67 +234,28 @@ def mean_tree(tree: Any, axis: str, algorithm: str, hosts: int = 1) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
-def _bits(x: jax.Array) -> jax.Array:
-    """f32 -> bf16 bits (uint16): XLA:CPU would widen a bf16 collective back to f32."""
-    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-
-
-def _unbits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, jnp.bfloat16).astype(jnp.float32)
-
-
-INT8_BLOCK = 256  # values per f32 scale of the int8 per-hop codec (compression.int8's chunk)
-
-
-class Codec(NamedTuple):
-    """What one hop of a compressed ring puts on the wire."""
-
-    encode: Callable[[jax.Array], jax.Array]  # f32 [k] -> the payload
-    decode: Callable[[jax.Array, int], jax.Array]  # (the payload, k) -> f32 [k]
-    block: int  # k is a multiple of this: the buffer is padded to N * block
-
-
-def _int8_encode(x: jax.Array) -> jax.Array:
-    """f32 [k] -> int8 [k/256, 260]: each block's values and its f32 scale's 4 bytes, one
-    buffer so that a hop is one collective-permute."""
-    q, scale = compression.quantize_int8(x.reshape(-1, INT8_BLOCK))  # [k/256, 256], [k/256]
-    return jnp.concatenate([q, jax.lax.bitcast_convert_type(scale, jnp.int8)], axis=1)
-
-
-def _int8_decode(payload: jax.Array, k: int) -> jax.Array:
-    scale = jax.lax.bitcast_convert_type(payload[:, INT8_BLOCK:], jnp.float32)  # [k/256]
-    return compression.dequantize_int8(payload[:, :INT8_BLOCK], scale).reshape(-1)
-
-
-def _topk_codec(ratio: float) -> Codec:
-    """Top-k per hop (cf. gTop-k, Shi et al. 2019): the ceil(ratio * k) largest-magnitude values
-    of the chunk, sent as one int32 buffer [2 kk] (the f32 values' bits, then their indices);
-    the receiver scatters them into zeros (densifies) before adding its own chunk."""
-
-    def encode(x: jax.Array) -> jax.Array:
-        _, idx = jax.lax.top_k(jnp.abs(x), compression._topk_k(ratio, x.shape[0]))
-        return jnp.concatenate([jax.lax.bitcast_convert_type(x[idx], jnp.int32), idx])
-
-    def decode(payload: jax.Array, k: int) -> jax.Array:
-        kk = payload.shape[0] // 2
-        values = jax.lax.bitcast_convert_type(payload[:kk], jnp.float32)
-        return jnp.zeros((k,), jnp.float32).at[payload[kk:]].set(values)
-
-    return Codec(encode, decode, 1)
-
-
-# grad_sync.compression names that `ring` (and `hierarchical` across hosts) run at every hop:
-# name -> (grad_sync.topk_ratio -> Codec).
-CODECS: dict[str, Callable[[float], Codec]] = {
-    "bf16": lambda ratio: Codec(_bits, lambda q, k: _unbits(q), 1),
-    "int8": lambda ratio: Codec(_int8_encode, _int8_decode, INT8_BLOCK),  # absmax per 256 values
-    "topk": _topk_codec,
-}
-
-
 def codec(name: str, topk_ratio: float = 1.0) -> Codec:
-    """The per-hop codec `grad_sync.compression` = `name` names (`topk_ratio`: topk's only)."""
-    return CODECS[name](topk_ratio)
+    """The per-hop codec of the compressor `name` (its spec's `per_hop`; `topk_ratio`: topk's).
+
+    Raises:
+      KeyError: `name` has no per-hop form.
+    """
+    spec = compression.COMPRESSORS[name]
+    if spec.per_hop is None:
+        raise KeyError(f"compression {name!r} has no per-hop codec")
+    return spec.per_hop({"compression": name, "topk_ratio": topk_ratio})
+
+
+def _per_hop_names() -> str:
+    return ", ".join(n for n, s in compression.COMPRESSORS.items() if s.per_hop is not None)
+
+
+def per_hop(grad_sync_cfg) -> bool:
+    """Whether this config compresses at every hop of its algorithm (`ring`, or `hierarchical`
+    across hosts) rather than running an exact reduction."""
+    spec = compression.COMPRESSORS.get(grad_sync_cfg.compression)
+    algo = ALGORITHMS.get(grad_sync_cfg.algorithm)
+    return bool(spec and algo and spec.per_hop is not None and algo.per_hop)
 
 
 def ring_per_hop(
@@ -418,34 +403,37 @@ def check(config, mesh_shape: dict[str, int]) -> None:
         raise ConfigError(
             f"grad_sync.algorithm={name!r} is not valid; choose one of {', '.join(ALGORITHMS)}"
         )
+    algo = ALGORITHMS[name]
+    spec = compression.COMPRESSORS.get(g.compression)  # compression.check names a bad one
+    codec = spec is not None and spec.per_hop is not None
     over = g.compress_over
     if over not in ("all", "dcn"):
         raise ConfigError(f"grad_sync.compress_over={over!r} is not valid; choose one of all, dcn")
-    if over == "dcn" and (name != "hierarchical" or g.compression not in CODECS):
+    if over == "dcn" and not (algo.across_hosts and codec):
+        across = ", ".join(a for a, s in ALGORITHMS.items() if s.across_hosts)
         raise ConfigError(
             "grad_sync.compress_over='dcn' compresses the cross-host stage of "
-            f"algorithm='hierarchical' with compression in {', '.join(CODECS)}, got algorithm="
+            f"algorithm={across!r} with compression in {_per_hop_names()}, got algorithm="
             f"{name!r}, compression={g.compression!r}"
         )
-    if name == "xla":
+    if algo.native:
         return
     if n <= 1:
         raise ConfigError(
             f"grad_sync.algorithm={name!r} reduces over the data-parallel replicas, but "
             f"mesh.data={n}; set mesh.data > 1 or grad_sync.algorithm='xla'"
         )
-    if name in ("ring", "hierarchical") and g.compression in CODECS:  # per hop
-        if name == "hierarchical" and over != "dcn":
+    if algo.per_hop and codec:
+        if algo.across_hosts and over != "dcn":
             raise ConfigError(
-                f"grad_sync.algorithm='hierarchical' with compression={g.compression!r} "
+                f"grad_sync.algorithm={name!r} with compression={g.compression!r} "
                 "compresses only across hosts: set grad_sync.compress_over='dcn'"
             )
-        dgc = [f for f in ("momentum_correction", "freeze_variance", "warmup_steps") if g[f]]
-        if g.compression == "topk" and (dgc or g.topk_exchange != "all_gather"):
+        if unsupported := spec.per_hop_unsupported(g):
             raise ConfigError(
-                f"grad_sync.algorithm={name!r} with compression='topk' sends each hop's top-k "
-                "with its residual only; unset grad_sync."
-                f"{', '.join(dgc or ['topk_exchange'])} (DGC's, for algorithm='xla')"
+                f"grad_sync.algorithm={name!r} with compression={g.compression!r} sends each "
+                "hop's codec with its residual only; unset grad_sync."
+                f"{', '.join(unsupported)} (for algorithm='xla')"
             )
         if mesh_shape["pipeline"] > 1:
             raise ConfigError(
@@ -453,19 +441,20 @@ def check(config, mesh_shape: dict[str, int]) -> None:
                 f"needs mesh.pipeline = 1, got {mesh_shape['pipeline']}"
             )
     elif g.compression != "none" or g.local_steps > 1:
+        per_hop_algos = " or ".join(repr(a) for a, s in ALGORITHMS.items() if s.per_hop)
         raise ConfigError(
             f"grad_sync.algorithm={name!r} runs the exact reduction; it does not combine with "
             f"grad_sync.compression={g.compression!r} / local_steps={g.local_steps} (use 'xla'; "
-            f"'ring' takes compression in {', '.join(CODECS)} per hop)"
+            f"{per_hop_algos} take compression in {_per_hop_names()} per hop)"
         )
-    if name == "halving_doubling" and n & (n - 1):
+    if algo.power_of_two and n & (n - 1):
         raise ConfigError(
-            f"grad_sync.algorithm='halving_doubling' needs a power-of-two mesh.data, got {n}; "
+            f"grad_sync.algorithm={name!r} needs a power-of-two mesh.data, got {n}; "
             "use 'ring' or 'tree' for other sizes"
         )
     hosts = int(config.mesh.dcn_data)
-    if name == "hierarchical" and not (1 < hosts < n):
+    if algo.across_hosts and not (1 < hosts < n):
         raise ConfigError(
-            f"grad_sync.algorithm='hierarchical' needs the data axis split over hosts: "
+            f"grad_sync.algorithm={name!r} needs the data axis split over hosts: "
             f"1 < mesh.dcn_data < mesh.data={n}, got mesh.dcn_data={hosts}"
         )

@@ -18,15 +18,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import sharding
-from jaxdist.compression import (
-    AxisName,
-    _axes,
-    _data_spec,
-    _local,
-    _stacked,
-    _varying_like,
-    replica_local,
-)
+from jaxdist.compression import replica
+from jaxdist.compression.replica import AxisName, replica_local
 
 GradFn = Callable[[Any, Any], tuple[jax.Array, Any]]
 
@@ -83,8 +76,8 @@ def sync_grads(
       replicated. Traceable: call it inside the jitted train step. grad_fn is differentiated with
       respect to `replica_local(params)`, so its gradients are local (no hidden f32 all-reduce).
     """
-    axes = _axes(data_axes)
-    lead = P(_data_spec(axes))
+    axes = replica.axes(data_axes)
+    lead = P(replica.data_spec(axes))
 
     if not shard_axes:
 
@@ -101,8 +94,8 @@ def sync_grads(
             axis_names=set(axes),
         )
 
-    grads_of = _replica_grads(grad_fn, mesh, axes, per_replica)
-    reduce_of = _sharded_reduce(tx_sync, mesh, axes, shard_axes, param_specs, state_specs)
+    grads_of = replica_grads(grad_fn, mesh, axes, per_replica)
+    reduce_of = sharded_reduce(tx_sync, mesh, axes, shard_axes, param_specs, state_specs)
 
     def step(params, batch, state):
         loss, grads = grads_of(params, batch)
@@ -112,38 +105,49 @@ def sync_grads(
     return step
 
 
-def _replica_grads(grad_fn: GradFn, mesh: Mesh, axes: tuple[str, ...], per_replica: str):
-    """(params, batch) -> (mean loss, grads [R, ...]): every replica's own gradient, stacked."""
+def replica_grads(grad_fn: GradFn, mesh: Mesh, axes: tuple[str, ...], per_replica: str):
+    """(params, batch) -> (mean loss, grads [R, ...]): every replica's own gradient, stacked.
+
+    `grad_fn(params, local_batch) -> (loss, grads)` runs once per replica on its rows, in a
+    shard_map manual over `axes` (`per_replica="shard_map"`) or vmapped over a leading replica
+    axis (`"vmap"`); the gradients come back stacked `[R, ...]`, sharded over `axes`, for a
+    reducer (`sharded_reduce`, `allreduce.reducer`) to reduce.
+    """
     if per_replica == "vmap":
-        replica_grads = _replica_vmap(grad_fn, (None,), mesh, axes)
+        stacked_grads = _replica_vmap(grad_fn, (None,), mesh, axes)
 
         def grads_of(params, batch):
-            losses, grads = replica_grads(params, batch)
+            losses, grads = stacked_grads(params, batch)
             return jnp.mean(losses), grads
 
         return grads_of
 
     def local_grads(params, batch):
         loss, grads = grad_fn(replica_local(params, axes), batch)
-        return jax.lax.pmean(loss, axes), _stacked(grads)
+        return jax.lax.pmean(loss, axes), replica.stacked(grads)
 
-    lead = P(_data_spec(axes))
+    lead = P(replica.data_spec(axes))
     return jax.shard_map(
         local_grads, mesh=mesh, in_specs=(P(), lead), out_specs=(P(), lead), axis_names=set(axes)
     )
 
 
-def _sharded_reduce(tx_sync, mesh: Mesh, axes, shard_axes, param_specs, state_specs):
-    """(grads [R, ...], state) -> (mean grads, state): `tx_sync` on each device's own shard."""
+def sharded_reduce(tx_sync, mesh: Mesh, axes, shard_axes, param_specs, state_specs):
+    """(grads [R, ...], state) -> (mean grads, state): `tx_sync` on each device's own shard.
+
+    A shard_map manual over the data `axes` and the `shard_axes` that split the parameters
+    (`param_specs`); the sync state has `state_specs` (`compression.sharded_state`). Every
+    device hands the compressor its own `[1, ...]` block of its replica's gradient.
+    """
     manual = set(axes) | set(shard_axes)
     g_specs = jax.tree.map(
-        lambda sp: sharding.spec_only(P(_data_spec(axes), *sp), manual), param_specs
+        lambda sp: sharding.spec_only(P(replica.data_spec(axes), *sp), manual), param_specs
     )
     mean_specs = jax.tree.map(lambda sp: sharding.spec_only(sp, manual), param_specs)
     s_specs = jax.tree.map(lambda sp: sharding.spec_only(sp, manual), state_specs)
 
     def reduce(grads, state):
-        return tx_sync.update(_local(grads), state)
+        return tx_sync.update(replica.local(grads), state)
 
     return jax.shard_map(
         reduce,
@@ -223,7 +227,7 @@ def local_sgd(
         raise ValueError(f"local_sgd: sync_steps={sync_steps} must be >= 0")
     run = _local_sgd_vmap if per_replica == "vmap" else _local_sgd_shard_map
     due = lambda step: ((step + 1) % local_steps == 0) | (step < sync_steps)  # noqa: E731
-    return run(grad_fn, inner_tx, outer, mesh, _axes(data_axes), due)
+    return run(grad_fn, inner_tx, outer, mesh, replica.axes(data_axes), due)
 
 
 def _outer_step(outer: optax.GradientTransformation) -> Callable:
@@ -237,18 +241,19 @@ def _outer_step(outer: optax.GradientTransformation) -> Callable:
     return step
 
 
-def _keep(anchor, outer_state, local):
+def keep(anchor, outer_state, local):
+    """The no-sync branch of local SGD's `lax.cond`: (anchor, outer state, replicas) unchanged."""
     return anchor, outer_state, local
 
 
 def _local_sgd_shard_map(grad_fn, inner_tx, outer, mesh, axes, due) -> LocalSGD:
     """Local SGD with each replica's step in a shard_map manual over `axes`."""
-    lead = P(_data_spec(axes))
+    lead = P(replica.data_spec(axes))
     outer_step = _outer_step(outer)
 
     def init(params):
         def one(p):
-            return _stacked(p), _stacked(inner_tx.init(p))
+            return replica.stacked(p), replica.stacked(inner_tx.init(p))
 
         local, inner = jax.shard_map(
             one, mesh=mesh, in_specs=P(), out_specs=lead, axis_names=set(axes)
@@ -256,7 +261,7 @@ def _local_sgd_shard_map(grad_fn, inner_tx, outer, mesh, axes, due) -> LocalSGD:
         return LocalSGDState(jnp.zeros((), jnp.int32), params, outer.init(params), local, inner)
 
     def body(step, anchor, outer_state, local, inner, batch):
-        local, inner = _local(local), _local(inner)
+        local, inner = replica.local(local), replica.local(inner)
         loss, grads = grad_fn(local, batch)
         grad_norm = optax.tree.norm(grads)
         updates, inner = inner_tx.update(grads, inner, local)
@@ -264,14 +269,12 @@ def _local_sgd_shard_map(grad_fn, inner_tx, outer, mesh, axes, due) -> LocalSGD:
 
         def sync(anchor, outer_state, local):
             anchor, outer_state = outer_step(anchor, outer_state, jax.lax.pmean(local, axes))
-            return anchor, outer_state, jax.tree.map(_varying_like, anchor, local)
+            return anchor, outer_state, jax.tree.map(replica.varying_like, anchor, local)
 
-        anchor, outer_state, local = jax.lax.cond(
-            due(step), sync, _keep, anchor, outer_state, local
-        )
+        anchor, outer_state, local = jax.lax.cond(due(step), sync, keep, anchor, outer_state, local)
         metrics = {"loss": loss, "grad_norm": grad_norm}
         metrics = jax.lax.pmean(metrics, axes)
-        return metrics, anchor, outer_state, _stacked(local), _stacked(inner)
+        return metrics, anchor, outer_state, replica.stacked(local), replica.stacked(inner)
 
     stepped = jax.shard_map(
         body,
@@ -326,7 +329,7 @@ def _local_sgd_vmap(grad_fn, inner_tx, outer, mesh, axes, due) -> LocalSGD:
     def step(state, batch):
         local, inner, losses, norms = replica_steps(state.local_params, state.inner_state, batch)
         anchor, outer_state, local = jax.lax.cond(
-            due(state.step), sync, _keep, state.params, state.outer_state, local
+            due(state.step), sync, keep, state.params, state.outer_state, local
         )
         metrics = {"loss": jnp.mean(losses), "grad_norm": jnp.mean(norms)}
         return LocalSGDState(state.step + 1, anchor, outer_state, local, inner), metrics

@@ -16,6 +16,7 @@ from typing import Any
 
 import ml_collections
 
+from jaxdist.compression_fields import COMPRESSION_FIELDS
 from jaxdist.errors import ConfigError
 
 # Slowest- to fastest-varying device index (jaxdist/mesh.py): `expert` and `context` sit between
@@ -128,10 +129,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.pipeline.fsdp_gather_once = False
 
     c.grad_sync = ml_collections.ConfigDict()
-    c.grad_sync.compression = "none"
-    c.grad_sync.rank = 2
-    c.grad_sync.topk_ratio = 0.01
-    c.grad_sync.error_feedback = True
+    # The compressors' fields: defaults and meanings in jaxdist/compression_fields.py
+    for name, f in COMPRESSION_FIELDS.items():
+        c.grad_sync[name] = f.default
     c.grad_sync.local_steps = 1  # H > 1: local SGD, replicas average their parameters every H steps
     c.grad_sync.outer_optimizer = "average"  # local SGD's outer step: average | nesterov (DiLoCo)
     c.grad_sync.outer_learning_rate = 0.7  # nesterov: DiLoCo's outer learning rate and momentum
@@ -140,16 +140,6 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_sync.outer_overlap = 0  # streaming: a fragment's outer step lands this many steps later
     c.grad_sync.outer_quantization = "none"  # streaming: none | int8 | int4 outer gradients
     c.grad_sync.outer_mix = 0.5  # streaming, overlap > 0: replica's share in the arriving fragment
-    c.grad_sync.warmup_steps = 0  # topk: density warm-up; powersgd/ef_sign: dense first steps;
-    # onebit_adam / twobit_adam: Adam steps before the variance freezes; local SGD: synced steps
-    c.grad_sync.momentum_correction = False  # topk (DGC) / ef_sign: the SGD momentum inside
-    c.grad_sync.momentum_masking = True  # DGC under AdamW: zero a replica's momentum where sent
-    c.grad_sync.min_compression = 1.0  # powersgd: compress only where n m > this * rank (n + m)
-    c.grad_sync.warm_start = True  # powersgd: reuse last step's Q (False: a fresh Gaussian Q)
-    c.grad_sync.orthogonalization_epsilon = 0.0  # powersgd: 0 = QR; > 0 = Gram-Schmidt + eps
-    c.grad_sync.stochastic_rounding = False  # int8: unbiased random rounding instead of nearest
-    c.grad_sync.freeze_variance = False  # topk/powersgd + adamw: variance frozen after warm-up
-    c.grad_sync.topk_exchange = "all_gather"  # topk: all_gather | two_phase (bytes flat in R)
     c.grad_sync.algorithm = "xla"  # the data-parallel all-reduce (jaxdist/allreduce.py ALGORITHMS)
     c.grad_sync.staleness = 0  # tau: step t applies the reduced gradient of step t - tau
     c.grad_sync.compress_over = "all"  # "dcn": hierarchical compresses only across hosts
@@ -225,7 +215,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
 
     The choices and rules of models (`models/`), remat policies (`models/api.py`), pipeline
     schedules (`jaxdist/pipeline/`), optimizers and learning-rate schedules (`jaxdist/optim.py`),
-    compressors and the gradient strategies (`jaxdist/compression.py`, `jaxdist/strategies.py`)
+    compressors and the gradient strategies (`jaxdist/compression/`, `jaxdist/strategies.py`)
     are read from the modules that own them.
 
     Raises:

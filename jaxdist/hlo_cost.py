@@ -147,6 +147,23 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
     return _Analysis(_parse_module(hlo_text)).run()
 
 
+def conditional_ops(hlo_text: str) -> list[list[CollectiveOp]]:
+    """Per ``conditional`` instruction anywhere in the module, the collectives of its costliest
+    branch (the one that sends the most bytes), each counted once per run of the branch.
+
+    E.g. local SGD's every-H-steps parameter average is one conditional; the most one sync
+    sends is the largest sum of ``wire_bytes`` here (jaxdist/streaming.py `peak_sync_bytes`).
+    """
+    module = _parse_module(hlo_text)
+    analysis = _Analysis(module)
+    return [
+        [op for _, op in analysis._conditional(inst)]
+        for comp in module.computations.values()
+        for inst in comp.instructions.values()
+        if inst.opcode == "conditional"
+    ]
+
+
 def collective_bytes(hlo_text: str, conditional_period: int = 1) -> dict[str, float]:
     """Bytes one device sends per execution of a compiled module, per collective kind.
 

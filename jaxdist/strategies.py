@@ -295,8 +295,8 @@ def reduced(setup: Setup) -> Strategy:
         loss, _, grads = base(params, local_batch)  # aux metrics: not reduced here
         return loss, grads
 
-    grads_of = collectives._replica_grads(local_grads, mesh, DATA_AXES, _per_replica(mesh))
-    if c.grad_sync.compression in allreduce.CODECS:  # compressed per hop (allreduce.check)
+    grads_of = collectives.replica_grads(local_grads, mesh, DATA_AXES, _per_replica(mesh))
+    if allreduce.per_hop(c.grad_sync):  # compressed per hop (allreduce.check)
         return _per_hop(setup, grads_of, schedule)
     shard_axes = _shard_axes(mesh)
     mean_of = allreduce.reducer(
@@ -327,7 +327,7 @@ def _per_hop(setup: Setup, grads_of, schedule) -> Strategy:
         )
     )
     hosts = int(setup.config.mesh.dcn_data) if g.compress_over == "dcn" else 1
-    wire = allreduce.codec(g.compression, g.topk_ratio)
+    wire = compression.spec_of(g).per_hop(g)
     e = allreduce.per_hop_size(size, r, hosts, wire)
     rows = math.prod(mesh.shape[a] for a in manual)  # a residual row per device
     abstract = jax.ShapeDtypeStruct((rows, e), jnp.float32)
@@ -465,11 +465,11 @@ def check(config, mesh_shape: Mapping[str, int]) -> None:
                 f"grad_sync.{what} needs grad_sync.warmup_steps >= 1: the full-precision Adam "
                 "steps whose variance it then freezes (e.g. 15-25% of training)"
             )
-    if g.compression in compression.DEPRECATED:
+    if (new := compression.deprecated(g)) is not None:
         logging.getLogger("jaxdist").warning(
             "grad_sync.compression=%r is deprecated: it is %r (the same method, renamed)",
             g.compression,
-            compression.DEPRECATED[g.compression],
+            new,
         )
     sgd_momentum = t.optimizer == "sgd" and t.momentum > 0
     if g.momentum_correction and not (sgd_momentum or g.freeze_variance):

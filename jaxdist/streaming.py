@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import collectives, compression, hlo_cost
+from jaxdist.compression import replica
 from jaxdist.errors import ConfigError
 
 ALL = "all"  # a fragment holds the whole parameter
@@ -180,13 +181,13 @@ def _int4(axes: tuple[str, ...]) -> optax.GradientTransformation:
     (all-to-all) then all-gather, as `compression.int8` runs int8; the state passes through."""
 
     def one(x):  # per leaf: leaves differ in which manual axes they vary over
-        r = compression.num_replicas(axes)
+        r = replica.num_replicas(axes)
         per = -(-x.size // (r * INT4_BLOCK)) * INT4_BLOCK  # elements each replica reduces
         flat = x.reshape(-1).astype(jnp.float32)
         rows = jnp.pad(flat, (0, r * per - x.size)).reshape(r, -1, INT4_BLOCK)
-        mine = compression._all_to_all(jax.vmap(_int4_encode)(rows), axes)  # [R, per/256, 132]
+        mine = replica.all_to_all(jax.vmap(_int4_encode)(rows), axes)  # [R, per/256, 132]
         mean = jnp.mean(jax.vmap(_int4_decode)(mine), axis=0)  # my shard, [per/256, 256]
-        full = jax.vmap(_int4_decode)(compression._gather(_int4_encode(mean), axes))
+        full = jax.vmap(_int4_decode)(replica.gather(_int4_encode(mean), axes))
         return full.reshape(-1)[: x.size].reshape(x.shape).astype(x.dtype)
 
     def update(tree, state, params=None):
@@ -209,7 +210,7 @@ def _quantized_mean(
         tx = _int4(axes)
     shard_axes = tuple(a for a in ("fsdp", "tensor") if mesh.shape[a] > 1)
     lead = P(axes[0] if len(axes) == 1 else axes)
-    reduce = collectives._sharded_reduce(
+    reduce = collectives.sharded_reduce(
         tx, mesh, axes, shard_axes, [specs[i] for i in idx], compression.Int8State(lead)
     )
     r = int(np.prod([mesh.shape[a] for a in axes]))
@@ -329,7 +330,7 @@ def local_sgd(
             due = (c - off) % h == 0
             if tau == 0:
                 anchor, outer_state, local = jax.lax.cond(
-                    due, sync_now(f), collectives._keep, anchor, outer_state, local
+                    due, sync_now(f), collectives.keep, anchor, outer_state, local
                 )
             else:
                 pending = jax.lax.cond(due, send(f), lambda a, x, p: p, anchor, local, pending)
@@ -352,12 +353,5 @@ def peak_sync_bytes(hlo_text: str) -> float:
     for the parameter average: the costliest branch of any one conditional, ring-costed as
     `hlo_cost.collective_ops` costs every op.
     """
-    module = hlo_cost._parse_module(hlo_text)
-    analysis = hlo_cost._Analysis(module)
-    best = 0.0
-    for comp in module.computations.values():
-        for inst in comp.instructions.values():
-            if inst.opcode == "conditional":
-                ops = analysis._conditional(inst)
-                best = max(best, sum(op.wire_bytes for _, op in ops))
-    return best
+    branches = hlo_cost.conditional_ops(hlo_text)
+    return max((sum(op.wire_bytes for op in ops) for ops in branches), default=0.0)

@@ -346,6 +346,14 @@ COMPRESSION_SETTINGS = [
         {},
         "none",
     ),
+    # random-k at 25% before AdamW: the same coordinates on every replica, error feedback / unbiased
+    ("randk", {"compression": "randk", "topk_ratio": 0.25}, {}, "none"),
+    (
+        "randk(unbiased)",
+        {"compression": "randk", "topk_ratio": 0.25, "error_feedback": False},
+        {},
+        "none",
+    ),
     # ef_sign's compressor on the gradient, then AdamW (error feedback; 40 dense steps first)
     ("ef_sign", {"compression": "ef_sign", "warmup_steps": 40}, {}, "none"),
     # ef_sign under AdamW as DGC is: each replica's own Adam momentum, 1-bit with ef_sign's scale

@@ -131,7 +131,7 @@ def test_bf16_error_is_two_roundings():
 
 def test_bf16_single_cast_round_trip():
     x = np.random.default_rng(2).normal(size=1000).astype(F32)
-    back = np.asarray(C._from_bf16_bits(C._bf16_bits(jnp.asarray(x))))
+    back = np.asarray(C.from_bf16_bits(C.bf16_bits(jnp.asarray(x))))
     assert np.all(np.abs(back - x) <= 2.0**-8 * np.abs(x))
 
 

@@ -189,7 +189,7 @@ LAYERS = (
     },
     {"jaxdist.sharding", "jaxdist.mesh", "jaxdist.config", "jaxdist.xla_flags"},
     {"jaxdist.aligned_switch"},  # lax.switch with as many collective-permutes in every branch
-    {"jaxdist", "jaxdist.errors"},
+    {"jaxdist", "jaxdist.errors", "jaxdist.compression_fields"},
 )
 # config.validate reads each choice's names and rules from the module that owns them: imports
 # inside that function, never at module level (so importing config stays at the bottom).
@@ -319,3 +319,16 @@ def test_private_name_checker_can_fail(tmp_path):
     assert uses("lib.pkg.a") == {("lib.b", "_helper")}
     assert uses("lib.b") == {("lib.pkg.a", "_x")}
     assert uses("lib.pkg") == set()  # its own submodule, imported under a private alias
+
+
+def test_no_private_names_across_library_modules():
+    """What library modules share is public and documented (e.g. jaxdist/compression/replica.py,
+    jaxdist/hlo_cost.py's parser): no module of jaxdist/ or models/ uses another's `_x`."""
+    mods = _modules(ROOT)
+    known = set(mods)
+    bad = sorted(
+        (name, f"{target}.{attr}")
+        for name, path in mods.items()
+        for target, attr in _private_uses(name, path, known)
+    )
+    assert not bad, bad

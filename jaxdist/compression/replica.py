@@ -1,0 +1,81 @@
+"""The replica collectives: what every step inside the data-parallel `shard_map` shares.
+
+A compressor, local SGD and the exact algorithms all run inside `jax.shard_map` with the
+data-parallel mesh axes (`axis_name`) manual, and keep per-replica state as leaves with a leading
+replica axis of size R sharded over those axes (`[1, ...]` per replica inside the shard_map).
+These are the small pieces they share: the axes as a tuple, R, the two collectives with a typed
+result (`gather`, `all_to_all`), the type casts between replicated and per-replica values, and
+the `[1, ...]` block convention. All but `data_spec` must be called inside the shard_map.
+
+The invariance contract: a value that leaves the shard_map with `P()` (the mean gradient) must be
+typed invariant over `axis_name`, i.e. come out of a collective that makes it so (`psum`,
+`pmean`, `pmax`, `gather`), not just be equal on every replica. A per-replica state leaf is typed
+varying even where its values agree on all replicas (a step counter, a shared PRNG key): anything
+that must be the same on every replica and is derived from state goes through such a collective
+first (see `randk`), or the program fails to compile.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+AxisName = str | tuple[str, ...]
+
+
+def axes(axis_name: AxisName) -> tuple[str, ...]:
+    """`axis_name` as a tuple of mesh axis names (a single name becomes a 1-tuple)."""
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def num_replicas(axis_name: AxisName) -> int:
+    """R, the number of data-parallel replicas; call inside shard_map."""
+    return math.prod(jax.lax.axis_size(a) for a in axes(axis_name))
+
+
+def gather(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """[...] -> [R, ...]: every replica's `x` along a new leading axis, typed invariant (every
+    replica holds the same result, so it may leave the shard_map replicated)."""
+    return jax.lax.all_gather(x, axes(axis_name), to="invarying")
+
+
+def all_to_all(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """[R, ...] -> [R, ...]: row i of the result is row `my index` of replica i's input (the
+    first phase of a two-phase reduce: replica j receives every replica's shard j)."""
+    return jax.lax.all_to_all(x, axes(axis_name), 0, 0)
+
+
+def replica_local(tree: Any, axis_name: AxisName) -> Any:
+    """`tree`, replicated over `axis_name`, retyped per-replica for differentiating in shard_map.
+
+    `jax.grad` with respect to a value replicated over the manual axes returns the gradient already
+    summed over replicas (JAX inserts an f32 psum: the transpose of the implicit broadcast), which
+    would defeat any compressor. Differentiate with respect to `replica_local(params, axis_name)`
+    instead to get this replica's own gradient.
+    """
+    return jax.lax.pcast(tree, axes(axis_name), to="varying")
+
+
+def varying_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """`x`, typed varying wherever `ref` is: the branches of a `lax.cond` must agree on that type
+    (e.g. one branch returns a pmean, the other a per-replica buffer)."""
+    return jnp.where(True, x, ref)
+
+
+def local(tree: Any) -> Any:
+    """This replica's `[1, ...]` block of every state leaf, without the replica axis: `[...]`."""
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def stacked(tree: Any) -> Any:
+    """The inverse of `local`: every leaf `[...]` -> this replica's `[1, ...]` block."""
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def data_spec(data_axes: AxisName) -> str | tuple[str, ...]:
+    """The PartitionSpec entry of the leading replica axis: one axis name or a tuple of them."""
+    names = axes(data_axes)
+    return names[0] if len(names) == 1 else names
