@@ -23,8 +23,9 @@ NOT_A_FAMILY = {"models", "models.api", "models.attention", "models.moe"}
 def _modules(root: pathlib.Path, packages=PACKAGES) -> dict[str, pathlib.Path]:
     out = {}
     for pkg in packages:
-        for f in sorted((root / pkg).glob("*.py")):
-            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+        for f in sorted((root / pkg).rglob("*.py")):  # subpackages too (jaxdist/checkpoint/)
+            parts = [pkg, *f.relative_to(root / pkg).with_suffix("").parts]
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     return out
 
 
@@ -154,6 +155,7 @@ LAYERS = (
         "jaxdist.allreduce",
         "jaxdist.optim",
         "jaxdist.checkpoint",
+        "jaxdist.checkpoint.manager",
         "jaxdist.orbax_reads",
         "jaxdist.data",
         "jaxdist.metrics",
