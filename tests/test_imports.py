@@ -154,8 +154,15 @@ LAYERS = (
         "jaxdist.compression",
         "jaxdist.allreduce",
         "jaxdist.optim",
-        "jaxdist.checkpoint",
+        "jaxdist.checkpoint",  # the package: its modules below
         "jaxdist.checkpoint.manager",
+        "jaxdist.checkpoint.offline",
+        "jaxdist.checkpoint.compat",
+        "jaxdist.checkpoint.integrity",
+        "jaxdist.checkpoint.layout",
+        "jaxdist.checkpoint.trees",
+        "jaxdist.checkpoint.processes",
+        "jaxdist.checkpoint.write_errors",
         "jaxdist.orbax_reads",
         "jaxdist.data",
         "jaxdist.metrics",
@@ -214,3 +221,78 @@ def test_loop_does_not_import_the_planner():
     (`loop.run(checks=, layout_extras=)`): the loop itself does not depend on it."""
     graph = import_graph()
     assert "jaxdist.plan" not in graph["jaxdist.loop"], sorted(graph["jaxdist.loop"])
+
+
+def private_uses(root: pathlib.Path = ROOT, packages=PACKAGES) -> set[tuple[str, str, str]]:
+    """(module, other module, private name) for each use of another module's `_name`: imported
+    (`from m import _x`) or read as an attribute of an imported module (`m._x`)."""
+    mods = _modules(root, packages)
+    out = set()
+    for name, path in mods.items():
+        package = name if path.stem == "__init__" else name.rpartition(".")[0]
+        aliases: dict[str, str] = {}  # local name -> project module
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:  # `import a.b` binds `a`; `import a.b as m` binds a.b
+                    bound = a.name if a.asname else a.name.split(".")[0]
+                    if bound in mods:
+                        aliases[a.asname or bound] = bound
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
+                for a in node.names:
+                    if f"{base}.{a.name}" in mods:
+                        aliases[a.asname or a.name] = f"{base}.{a.name}"
+                    elif base in mods and base != name and a.name.startswith("_"):
+                        out.add((name, base, a.name))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and aliases[node.value.id] != name
+            ):
+                out.add((name, aliases[node.value.id], node.attr))
+    return out
+
+
+def test_checkpoint_package_shares_no_private_names():
+    """The checkpoint package's modules share only public names, with each other and the rest."""
+    bad = {
+        use
+        for use in private_uses()
+        if any(m == "jaxdist.checkpoint" or m.startswith("jaxdist.checkpoint.") for m in use[:2])
+    }
+    assert not bad, sorted(bad)
+
+
+def test_private_use_checker_can_fail(tmp_path):
+    (tmp_path / "lib" / "sub").mkdir(parents=True)
+    for f in ("lib/__init__.py", "lib/sub/__init__.py"):
+        (tmp_path / f).write_text("")
+    (tmp_path / "lib" / "sub" / "a.py").write_text("_x = 1\ny = 2\n")
+    (tmp_path / "lib" / "b.py").write_text("from lib.sub.a import _x, y\n")
+    (tmp_path / "lib" / "c.py").write_text("from lib.sub import a\nz = a._x + a.y\n")
+    assert private_uses(tmp_path, ("lib",)) == {
+        ("lib.b", "lib.sub.a", "_x"),
+        ("lib.c", "lib.sub.a", "_x"),
+    }
+
+
+def test_weights_has_no_function_local_project_imports():
+    """`jaxdist/weights.py` imports the project at module level only (issue 29)."""
+    tree = ast.parse((ROOT / "jaxdist" / "weights.py").read_text())
+    top = set(map(id, tree.body))
+    local = [
+        ast.unparse(n)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        and id(n) not in top
+        and any((getattr(n, "module", None) or a.name).split(".")[0] in PACKAGES for a in n.names)
+    ]
+    assert not local, local
