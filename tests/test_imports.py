@@ -163,6 +163,7 @@ LAYERS = (
         "jaxdist.checkpoint.trees",
         "jaxdist.checkpoint.processes",
         "jaxdist.checkpoint.write_errors",
+        "jaxdist.workdir_lock",  # one training run per --workdir
         "jaxdist.orbax_reads",
         "jaxdist.data",
         "jaxdist.metrics",
