@@ -157,6 +157,7 @@ LAYERS = (
         "jaxdist.checkpoint",  # the package: its modules below
         "jaxdist.checkpoint.manager",
         "jaxdist.checkpoint.offline",
+        "jaxdist.checkpoint.restore",
         "jaxdist.checkpoint.compat",
         "jaxdist.checkpoint.integrity",
         "jaxdist.checkpoint.layout",

@@ -25,6 +25,7 @@ The package, one job per module:
   and `jaxdist.weights` use;
 - `integrity`: the CRC-32 per saved shard, written at save and checked by every read;
 - `compat`: whether a checkpoint fits the reading run (config, arrays, replica count);
+- `restore`: one step read onto a mesh for the trainer (checked, resharded, CRC-checked);
 - `layout`: step folders and which of them are committed; `trees`: paths and message pieces;
 - `processes`: all-gathers and barriers; `write_errors`: a failed save as one line.
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
+from collections.abc import Mapping
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxdist.checkpoint import processes
 from jaxdist.errors import ConfigError
 
 STATE_ITEM = "state"
@@ -86,6 +90,25 @@ def uncommitted_step_folders(directory: epath.Path) -> list[str]:
     committed = set(committed_steps(directory))
     names = [p.name for p in directory.iterdir() if p.name.isdigit() and p.is_dir()]
     return sorted((n for n in names if int(n) not in committed), key=int)
+
+
+def move_aside(directory: epath.Path, folders: Mapping[str, str], barrier: str) -> dict[str, str]:
+    """Renames each folder `name` under `directory` to `<name>.<why>-<ns>` ({name: why}).
+
+    Renamed, not deleted, so they can still be examined; orbax and jaxdist ignore such names.
+    Process 0 renames; every process waits for it at the barrier `barrier` (the same name on
+    every process). Returns {name: new name} of what this process renamed.
+    """
+    stamp = time.time_ns()
+    moved = {}
+    if jax.process_index() == 0:
+        for name, why in sorted(folders.items()):
+            src = directory / name
+            if src.exists():
+                src.rename(directory / f"{name}.{why}-{stamp}")
+                moved[name] = f"{name}.{why}-{stamp}"
+    processes.barrier(f"jaxdist_checkpoint_{barrier}")
+    return moved
 
 
 def refuse_symlinked_steps(directory: epath.Path) -> None:

@@ -13,9 +13,8 @@ import importlib.metadata
 import json
 import logging
 import operator
-import time
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -23,20 +22,21 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 import jaxdist
-from jaxdist import orbax_reads
-from jaxdist.checkpoint import compat, integrity, processes
+from jaxdist.checkpoint import integrity, processes
 from jaxdist.checkpoint.layout import (
     FORMAT,
     META_ITEM,
     STATE_ITEM,
     CommittedStepFormat,
     as_path,
+    move_aside,
     refuse_symlinked_steps,
     step_dir,
     uncommitted_step_folders,
 )
-from jaxdist.checkpoint.offline import read_json_item, saved_arrays
-from jaxdist.checkpoint.trees import PyTree, describe_sharding, flatten, one_line_error, shape_of
+from jaxdist.checkpoint.offline import read_json_item
+from jaxdist.checkpoint.restore import read_step
+from jaxdist.checkpoint.trees import PyTree, describe_sharding, flatten, one_line_error
 from jaxdist.checkpoint.write_errors import (
     CheckpointWriteError,
     silence_failed_writes,
@@ -143,20 +143,13 @@ class Checkpointer:
         # that it is not warned about at every start. The primary process renames; all wait.
         ignored = uncommitted_step_folders(self.directory)
         if ignored:
-            stamp = time.time_ns()
             log.warning(
                 "checkpoint folders without orbax's commit marker in %s (a save or deletion cut "
-                "short, or a partial copy), moved aside to <step>.uncommitted-%d: %s",
+                "short, or a partial copy), moved aside to <step>.uncommitted-<ns>: %s",
                 self.directory,
-                stamp,
                 ", ".join(ignored),
             )
-            if jax.process_index() == 0:
-                for name in ignored:
-                    src = self.directory / name
-                    if src.exists():
-                        src.rename(self.directory / f"{name}.uncommitted-{stamp}")
-            processes.barrier("jaxdist_checkpoint_uncommitted_aside")
+            move_aside(self.directory, dict.fromkeys(ignored, "uncommitted"), "uncommitted_aside")
             self._manager.reload()
 
     # -- queries -----------------------------------------------------------------------------
@@ -237,32 +230,8 @@ class Checkpointer:
         if step in self.all_steps():
             log.info("checkpoint step %d is already in %s", step, self.directory)
             return False
-        leaves = flatten(state)
-        meshes = [
-            leaf.sharding.mesh
-            for leaf in leaves.values()
-            if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)
-        ]
-        checksums: dict[str, dict[str, str]] = {}
-        for part in processes.gather_json(
-            integrity.shard_checksums(state)
-        ):  # a collective: every process saves
-            for path, sums in part.items():
-                checksums.setdefault(path, {}).update(sums)
-        meta = {
-            "format": FORMAT,
-            "step": step,
-            "data_position": int(data_position),
-            "config": self._config_json,
-            "jaxdist_version": _jaxdist_version(),
-            "jax_version": jax.__version__,
-            "process_count": jax.process_count(),
-            "mesh": {k: int(v) for k, v in meshes[0].shape.items()} if meshes else None,
-            "shardings": {
-                p: describe_sharding(getattr(x, "sharding", None)) for p, x in leaves.items()
-            },
-            "checksums": checksums,
-        }
+        # A collective (the checksums are gathered): every process saves.
+        meta = step_metadata(step, state, int(data_position), self._config_json)
         args = ocp.args.Composite(
             **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
         )
@@ -286,14 +255,9 @@ class Checkpointer:
         if not targets:
             return
         self._manager.wait_until_finished()
-        stamp = time.time_ns()
-        for bad, why in sorted(targets.items()):
-            src = step_dir(self.directory, bad)
-            if jax.process_index() == 0 and src.exists():
-                dst = src.parent / f"{src.name}.{why}-{stamp}"
-                log.warning("moving %s checkpoint folder %s aside to %s", why, src, dst.name)
-                src.rename(dst)
-        processes.barrier(f"jaxdist_checkpoint_move_aside_{step}")  # the same name on every process
+        folders = {step_dir(self.directory, bad).name: why for bad, why in targets.items()}
+        for name, moved in move_aside(self.directory, folders, f"move_aside_{step}").items():
+            log.warning("moved %s checkpoint folder %s aside to %s", folders[name], name, moved)
         self._unreadable.clear()
         self._manager.reload()
 
@@ -363,7 +327,7 @@ class Checkpointer:
             )
         failures: list[tuple[int, str]] = []
         for candidate in [step] if step is not None else steps[::-1]:
-            restored, error = self._try_restore(candidate, abstract_state, expected)
+            restored, error = read_step(self.directory, candidate, abstract_state, expected)
             if processes.all_processes_ok(error is None):
                 self._unreadable.discard(candidate)
                 if failures:
@@ -391,44 +355,38 @@ class Checkpointer:
             f"failed (newest: {failures[0][1]}); move the folder aside to start from scratch"
         )
 
-    def _try_restore(
-        self, step: int, abstract_state: PyTree, expected: Mapping[str, Any]
-    ) -> tuple[tuple[PyTree, dict[str, Any]] | None, str | None]:
-        """(result, None), or (None, one-line reason) if unreadable; ConfigError on a mismatch."""
-        try:
-            saved = saved_arrays(step_dir(self.directory, step) / STATE_ITEM)
-        except Exception as err:
-            return None, f"metadata: {one_line_error(err)}"
-        resized = compat.replica_resized(saved, expected)
-        compat.check_matches(
-            {**saved, **{p: expected[p] for p in resized}},
-            expected,
-            f"checkpoint step {step} in {self.directory}",
-        )
-        if resized:  # read those as saved, replicated, then redistribute them (elastic resume)
-            abstract_state = compat.as_saved(abstract_state, saved, resized)
-        # Orbax's handlers, not its Checkpointer: the Checkpointer ends a restore with a barrier
-        # that a process whose read failed never reaches, leaving the others waiting in it. Here
-        # every process returns, and `restore` agrees on the outcome with one all-gather.
-        handler = ocp.StandardCheckpointHandler()
-        try:
-            args = ocp.args.StandardRestore(abstract_state)
-            state = handler.restore(step_dir(self.directory, step) / STATE_ITEM, args=args)
-            meta = self._read_meta(step)
-        except Exception as err:
-            orbax_reads.silence_orphaned_reads()
-            return None, one_line_error(err)
-        finally:
-            handler.close()
-        problems, _ = integrity.mismatches_in(state, meta.get("checksums") or {})
-        if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            return None, problems[0] + more
-        if resized:
-            state = compat.redistribute(state, expected)
-            replicas = sorted({(shape_of(saved[p])[0], expected[p].shape[0]) for p in resized})
-            log.warning("per-replica state redistributed from %d to %d data replicas", *replicas[0])
-        return (state, {**meta, "step": step}), None
+
+def step_metadata(
+    step: int, state: PyTree, data_position: int, config_json: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The JSON `meta` item saved with a step (docs/CHECKPOINTS.md lists its keys).
+
+    Gathers every process's shard checksums: a collective, so every process calls it.
+    """
+    leaves = flatten(state)
+    meshes = [
+        leaf.sharding.mesh
+        for leaf in leaves.values()
+        if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)
+    ]
+    checksums: dict[str, dict[str, str]] = {}
+    for part in processes.gather_json(integrity.shard_checksums(state)):
+        for path, sums in part.items():
+            checksums.setdefault(path, {}).update(sums)
+    return {
+        "format": FORMAT,
+        "step": step,
+        "data_position": data_position,
+        "config": config_json,
+        "jaxdist_version": _jaxdist_version(),
+        "jax_version": jax.__version__,
+        "process_count": jax.process_count(),
+        "mesh": {k: int(v) for k, v in meshes[0].shape.items()} if meshes else None,
+        "shardings": {
+            p: describe_sharding(getattr(x, "sharding", None)) for p, x in leaves.items()
+        },
+        "checksums": checksums,
+    }
 
 
 def _jaxdist_version() -> str:
