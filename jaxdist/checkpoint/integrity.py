@@ -126,6 +126,9 @@ def _assemble(
     index: Index, blocks: list[tuple[Index, np.ndarray]], dtype: Any
 ) -> np.ndarray | None:
     """The region `index` of an array pieced together from `blocks`, or None if they miss a part."""
+    for where, data in blocks:  # the common case: the mesh saved with, one block is the shard
+        if all(a.start == b.start and a.stop == b.stop for a, b in zip(index, where)):
+            return data
     out = np.empty(tuple(s.stop - s.start for s in index), dtype)
     covered = 0
     for where, data in blocks:
