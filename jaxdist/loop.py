@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist import checkpoint, data, metrics, train, weights
+from jaxdist import checkpoint, data, metrics, train, weights, workdir_lock
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
 from jaxdist.errors import ConfigError, NonFiniteError
@@ -514,6 +514,7 @@ class _Setup:
     ckpt: checkpoint.Checkpointer
     cfg_json: dict[str, Any]
     preemption: _Preemption
+    lock: workdir_lock.WorkdirLock  # held by process 0 until `run` returns or raises
 
 
 def _build(config, workdir: str, checks) -> _Setup:
@@ -537,16 +538,23 @@ def _build(config, workdir: str, checks) -> _Setup:
         shardings=engine.batch_shardings,
     )
     os.makedirs(workdir, exist_ok=True)
+    lock = workdir_lock.acquire(workdir)  # before the first write into the workdir
+    if lock.note:
+        print(f"note: {lock.note}", file=sys.stderr, flush=True)
     cfg_json = config_lib.to_json_dict(config)
     preemption = _Preemption()
-    ckpt = checkpoint.Checkpointer(
-        os.path.join(workdir, "checkpoints"),
-        every=config.checkpoint.every,
-        keep=config.checkpoint.keep,
-        config_json=cfg_json,
-        stop_requested=preemption.stop_requested,
-    )
-    return _Setup(engine, batches, ckpt, cfg_json, preemption)
+    try:
+        ckpt = checkpoint.Checkpointer(
+            os.path.join(workdir, "checkpoints"),
+            every=config.checkpoint.every,
+            keep=config.checkpoint.keep,
+            config_json=cfg_json,
+            stop_requested=preemption.stop_requested,
+        )
+    except BaseException:
+        lock.release()
+        raise
+    return _Setup(engine, batches, ckpt, cfg_json, preemption, lock)
 
 
 def run(
@@ -583,8 +591,11 @@ def run(
             return {}
         return _train(config, workdir, setup, state, start, layout_extras)
     finally:
-        ckpt.wait()
-        ckpt.close()
+        try:
+            ckpt.wait()
+            ckpt.close()
+        finally:
+            setup.lock.release()
 
 
 def _train(config, workdir, setup: _Setup, state, start: int, layout_extras) -> dict[str, float]:

@@ -24,9 +24,13 @@ import jax
 import ml_collections
 import numpy as np
 
+import models
 from jaxdist import checkpoint as ckpt
-from jaxdist import hf
+from jaxdist import hf, sharding
+from jaxdist import mesh as mesh_lib
+from jaxdist.config import base_config, to_json_dict
 from jaxdist.errors import ConfigError
+from models import api
 
 ONE_DEVICE = {"data": 1, "fsdp": 1, "tensor": 1, "pipeline": 1}
 
@@ -67,7 +71,6 @@ class Source:
 def config_from_json(saved: dict[str, Any]) -> ml_collections.ConfigDict:
     """A saved config (`config.json`, a checkpoint's metadata) over today's defaults: fields added
     since it was saved keep their defaults, fields since removed are ignored."""
-    from jaxdist.config import base_config
 
     def merge(node: ml_collections.ConfigDict, values: dict[str, Any]) -> None:
         for key, value in values.items():
@@ -89,9 +92,6 @@ def config_from_json(saved: dict[str, Any]) -> ml_collections.ConfigDict:
 
 def config_for_hf(hf_dir: str) -> ml_collections.ConfigDict:
     """jaxdist's defaults with `model` from `HF_DIR/config.json`, checked for one device."""
-    import models
-    from jaxdist.config import base_config
-
     where = os.path.join(hf_dir, "config.json")
     m = hf.model_config_from_hf(hf.read_hf_config(hf_dir), where)
     try:
@@ -164,11 +164,6 @@ def load_onto_mesh(src: Source, data_ds: Any, *, data: int, tensor: int):
 
     `data_ds` is the dataset the family is built for (None when it needs none, as generation).
     """
-    import models
-    from jaxdist import mesh as mesh_lib
-    from jaxdist import sharding
-    from models import api
-
     m = src.config.model
     family = models.get(m.name)
     mesh_cfg = {"data": data, "tensor": tensor, "fsdp": 1, "pipeline": 1}
@@ -232,8 +227,6 @@ def _copy_tokenizer_files(src: Source, dst: str) -> list[str]:
 def import_hf(hf_dir: str, out_dir: str) -> dict[str, Any]:
     """A Hugging Face Llama folder → a jaxdist run folder `out_dir` (config.json, checkpoints/0,
     tokenizer files). Returns a summary: parameters, bytes, tokenizer files copied."""
-    from jaxdist.config import to_json_dict
-
     src = resolve(hf_dir)
     _need(src.kind == "hf", f"{hf_dir} is a jaxdist run, not a Hugging Face folder")
     params: dict[str, Any] = {}

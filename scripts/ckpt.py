@@ -1,11 +1,12 @@
 """Inspect, export and verify jaxdist checkpoints, without the model, the mesh or an accelerator.
 
     python scripts/ckpt.py inspect runs/default/checkpoints [--step S]
-    python scripts/ckpt.py export runs/default/checkpoints --out params.npz [--step S]
+    python scripts/ckpt.py export runs/default/checkpoints --out params.npz [--step S] [--force]
     python scripts/ckpt.py verify runs/default/checkpoints [--step S]
     python scripts/ckpt.py bench configs/gpt_small.py [--repeats N] [--dir D]
 
-`export` writes `.safetensors` instead when --out ends so. `bench` times saving a config's freshly
+`export` writes `.safetensors` instead when --out ends so; it refuses an existing --out unless
+--force, and refuses a step whose CRC-32 checksums do not match (nothing is written). `bench` times saving a config's freshly
 initialised train state (params and optimizer state) on one device: the blocking part (until
 `save` returns), the total (until the step is committed) and the size on disk. Exit codes: 0 fine;
 1 verify found a problem, or a checkpoint could not be read; 2 bad arguments, missing directory,
@@ -57,7 +58,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    arrays = ckpt.export_params(args.dir, args.out, args.step)
+    arrays = ckpt.export_params(args.dir, args.out, args.step, force=args.force)
     total = sum(a.nbytes for a in arrays.values())
     print(f"wrote {args.out}: {len(arrays)} parameter arrays, {total} bytes ({human_bytes(total)})")
     return 0
@@ -66,6 +67,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     silence_orphaned_reads()  # the read failures themselves are reported by verify
     report = ckpt.verify_checkpoint(args.dir, args.step)
+    for note in report.notes:  # e.g. a step removed by a trainer's retention while it was read
+        print(f"note: {note}", file=sys.stderr)
     if report.problems:
         shown = "; ".join(report.problems[:5])
         more = f"; and {len(report.problems) - 5} more" if len(report.problems) > 5 else ""
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--step", type=int, default=None, help="step to use (default: the latest)")
         if name == "export":
             p.add_argument("--out", required=True, help="a file ending in .npz or .safetensors")
+            p.add_argument("--force", action="store_true", help="overwrite an existing --out")
         p.set_defaults(fn=fn)
     bench = sub.add_parser("bench", help="time saving a config's initial train state on 1 device")
     bench.add_argument("config", help="an ml_collections config file, e.g. configs/gpt_small.py")

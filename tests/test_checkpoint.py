@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import checkpoint
+from jaxdist.checkpoint import offline
 from jaxdist.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -269,8 +270,8 @@ def test_every_step_unreadable_raises_instead_of_starting_over(ckpt_dir, states)
 @pytest.mark.filterwarnings("ignore:Sharding info not provided")  # plain orbax reads the saved one
 def test_plain_orbax_reads_the_saved_params(pristine, states):
     restored = ocp.PyTreeCheckpointer().restore(pristine / "4" / "state")
-    for path, want in checkpoint._flatten(states[4]["params"]).items():
-        got = checkpoint._flatten(restored["params"])[path]
+    for path, want in checkpoint.flatten(states[4]["params"]).items():
+        got = checkpoint.flatten(restored["params"])[path]
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -328,13 +329,13 @@ def test_per_replica_state_mismatch_says_which_setting_and_replica_count():
     saved = {"params/w": f32(4, 3), "grad_sync/residual/w": f32(8, 4, 3)}
     expected = {"params/w": f32(4, 3), "grad_sync/residual/w": f32(4, 4, 3)}
     with pytest.raises(ConfigError, match="state of 8 data-parallel replicas: resume with 8"):
-        checkpoint._check_matches(saved, expected, "ckpt")
+        checkpoint.check_matches(saved, expected, "ckpt")
     with pytest.raises(ConfigError, match="keep the saved grad_sync.compression"):
-        checkpoint._check_matches(saved, {"params/w": f32(4, 3)}, "ckpt")
+        checkpoint.check_matches(saved, {"params/w": f32(4, 3)}, "ckpt")
     with pytest.raises(ConfigError, match="keep the saved grad_sync.local_steps"):
-        checkpoint._check_matches(saved, {**saved, "local/params/w": f32(8, 4, 3)}, "ckpt")
+        checkpoint.check_matches(saved, {**saved, "local/params/w": f32(8, 4, 3)}, "ckpt")
     with pytest.raises(ConfigError, match="a different model"):
-        checkpoint._check_matches(saved, {**saved, "params/b": f32(3)}, "ckpt")
+        checkpoint.check_matches(saved, {**saved, "params/b": f32(3)}, "ckpt")
 
 
 def test_check_config_compatible_names_the_first_differing_field():
@@ -386,7 +387,7 @@ def test_tool_inspect_lists_paths_shapes_and_config(pristine):
 
 
 def test_tool_export_npz_and_safetensors_match_the_params(pristine, states, tmp_path):
-    want = {k: np.asarray(v) for k, v in checkpoint._flatten(states[2]["params"]).items()}
+    want = {k: np.asarray(v) for k, v in checkpoint.flatten(states[2]["params"]).items()}
     out = _tool("export", pristine, "--out", tmp_path / "p.npz", "--step", "2")
     assert out.returncode == 0, out.stderr
     with np.load(tmp_path / "p.npz", allow_pickle=False) as npz:
@@ -569,9 +570,10 @@ def _flip_a_bit_that_still_decodes(ckpt_dir: Path, step: int) -> str:
 
     The chunks are zstd-compressed, so most flips break decoding (which restore always caught);
     the search, over fixed positions of a deterministic file, finds one that decodes to different
-    numbers: the silent kind. Returns the path of the array it changed.
+    numbers: the silent kind. Returns the path of the array it changed. Reads without the CRC
+    check (`read_arrays` itself refuses such a step).
     """
-    before = checkpoint.read_arrays(ckpt_dir, step)
+    before = offline.read_arrays_unchecked(ckpt_dir, step)
     data_file = _largest_data_file(ckpt_dir / str(step))
     original = data_file.read_bytes()
     for at in range(len(original) // 3, len(original), 7):
@@ -579,7 +581,7 @@ def _flip_a_bit_that_still_decodes(ckpt_dir: Path, step: int) -> str:
         raw[at] ^= 0x10
         data_file.write_bytes(bytes(raw))
         try:
-            after = checkpoint.read_arrays(ckpt_dir, step)
+            after = offline.read_arrays_unchecked(ckpt_dir, step)
         except Exception:
             continue
         changed = [p for p in before if not np.array_equal(before[p], after[p], equal_nan=True)]

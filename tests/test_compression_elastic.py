@@ -27,7 +27,7 @@ def _config(data, compression, **fields):
 def _owed(state):
     """Per parameter leaf: what the compressor's error feedback owes the mean gradient, [*shape]."""
     gs = state["grad_sync"]
-    flat = checkpoint._flatten(gs)
+    flat = checkpoint.flatten(gs)
     out = {}
     for path, x in flat.items():
         x = np.asarray(x, np.float64)

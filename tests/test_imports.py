@@ -175,7 +175,17 @@ LAYERS = (
         "jaxdist.compression",
         "jaxdist.allreduce",
         "jaxdist.optim",
-        "jaxdist.checkpoint",
+        "jaxdist.checkpoint",  # the package: its modules below
+        "jaxdist.checkpoint.manager",
+        "jaxdist.checkpoint.offline",
+        "jaxdist.checkpoint.restore",
+        "jaxdist.checkpoint.compat",
+        "jaxdist.checkpoint.integrity",
+        "jaxdist.checkpoint.layout",
+        "jaxdist.checkpoint.trees",
+        "jaxdist.checkpoint.processes",
+        "jaxdist.checkpoint.write_errors",
+        "jaxdist.workdir_lock",  # one training run per --workdir
         "jaxdist.orbax_reads",
         "jaxdist.data",
         "jaxdist.metrics",
@@ -332,3 +342,17 @@ def test_no_private_names_across_library_modules():
         for target, attr in _private_uses(name, path, known)
     )
     assert not bad, bad
+
+
+def test_weights_has_no_function_local_project_imports():
+    """`jaxdist/weights.py` imports the project at module level only (issue 29)."""
+    tree = ast.parse((ROOT / "jaxdist" / "weights.py").read_text())
+    top = set(map(id, tree.body))
+    local = [
+        ast.unparse(n)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        and id(n) not in top
+        and any((getattr(n, "module", None) or a.name).split(".")[0] in PACKAGES for a in n.names)
+    ]
+    assert not local, local
