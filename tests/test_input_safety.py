@@ -131,3 +131,120 @@ def test_a_free_port_is_not_reported_busy():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     assert not distributed.port_in_use(port)
+
+
+# ------------------------------------------------------------------------------------------------
+# Item 7: every token of every token file is below model.vocab_size, checked before compiling.
+
+
+def _tokens(path: Path, n: int, bad_at: int | None = None, bad: int = 300) -> None:
+    ids = (np.arange(n) % 200).astype(np.uint16)
+    if bad_at is not None:
+        ids[bad_at] = bad
+    ids.tofile(path)
+
+
+@pytest.mark.parametrize(
+    "case, bad_file, offset",
+    [
+        ("past the first 2^20 train tokens", "train.bin", (1 << 20) + 12_345),
+        ("in val.bin", "val.bin", 777),
+    ],
+)
+def test_out_of_vocabulary_token_is_one_line_naming_file_offset_id(
+    tmp_path, case, bad_file, offset
+):
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    sizes = {"train.bin": (1 << 20) + 50_000, "val.bin": 5_000}
+    for name, n in sizes.items():
+        _tokens(folder / name, n, offset if name == bad_file else None)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = run(
+        "train.py",
+        f"--config={DEFAULT}",
+        *TINY,
+        f"--workdir={work / 'run'}",
+        f"--config.data.source={folder}",
+        cwd=work,
+    )
+    line = one_line(proc)
+    assert line == (
+        f"error: data.source='{folder}': {folder / bad_file} has token id 300 at token offset "
+        f"{offset} (byte {2 * offset}); model.vocab_size=256 must exceed it"
+    ), line
+    assert listing(work) == []
+
+
+def test_token_check_reads_every_chunk_and_remembers_each_file(tmp_path, monkeypatch):
+    from jaxdist import data
+    from jaxdist.errors import ConfigError
+
+    monkeypatch.setattr(data, "_TOKEN_CHUNK", 1000)
+    path = tmp_path / "t.bin"
+    _tokens(path, 10_500, bad_at=10_321, bad=4000)
+    with pytest.raises(
+        ConfigError, match=r"has token id 4000 at token offset 10321 \(byte 20642\)"
+    ):
+        data._check_token_ids("x", str(path), np.dtype(np.uint16), 1024)
+    assert data.token_max(str(path), np.dtype(np.uint16)) == 4000
+    # Same path, size and mtime: the remembered maximum, without reading the file again.
+    reads = []
+    monkeypatch.setattr(data.np, "memmap", lambda *a, **k: reads.append(a) or np.zeros(0))
+    assert data.token_max(str(path), np.dtype(np.uint16)) == 4000 and reads == []
+    monkeypatch.undo()
+    _tokens(path, 10_500)  # rewritten: a new mtime, scanned again
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert data.token_max(str(path), np.dtype(np.uint16)) == 199
+
+
+# ------------------------------------------------------------------------------------------------
+# Item 9: degenerate data.
+
+
+def _degenerate(root: Path) -> None:
+    np.array([5], np.uint16).tofile(root / "one.bin")
+    np.savez(root / "strings.npz", images=np.array(["a", "b", "c"]), labels=np.arange(3))
+    np.savez(root / "zero_d.npz", images=np.array(3.0), labels=np.array(1))
+    np.savez(root / "str_labels.npz", images=np.zeros((4, 2, 2)), labels=np.array(list("wxyz")))
+    np.savez(root / "few_labels.npz", images=np.zeros((4, 2, 2)), labels=np.arange(3))
+    np.savez(root / "neg_labels.npz", images=np.zeros((4, 2, 2)), labels=np.array([0, 1, -1, 2]))
+    np.savez(root / "one_image.npz", images=np.zeros((1, 2, 2)), labels=np.array([0]))
+    (root / "not_zip.npz").write_bytes(b"PK\x03\x04 not really a zip")
+
+
+DEGENERATE = {
+    "one.bin": "the train split has 0 tokens, fewer than model.seq_len+1=65",
+    "strings.npz": "'images' is <U1 of shape [3]; expected numbers of shape [N, H, W]",
+    "zero_d.npz": "'images' is float64 of shape []; expected numbers of shape [N, H, W]",
+    "str_labels.npz": "'labels' is <U1 of shape [4]; expected integers of shape [N]",
+    "few_labels.npz": "4 images and 3 labels; expected as many of each",
+    "neg_labels.npz": "labels range over -1..2; class ids are 0..N-1",
+    "one_image.npz": "1 images and 1 labels; expected as many of each, at least 2",
+    "not_zip.npz": "not a readable .npz",
+}
+
+
+@pytest.fixture(scope="module")
+def degenerate(tmp_path_factory):
+    root = tmp_path_factory.mktemp("degenerate")
+    _degenerate(root)
+    return root
+
+
+@pytest.mark.parametrize("name", list(DEGENERATE))
+def test_degenerate_data_is_one_line(degenerate, tmp_path, name):
+    config = ROOT / "configs" / ("mlp.py" if name.endswith(".npz") else "default.py")
+    proc = run(
+        "train.py",
+        f"--config={config}",
+        "--config.train.steps=1",
+        f"--workdir={tmp_path / 'run'}",
+        f"--config.data.source={degenerate / name}",
+        cwd=tmp_path,
+    )
+    line = one_line(proc)
+    assert line.startswith(f"error: data.source='{degenerate / name}'"), line
+    assert DEGENERATE[name] in line, line
+    assert listing(tmp_path) == []
