@@ -186,8 +186,13 @@ def _token_index(folder: str, vocab_size: int) -> dict | None:
             index = json.load(f)
         dtype = np.dtype(index["dtype"])
         counts = {k: int(v) for k, v in index["tokens"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"{path}: malformed token index ({type(e).__name__}: {e})") from None
+        index_vocab = int(index.get("vocab_size", 0))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        why = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(f"{path}: malformed token index ({type(e).__name__}: {why})") from None
+    for split in counts:
+        if split not in ("train", "val"):
+            raise ConfigError(f"{path}: tokens of split {split!r}; the splits are train and val")
     if dtype not in (np.uint16, np.uint32):
         raise ConfigError(f"{path}: dtype={index['dtype']!r}; token shards are uint16 or uint32")
     for split, count in counts.items():
@@ -198,7 +203,7 @@ def _token_index(folder: str, vocab_size: int) -> dict | None:
                 f"{shard}: {size} bytes, but {path} says {count} {dtype.name} tokens "
                 f"({count * dtype.itemsize} bytes); re-run scripts/tokenize.py"
             )
-    if int(index.get("vocab_size", 0)) > vocab_size:
+    if index_vocab > vocab_size:
         raise ConfigError(
             f"{path}: the tokenizer has {index['vocab_size']} tokens, more than "
             f"model.vocab_size={vocab_size}"

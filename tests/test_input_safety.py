@@ -212,6 +212,14 @@ def _degenerate(root: Path) -> None:
     np.savez(root / "neg_labels.npz", images=np.zeros((4, 2, 2)), labels=np.array([0, 1, -1, 2]))
     np.savez(root / "one_image.npz", images=np.zeros((1, 2, 2)), labels=np.array([0]))
     (root / "not_zip.npz").write_bytes(b"PK\x03\x04 not really a zip")
+    for name, index in {
+        "index_vocab_text": '{"dtype": "uint16", "tokens": {"train": 4000}, "vocab_size": "abc"}',
+        "index_split_outside": '{"dtype": "uint16", "tokens": {"../../etc/x": 1}}',
+        "index_count_5000_digits": '{"dtype": "uint16", "tokens": {"train": ' + "9" * 5000 + "}}",
+    }.items():
+        (root / name).mkdir()
+        _tokens(root / name / "train.bin", 4000)
+        (root / name / "index.json").write_text(index)
 
 
 DEGENERATE = {
@@ -223,6 +231,9 @@ DEGENERATE = {
     "neg_labels.npz": "labels range over -1..2; class ids are 0..N-1",
     "one_image.npz": "1 images and 1 labels; expected as many of each, at least 2",
     "not_zip.npz": "not a readable .npz",
+    "index_vocab_text": "index.json: malformed token index (ValueError: invalid literal for int()",
+    "index_split_outside": "index.json: tokens of split '../../etc/x'; the splits are train and val",
+    "index_count_5000_digits": "index.json: malformed token index (ValueError: ",
 }
 
 
@@ -245,7 +256,10 @@ def test_degenerate_data_is_one_line(degenerate, tmp_path, name):
         cwd=tmp_path,
     )
     line = one_line(proc)
-    assert line.startswith(f"error: data.source='{degenerate / name}'"), line
+    if name.startswith("index_"):  # the token index is named by its own path
+        assert line.startswith(f"error: {degenerate / name / 'index.json'}: "), line
+    else:
+        assert line.startswith(f"error: data.source='{degenerate / name}'"), line
     assert DEGENERATE[name] in line, line
     assert listing(tmp_path) == []
 
