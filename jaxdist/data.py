@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sysconfig
+import zipfile
 from dataclasses import dataclass, field
 
 import jax
@@ -129,6 +130,43 @@ def _check_token_file(src: str, path: str, dtype: np.dtype) -> None:
         raise ConfigError(f"{what} is empty; it should hold {name} tokens")
 
 
+_TOKEN_CHUNK = 1 << 24  # tokens per step of the scan: 32-64 MiB of the memory map at a time
+_max_ids: dict[tuple[str, int, int], int] = {}  # (path, size, mtime_ns) -> its largest token id
+
+
+def token_max(path: str, dtype: np.dtype) -> int:
+    """The largest token id in the token file `path`, read in chunks through a memory map.
+
+    Remembered for the process by (path, size, modification time), so a file read again (the
+    trainer, then eval) is scanned once. -1 for an empty file.
+    """
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key not in _max_ids:
+        tokens = np.memmap(path, dtype=dtype, mode="r") if st.st_size else np.empty(0, dtype)
+        top = -1
+        for start in range(0, len(tokens), _TOKEN_CHUNK):
+            top = max(top, int(tokens[start : start + _TOKEN_CHUNK].max()))
+        _max_ids[key] = top
+    return _max_ids[key]
+
+
+def _check_token_ids(src: str, path: str, dtype: np.dtype, vocab_size: int) -> None:
+    """ConfigError naming the file, the offset and the id of the first token >= `vocab_size`."""
+    if token_max(path, dtype) < vocab_size:
+        return
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    for start in range(0, len(tokens), _TOKEN_CHUNK):
+        bad = np.flatnonzero(tokens[start : start + _TOKEN_CHUNK] >= vocab_size)
+        if bad.size:
+            offset = start + int(bad[0])
+            raise ConfigError(
+                f"data.source={src!r}: {path} has token id {int(tokens[offset])} at token offset "
+                f"{offset} (byte {offset * dtype.itemsize}); model.vocab_size={vocab_size} must "
+                "exceed it"
+            )
+
+
 TOKEN_INDEX = "index.json"  # scripts/tokenize.py's description of train.bin / val.bin
 
 
@@ -148,8 +186,13 @@ def _token_index(folder: str, vocab_size: int) -> dict | None:
             index = json.load(f)
         dtype = np.dtype(index["dtype"])
         counts = {k: int(v) for k, v in index["tokens"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"{path}: malformed token index ({type(e).__name__}: {e})") from None
+        index_vocab = int(index.get("vocab_size", 0))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        why = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(f"{path}: malformed token index ({type(e).__name__}: {why})") from None
+    for split in counts:
+        if split not in ("train", "val"):
+            raise ConfigError(f"{path}: tokens of split {split!r}; the splits are train and val")
     if dtype not in (np.uint16, np.uint32):
         raise ConfigError(f"{path}: dtype={index['dtype']!r}; token shards are uint16 or uint32")
     for split, count in counts.items():
@@ -160,12 +203,38 @@ def _token_index(folder: str, vocab_size: int) -> dict | None:
                 f"{shard}: {size} bytes, but {path} says {count} {dtype.name} tokens "
                 f"({count * dtype.itemsize} bytes); re-run scripts/tokenize.py"
             )
-    if int(index.get("vocab_size", 0)) > vocab_size:
+    if index_vocab > vocab_size:
         raise ConfigError(
             f"{path}: the tokenizer has {index['vocab_size']} tokens, more than "
             f"model.vocab_size={vocab_size}"
         )
     return {**index, "dtype": dtype}
+
+
+def _checked_images(src: str, images: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """ConfigError unless an .npz holds numeric `images` [N, ...] and integer `labels` [N] >= 0
+    (N >= 2: one example for each split); returns the labels as int32."""
+    what = f"data.source={src!r}"
+    if images.ndim < 2 or not (np.issubdtype(images.dtype, np.number) or images.dtype == np.bool_):
+        raise ConfigError(
+            f"{what}: 'images' is {images.dtype} of shape {list(images.shape)}; expected numbers "
+            "of shape [N, H, W] or [N, H, W, C]"
+        )
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise ConfigError(
+            f"{what}: 'labels' is {labels.dtype} of shape {list(labels.shape)}; expected integers "
+            f"of shape [N] (N = {len(images)} images)"
+        )
+    if len(labels) != len(images) or len(images) < 2:
+        raise ConfigError(
+            f"{what}: {len(images)} images and {len(labels)} labels; expected as many of each, "
+            "at least 2 (one for validation)"
+        )
+    if labels.min() < 0 or labels.max() >= 2**31:
+        raise ConfigError(
+            f"{what}: labels range over {labels.min()}..{labels.max()}; class ids are 0..N-1"
+        )
+    return labels.astype(np.int32)
 
 
 def _split(x: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -227,9 +296,10 @@ def _load_one(src: str, data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
                     raise ConfigError(
                         f"data.source={src!r}: an .npz needs arrays 'images' and 'labels', has {sorted(f.files)}"
                     )
-                images, labels = f["images"], f["labels"].astype(np.int32)
-        except (OSError, ValueError) as e:
+                images, labels = f["images"], f["labels"]
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
             raise ConfigError(f"data.source={src!r}: not a readable .npz ({e})") from None
+        labels = _checked_images(src, images, labels)
         if images.dtype == np.uint8:
             images = images.astype(np.float32) / 255.0
         tr, va = _split(images.astype(np.float32), vf)
@@ -242,16 +312,21 @@ def _load_one(src: str, data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
         _check_token_file(src, bin_train, dtype)
         tokens = np.memmap(bin_train, dtype=dtype, mode="r")
         val_path = os.path.join(os.path.dirname(bin_train), "val.bin")
+        files = [bin_train]
         if os.path.isfile(val_path) and val_path != bin_train:
             _check_token_file(src, val_path, dtype)
             train, val = tokens, np.memmap(val_path, dtype=dtype, mode="r")
+            files.append(val_path)
         else:
             train, val = _split(tokens, vf)
-        top = int(np.max(train[: 1 << 20]))
-        if top >= vocab_size:
-            raise ConfigError(
-                f"data.source={src!r} has token id {top}; model.vocab_size={vocab_size} must exceed it"
-            )
+        for path in files:  # every token, not a sample: one bad id turns the loss into NaN
+            _check_token_ids(src, path, dtype, vocab_size)
+        for name, arr in (("train", train), ("validation", val)):
+            if len(arr) <= seq_len + 1:
+                raise ConfigError(
+                    f"data.source={src!r}: the {name} split has {len(arr)} tokens, fewer than "
+                    f"model.seq_len+1={seq_len + 1}"
+                )
         return Dataset("tokens", train, val, vocab_size=vocab_size)
     tokens = _read_text_files(src, data_cfg.max_bytes, None)
     train, val = _split(tokens, vf)

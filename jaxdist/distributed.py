@@ -48,10 +48,12 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import errno
 import inspect
 import logging
 import os
 import re
+import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -628,9 +630,52 @@ def initialize(
         return spec
 
 
+def port_in_use(port: int) -> bool:
+    """True when a TCP listener on this host holds `port` on some address.
+
+    JAX's coordination service binds `[::]:port` (every address, IPv4 included) on process 0, and
+    a port already held there ends the process with a segfault instead of an exception; a test
+    bind of the same address first turns that into a one-line error. SO_REUSEADDR keeps a port
+    whose last connection lingers in TIME_WAIT usable, as it is for the service itself.
+    """
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 on this host: the IPv4 probe decides
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            try:
+                probe.bind((address, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return True
+                continue
+            return False
+    return False
+
+
+def _coordinator_port(address: str) -> int | None:
+    """The port of a `host:port` or `[v6]:port` address; None when it has none."""
+    tail = address.rsplit("]", 1)[-1] if address.startswith("[") else address
+    _, sep, port = tail.rpartition(":")
+    return int(port) if sep and port.isdigit() else None
+
+
 def _join(spec: ClusterSpec, timeout_s: float, heartbeat_s: float | None) -> ConfigError | None:
     """Calls `jax.distributed.initialize` with a catchable deadline; the error, or None if joined."""
     import jax
+
+    port = _coordinator_port(spec.coordinator_address or "")
+    if spec.process_id == 0 and port is not None and port_in_use(port):
+        return ConfigError(
+            f"coordinator port {port} ({spec.coordinator_address}, from {spec.source}) is already "
+            f"in use on this host, where process 0 serves the job's coordinator: stop what holds "
+            f"it, or pick another port ({ENV_COORDINATOR_PORT}=N, {ENV_COORDINATOR}=host:N, or "
+            "scripts/launch.py --coordinator_port=0 for a free one)"
+        )
 
     if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
         try:
@@ -768,6 +813,7 @@ __all__ = [
     "initialize",
     "is_main_process",
     "log_prefix",
+    "port_in_use",
     "reached_preemption_point",
     "setup_logging",
 ]

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,18 +26,58 @@ from jaxdist.errors import ConfigError
 
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size
 INDEX_FILE = "model.safetensors.index.json"
-# Files copied along with the weights, so a run folder keeps the model's tokenizer.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-)
+# Files copied along with the weights, so a run folder keeps the model's tokenizer ...
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# ... and how transformers generates from it (not a tokenizer file: named apart).
+SIDE_FILES = (*TOKENIZER_FILES, "generation_config.json")
+# Config fields are bounded before anything is built from them: sizes by the tensors the
+# safetensors hold, the rest (positions, token ids) by int32, the type they are computed in.
+MAX_INT = 2**31 - 1
+SELF_CONTAINED = "a model folder is self-contained"
 
 
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def _hub_blobs(folder: str) -> str | None:
+    """`<cache>/models--org--name/blobs` when `folder` is a snapshot of the Hugging Face hub cache
+    (`.../snapshots/<revision>`, whose files link into `../../blobs`), else None."""
+    real = os.path.realpath(folder)
+    if os.path.basename(os.path.dirname(real)) != "snapshots":
+        return None
+    blobs = os.path.join(os.path.dirname(os.path.dirname(real)), "blobs")
+    return blobs if os.path.isdir(blobs) and not os.path.islink(blobs) else None
+
+
+def inside(folder: str, name: str, named_by: str = "") -> str:
+    """`folder/name`, refused in one line unless it lies in `folder`: `name` is a plain relative
+    path and the file, links followed, is in the folder (or, for a snapshot of the hub cache, one
+    of its `blobs`). A model folder is self-contained, so a link or an index entry cannot make an
+    import read, copy or later export a file from elsewhere.
+
+    Args:
+      folder: the model folder.
+      name: a file name in it (from a fixed list, a glob, or an index's weight_map).
+      named_by: the file that named `name` (an index), for the message.
+    """
+    path = os.path.join(folder, name)
+    by = f"{named_by} names {name!r}, which" if named_by else path
+    parts = name.replace("\\", "/").split("/")
+    _need(
+        bool(name) and not os.path.isabs(name) and ".." not in parts,
+        f"{by} is outside {folder}; {SELF_CONTAINED}",
+    )
+    real, base = os.path.realpath(path), os.path.realpath(folder)
+    if os.path.commonpath([real, base]) == base:
+        return path
+    blobs = _hub_blobs(folder)
+    _need(
+        blobs is not None and os.path.dirname(real) == blobs,
+        f"{by} links to {real}, outside {folder}; {SELF_CONTAINED} (copy the file in instead)",
+    )
+    return path
 
 
 # ------------------------------------------------------------------------------------------------
@@ -47,6 +89,7 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
     path = os.path.join(hf_dir, "config.json")
     _need(os.path.isdir(hf_dir), f"{hf_dir}: no such directory")
     _need(os.path.isfile(path), f"{path}: no such file (a Hugging Face model folder has one)")
+    inside(hf_dir, "config.json")
     try:
         with open(path) as f:
             cfg = json.load(f)
@@ -54,6 +97,12 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: unreadable ({e})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except ValueError as e:  # Python's limit on the digits of an integer it converts
+        limit = sys.get_int_max_str_digits()
+        why = f"an integer of more than {limit} digits" if "digits" in str(e) else str(e)
+        raise ConfigError(f"{path}: not valid JSON ({why.splitlines()[0]})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
     _need(isinstance(cfg, dict), f"{path}: expected a JSON object, got {type(cfg).__name__}")
     return cfg
 
@@ -81,7 +130,35 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ml_collections
     m = base_config().model
     m.name = family.name
     family.hf.config_from_hf(hf, m, where)
+    _check_bounds(m, where)
     return m
+
+
+def _check_bounds(node, where: str, prefix: str = "model") -> None:
+    """Every integer of config.model within int32 and every number finite: what JSON allows
+    beyond that (a 100-digit integer, 1e999 read as infinity) is refused before use."""
+    for key, value in node.items():
+        field = f"{prefix}.{key}"
+        if isinstance(value, ml_collections.ConfigDict):
+            _check_bounds(value, where, field)
+        elif isinstance(value, bool):
+            continue
+        elif isinstance(value, int):
+            _need(
+                -MAX_INT <= value <= MAX_INT,
+                f"{where}: {field}={_short(value)} is out of range (at most {MAX_INT})",
+            )
+        elif isinstance(value, float):
+            _need(math.isfinite(value), f"{where}: {field}={value} must be a finite number")
+
+
+def _short(value: int) -> str:
+    """An integer for a one-line message: a huge one by its first digits and its length."""
+    digits = str(abs(value)) if value.bit_length() < 20_000 else ""
+    if digits and len(digits) <= 30:
+        return str(value)
+    n = len(digits) if digits else int(value.bit_length() * math.log10(2)) + 1
+    return f"{'-' if value < 0 else ''}{digits[:8] or '?'}... ({n} digits)"
 
 
 def _format(m) -> Any:
@@ -129,20 +206,32 @@ class Weights:
         self._open = safe_open
         index = os.path.join(hf_dir, INDEX_FILE)
         single = os.path.join(hf_dir, "model.safetensors")
+        # Every file's header (names, shapes) is read up front: config.json is checked against
+        # what the files hold before anything is read or built (`check_against_headers`).
+        self._headers: dict[str, dict[str, tuple[int, ...]]] = {}
         if os.path.isfile(index):
+            inside(hf_dir, INDEX_FILE)
             try:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]
                 _need(isinstance(weight_map, dict), "weight_map is not an object")
-            except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
+                _need(
+                    all(isinstance(v, str) for v in weight_map.values()),
+                    "weight_map values must be file names",
+                )
+            except (OSError, ValueError, KeyError, TypeError, RecursionError, ConfigError) as e:
                 raise ConfigError(f"{index}: malformed index ({e})") from None
             files = sorted(set(weight_map.values()))
             for name in files:
-                _need(
-                    os.path.isfile(os.path.join(hf_dir, name)),
-                    f"{index} names {name}, which is missing from {hf_dir}",
-                )
+                path = inside(hf_dir, name, named_by=index)
+                _need(os.path.isfile(path), f"{index} names {name}, which is missing from {hf_dir}")
+                self._header(path)
             self.file_of = {k: os.path.join(hf_dir, v) for k, v in weight_map.items()}
+            for k, path in self.file_of.items():
+                _need(
+                    k in self._header(path),
+                    f"{index} puts {k} in {os.path.basename(path)}, which does not hold it",
+                )
         else:
             files = (
                 [single] if os.path.isfile(single) else sorted(glob.glob(f"{hf_dir}/*.safetensors"))
@@ -154,16 +243,20 @@ class Weights:
             )
             self.file_of = {}
             for path in files:
-                for name in self._keys(path):
+                inside(hf_dir, os.path.basename(path))
+                for name in self._header(path):
                     self.file_of[name] = path
-        self._shapes: dict[str, tuple[int, ...]] = {}
+        self.shape_of = {k: self._header(path)[k] for k, path in self.file_of.items()}
 
-    def _keys(self, path: str) -> list[str]:
-        try:
-            with self._open(path, framework="numpy") as f:
-                return list(f.keys())
-        except Exception as e:  # safetensors raises its own error type for a corrupt header
-            raise ConfigError(f"{path}: not a readable safetensors file ({e})") from None
+    def _header(self, path: str) -> dict[str, tuple[int, ...]]:
+        """{tensor name: shape} of one file, from its header alone (no tensor data is read)."""
+        if path not in self._headers:
+            try:
+                with self._open(path, framework="numpy") as f:
+                    self._headers[path] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            except Exception as e:  # safetensors raises its own error type for a corrupt header
+                raise ConfigError(f"{path}: not a readable safetensors file ({e})") from None
+        return self._headers[path]
 
     def names(self) -> list[str]:
         return list(self.file_of)
@@ -175,6 +268,39 @@ class Weights:
                 return f.get_tensor(name)
         except Exception as e:
             raise ConfigError(f"{path}: tensor {name} unreadable ({e})") from None
+
+
+def check_against_headers(weights: Weights, m, where: str) -> None:
+    """config.json against the tensors the safetensors hold, from their headers alone: the layer
+    count first (so an absurd one is refused before a name is listed per layer), then every
+    tensor's name and shape. Bounds every size field by the files, before anything is built.
+
+    Raises:
+      ConfigError: one line naming the layer count, the tensor or the shape that disagrees.
+    """
+    import re
+
+    layers: set[int] = set()
+    for t in tensor_map(m):
+        if t.stacked:
+            head, _, tail = t.hf_name.partition("{i}")
+            pattern = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))
+            layers.update(int(g[1]) for n in weights.names() if (g := pattern.fullmatch(n)))
+    _need(
+        m.num_layers <= len(layers),
+        f"{where}: {_short(m.num_layers)} layers ({m.name} model.num_layers), but the "
+        f"safetensors hold {len(layers)}; config.json must describe the weights next to it",
+    )
+    check_names(weights, m, where)
+    for t in tensor_map(m):
+        for i in range(m.num_layers) if t.stacked else [None]:
+            name = t.hf_name.format(i=i)
+            shape = weights.shape_of[name]
+            _need(
+                shape == tuple(t.hf_shape),
+                f"{weights.file_of[name]}: {name} has shape {list(shape)}, but config.json "
+                f"implies [{', '.join(_short(int(d)) for d in t.hf_shape)}]",
+            )
 
 
 def check_names(weights: Weights, m, where: str) -> None:
@@ -205,7 +331,7 @@ def read_params(
 ) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
     """(path, jaxdist array) for every parameter, one at a time; stacked ones gather their L
     layers. Shapes are checked against config.json before each is converted."""
-    check_names(weights, m, where)
+    check_against_headers(weights, m, where)
     for t in tensor_map(m):
         layers = range(m.num_layers) if t.stacked else [None]
         out = None

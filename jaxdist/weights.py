@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
+import secrets
 import shutil
 from typing import Any
 
@@ -61,10 +63,16 @@ class Source:
     folders: tuple[str, ...] = ()
 
     def file(self, name: str) -> str | None:
-        """`name` (e.g. tokenizer.json) in the first of `folders` that has it, else None."""
+        """`name` (e.g. tokenizer.json) in the first of `folders` that has it, else None.
+
+        Raises:
+          ConfigError: the file is a link to somewhere outside its folder (`hf.inside`).
+        """
         for folder in self.folders:
-            if os.path.isfile(os.path.join(folder, name)):
-                return os.path.join(folder, name)
+            if os.path.lexists(os.path.join(folder, name)):
+                path = hf.inside(folder, name)
+                if os.path.isfile(path):
+                    return path
         return None
 
 
@@ -94,6 +102,7 @@ def config_for_hf(hf_dir: str) -> ml_collections.ConfigDict:
     """jaxdist's defaults with `model` from `HF_DIR/config.json`, checked for one device."""
     where = os.path.join(hf_dir, "config.json")
     m = hf.model_config_from_hf(hf.read_hf_config(hf_dir), where)
+    hf.check_against_headers(hf.Weights(hf_dir), m, where)  # sizes bounded by the files
     try:
         models.check(m, ONE_DEVICE)
     except ConfigError as e:
@@ -202,26 +211,38 @@ def _staged(out_dir: str):
     )
     parent = os.path.dirname(out_dir)
     _need(os.path.isdir(parent), f"--out {out_dir}: the folder {parent} does not exist")
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    # Private to this call (two imports to one --out may run at once, on one host or several).
+    tmp = f"{out_dir}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    os.mkdir(tmp)
     try:
         yield tmp
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty, checked above
-        os.replace(tmp, out_dir)
+        try:
+            # Atomic, and onto an empty folder only: of two writers of one --out, the second is
+            # refused here and the first's folder is left whole.
+            os.rename(tmp, out_dir)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+            raise ConfigError(
+                f"--out {out_dir} was written by another process while this one ran (two "
+                "imports or exports to one folder?); this one wrote nothing"
+            ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _copy_tokenizer_files(src: Source, dst: str) -> list[str]:
-    copied = []
-    for name in hf.TOKENIZER_FILES:
-        path = src.file(name)
-        if path:
-            shutil.copyfile(path, os.path.join(dst, name))
-            copied.append(name)
-    return copied
+def _side_files(src: Source) -> dict[str, str]:
+    """{name: path} of the `hf.SIDE_FILES` (the tokenizer's, generation_config.json) `src` has,
+    each checked to lie in its folder before anything is read or written."""
+    found = {name: src.file(name) for name in hf.SIDE_FILES}
+    return {name: path for name, path in found.items() if path}
+
+
+def _copy_tokenizer_files(side: dict[str, str], dst: str) -> list[str]:
+    """Copies `side` (`_side_files`) into `dst`; returns the names copied."""
+    for name, path in side.items():
+        shutil.copyfile(path, os.path.join(dst, name))
+    return list(side)
 
 
 def import_hf(hf_dir: str, out_dir: str) -> dict[str, Any]:
@@ -229,6 +250,7 @@ def import_hf(hf_dir: str, out_dir: str) -> dict[str, Any]:
     tokenizer files). Returns a summary: parameters, bytes, tokenizer files copied."""
     src = resolve(hf_dir)
     _need(src.kind == "hf", f"{hf_dir} is a jaxdist run, not a Hugging Face folder")
+    side = _side_files(src)
     params: dict[str, Any] = {}
     for path, value in hf.read_params(hf.Weights(src.path), src.config.model, src.path):
         hf.set_path(params, path, value)
@@ -245,12 +267,13 @@ def import_hf(hf_dir: str, out_dir: str) -> dict[str, Any]:
         )
         with saver:
             saver.save(0, {"step": np.int32(0), "params": params}, data_position=0, force=True)
-        copied = _copy_tokenizer_files(src, tmp)
+        copied = _copy_tokenizer_files(side, tmp)
     leaves = jax.tree.leaves(params)
     return {
         "params": int(sum(a.size for a in leaves)),
         "bytes": int(sum(a.nbytes for a in leaves)),
-        "tokenizer_files": copied,
+        "tokenizer_files": [n for n in copied if n in hf.TOKENIZER_FILES],
+        "other_files": [n for n in copied if n not in hf.TOKENIZER_FILES],
         "config": src.config,
     }
 
@@ -275,10 +298,11 @@ def export_hf(
         m.name == "llama",
         f"model.name={m.name!r} in {src.checkpoints} has no Hugging Face form; hf.py exports llama",
     )
+    side = _side_files(src)
     params = host_params(src)
     with _staged(out_dir) as tmp:
         summary = hf.write_hf(params, m, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes)
-        summary["tokenizer_files"] = _copy_tokenizer_files(src, tmp)
+        summary["tokenizer_files"] = _copy_tokenizer_files(side, tmp)
     summary["step"] = src.step
     return summary
 

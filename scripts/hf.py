@@ -29,11 +29,17 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     s = weights.import_hf(args.hf_dir, args.out)
     m = s["config"].model
-    tok = ", ".join(s["tokenizer_files"]) or "none (byte-level prompts)"
+    tok = (
+        ", ".join(s["tokenizer_files"])
+        if "tokenizer.json" in s["tokenizer_files"]
+        else "none (no tokenizer.json: give sample.py --prompt_ids)"
+    )
+    also = f"; also copied: {', '.join(s['other_files'])}" if s["other_files"] else ""
     print(
         f"imported {args.hf_dir} → {args.out}: llama, {m.num_layers} layers, d_model {m.d_model}, "
         f"{m.num_heads} heads ({m.num_kv_heads} key/value), vocab {m.vocab_size}, "
         f"{s['params']:,} parameters ({human_bytes(s['bytes'])} float32); tokenizer files: {tok}"
+        f"{also}"
     )
     return 0
 

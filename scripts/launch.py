@@ -111,6 +111,14 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, command
 
 
+def _port_in_use(port: int) -> bool:
+    """jaxdist.distributed.port_in_use, the probe process 0 makes before serving the coordinator."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from jaxdist.distributed import port_in_use
+
+    return port_in_use(port)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -422,6 +430,13 @@ class Launcher:
 
 def main(argv: list[str] | None = None) -> int:
     args, command = _parse(sys.argv[1:] if argv is None else argv)
+    if args.coordinator_port and _port_in_use(args.coordinator_port):
+        print(
+            f"{NAME}: --coordinator_port={args.coordinator_port} is already in use on this host; "
+            "pick another, or 0 (the default) for a free one",
+            file=sys.stderr,
+        )
+        return 2
     # Progress files also let a failure be blamed on a process that had stalled before it.
     progress_dir = tempfile.mkdtemp(prefix="jaxdist-progress-")
     try:

@@ -112,8 +112,10 @@ def main(argv):
 
 
 def _start() -> None:
+    from jaxdist.config import parse_flags
+
     _define_flags(sys.argv)
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
 
 
 def entry():
