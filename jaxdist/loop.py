@@ -203,15 +203,26 @@ def _terminal_width() -> int:
         return 0
 
 
-def outputs_lines(workdir: str, ckpt_dir: str, steps: list[int]) -> list[str]:
-    """Where a run's outputs are, and the commands that read them; printed last."""
+def outputs_lines(
+    workdir: str, ckpt_dir: str, steps: list[int], plot_ready: bool | None = None
+) -> list[str]:
+    """Where a run's outputs are, and the commands that read them; printed last.
+
+    `plot_ready`: whether matplotlib is importable (None: look); without it the plot line says
+    what to install first, since the base install leaves plotting out.
+    """
+    if plot_ready is None:
+        import importlib.util
+
+        plot_ready = importlib.util.find_spec("matplotlib") is not None
     saved = f" (steps {', '.join(map(str, steps[-3:]))})" if steps else " (none saved)"
+    plot = "" if plot_ready else " (needs matplotlib: pip install -e '.[plot]')"
     lines = [
         f"outputs │ {workdir}",
         f"        │ checkpoints  {ckpt_dir}{saved}",
         f"        │ metrics      {os.path.join(workdir, 'metrics.jsonl')} (TensorBoard: "
         f"tensorboard --logdir {workdir})",
-        f"        │ plot         python scripts/plot.py {workdir}",
+        f"        │ plot         python scripts/plot.py {workdir}{plot}",
     ]
     if steps:
         lines.append(f"        │ verify       python scripts/ckpt.py verify {ckpt_dir}")

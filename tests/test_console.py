@@ -124,3 +124,35 @@ def test_a_run_says_what_it_does_before_the_first_step_and_draws_the_bar_once(tm
     assert lines[1] == f"restoring step 6 from {tmp_path}/checkpoints ...", lines[:4]
     assert lines[2] == f"resumed from {tmp_path}/checkpoints at step 6", lines[:4]
     assert text.count("8/8 [") == 1, text[-3000:]
+
+
+def test_the_plot_command_shown_works_on_the_base_install(tmp_path):
+    """Without matplotlib (not in the base install) the outputs say what to install, and
+    scripts/plot.py says it in one line instead of a ModuleNotFoundError traceback."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    lines = loop.outputs_lines("/runs/a", "/runs/a/checkpoints", [2], plot_ready=False)
+    assert (
+        "        │ plot         python scripts/plot.py /runs/a "
+        "(needs matplotlib: pip install -e '.[plot]')"
+    ) in lines
+    ready = loop.outputs_lines("/runs/a", "/runs/a/checkpoints", [2], plot_ready=True)
+    assert "        │ plot         python scripts/plot.py /runs/a" in ready
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hide = (  # an interpreter where `import matplotlib` fails, as on `pip install -e .`
+        "import runpy, sys; sys.modules['matplotlib'] = None; "
+        f"sys.argv = ['scripts/plot.py', {str(tmp_path)!r}]; "
+        "runpy.run_path('scripts/plot.py', run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", hide], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        "error: plotting needs matplotlib, which is not installed: pip install -e '.[plot]'"
+    )
+    assert not (tmp_path / "curves.png").exists()
