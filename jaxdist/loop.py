@@ -498,7 +498,10 @@ def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool, cloc
             print(f"loading weights from {init_from.path} ...", flush=True)
         params = weights.load_params(init_from, engine.abstract_state["params"])
         if main:
-            print(f"initialised from {init_from.path} ({init_from.kind})", flush=True)
+            # The run keeps the tokenizer its weights know (sample.py, eval.py, hf.py export).
+            carried = weights.carry_tokenizer(init_from, os.path.dirname(str(ckpt.directory)))
+            note = f"; its tokenizer copied: {', '.join(carried)}" if carried else ""
+            print(f"initialised from {init_from.path} ({init_from.kind}){note}", flush=True)
         return engine.init(params=params), 0  # its weights, a fresh optimizer, step 0
     saved = ckpt.saved_config()
     checkpoint.check_config_compatible(
@@ -607,6 +610,7 @@ def run(
     clock = goodput.Clock()
     workdir = check_workdir(workdir)
     init_from = weights.apply_init_from(config)  # the source's model fields, before validation
+    weights.check_init_tokenizer(init_from, config.data.source)
     setup = _build(config, workdir, checks)
     engine, ckpt, main = setup.engine, setup.ckpt, jax.process_index() == 0
     try:
