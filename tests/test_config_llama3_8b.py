@@ -93,3 +93,26 @@ def test_planner_recommends_fsdp_within_the_node_and_data_across_nodes(tmp_path)
     four_nodes, stdout = plans[32]
     assert four_nodes["name"] == "data4×fsdp8" and four_nodes["fits"], four_nodes
     assert "--config.mesh.dcn_data=4" in stdout  # the data axis is the one across the 4 hosts
+
+
+def test_cluster_files_carry_the_planners_layout():
+    """scripts/k8s/llama3_8b.yaml and docs/CLUSTER.md's sbatch line: 4 processes of 8 GPUs, the
+    flags `plan.py --devices=32` prints, processes = parallelism = completions = mesh.dcn_data."""
+    import re
+
+    import yaml
+
+    with open(os.path.join(ROOT, "scripts/k8s/llama3_8b.yaml")) as f:
+        jobset = yaml.safe_load(f)
+    job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    (container,) = job["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    flags = ["--config.mesh.data=4", "--config.mesh.fsdp=8", "--config.mesh.dcn_data=4"]
+    assert job["parallelism"] == job["completions"] == int(env["JAXDIST_NUM_PROCESSES"]) == 4
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["args"][0] == "--config=configs/llama3_8b.py"
+    assert set(flags) <= set(container["args"])
+    with open(os.path.join(ROOT, "docs/CLUSTER.md")) as f:
+        (sbatch,) = re.findall(r"^sbatch .*$", f.read(), re.M)
+    assert "--nodes=4 --ntasks-per-node=1 --gpus-per-task=8" in sbatch
+    assert all(flag in sbatch.split() for flag in flags)

@@ -62,6 +62,12 @@ _TINY_BENCH_MODEL = (
     "--config.model.num_layers=1 --config.model.d_model=64 --config.model.num_heads=2 "
     "--config.model.seq_len=32 --steps=2 --warmup=1 --repeats=1"
 )
+# configs/llama3_8b.py shrunk to compile in a minute on a CPU (docs/CLUSTER.md's rehearsal sizes)
+_TINY_LLAMA = (
+    "--config.model.num_layers=2 --config.model.d_model=64 --config.model.num_heads=4 "
+    "--config.model.num_kv_heads=2 --config.model.head_dim=16 --config.model.mlp_dim=128 "
+    "--config.model.vocab_size=512 --config.model.seq_len=64"
+)
 # command as documented -> (flags appended, why it cannot run as written here)
 SHORTENED = {
     "python scripts/train.py": (
@@ -227,6 +233,12 @@ SHORTENED = {
         "--new_tokens=4 --repeats=1",
         "3 repeats of 32 decode steps at two batch sizes; one short repeat runs the same code",
     ),
+    "python scripts/train.py --config=configs/llama3_8b.py --workdir=runs/llama3_8b": (
+        _TINY_LLAMA + " --config.runtime.cpu_devices=8 --config.train.steps=2 "
+        "--config.train.batch_size=8 --config.train.eval_batches=1 --config.checkpoint.every=2",
+        "8B parameters need 8 GPUs: the same config and layout (FSDP over all 8 devices) with the "
+        "model shrunk, on 8 simulated CPU devices",
+    ),
     "python scripts/bench_pipeline.py --ms=4,8,32 --steps=0": (
         "--ms=4 --schedules=1f1b",
         "12 schedule × microbatch compiles; one row runs the same code",
@@ -283,6 +295,16 @@ NOT_RUN = {
         _CLUSTER
     ),
     "kubectl delete jobset jaxdist": _CLUSTER,
+    "sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-task=8 scripts/slurm/train.sbatch "
+    "--config=configs/llama3_8b.py --workdir=/shared/runs/llama3_8b --config.mesh.data=4 "
+    "--config.mesh.fsdp=8 --config.mesh.dcn_data=4 --config.train.batch_size=32": _CLUSTER
+    + "; docs/CLUSTER.md's rehearsal runs its layout (data × fsdp with dcn_data) in 2 processes",
+    "docker build -t jaxdist:cuda -f- . <<'EOF'\nFROM python:3.11-slim\nWORKDIR /app\n"
+    'COPY . /app\nRUN pip install --no-cache-dir -e . "jax[cuda12]"\nEOF': _CLUSTER,
+    "kubectl apply -f scripts/k8s/llama3_8b.yaml": _CLUSTER
+    + "; tests/test_config_llama3_8b.py checks the file against the planner's flags",
+    "kubectl logs -f -l jobset.sigs.k8s.io/jobset-name=jaxdist-llama3-8b --prefix "
+    "--max-log-requests=16": _CLUSTER,
 }
 
 
