@@ -156,3 +156,30 @@ def test_the_plot_command_shown_works_on_the_base_install(tmp_path):
         "error: plotting needs matplotlib, which is not installed: pip install -e '.[plot]'"
     )
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_ckpt_inspect_columns_stay_aligned_with_5d_arrays():
+    import importlib.util
+    import os
+    from types import SimpleNamespace
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("ckpt_script", f"{root}/scripts/ckpt.py")
+    ckpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ckpt)
+    infos = [
+        SimpleNamespace(path="step", shape=(), dtype="int32", nbytes=4, sharding="replicated"),
+        SimpleNamespace(
+            path="opt_state/0/mu/blocks/moe/w_in",
+            shape=(32, 8, 4096, 2, 14336),
+            dtype="bfloat16",
+            nbytes=60129542144,
+            sharding="P(None, 'expert', 'fsdp') on mesh(expert=8, fsdp=8)",
+        ),
+    ]
+    lines = ckpt.array_table(infos)
+    # Each column starts at the same offset on every line.
+    for column in ("shape", "dtype", "sharding"):
+        at = lines[0].index(column)
+        assert all(line[at - 2 : at] == "  " and line[at] != " " for line in lines), lines
+    assert lines[0].index("bytes") + len("bytes") == lines[2].index(" P(None") - 1, lines

@@ -585,3 +585,28 @@ def test_install_hints_name_real_extras():
     files = [*DOCS, *(ROOT / "jaxdist").glob("*.py"), *(ROOT / "scripts").glob("*.py")]
     named = {m for f in files for m in re.findall(r"pip install -e '\.\[(\w+)\]'", f.read_text())}
     assert named and named <= set(extras), named - set(extras)
+
+
+def _masked(line: str, workdir: str) -> str:
+    """`line` with what differs between runs masked: the run folder, numbers, durations, rates,
+    the list of saved steps."""
+    line = line.replace(workdir, "DIR").replace("/path/to/runs/default", "DIR")
+    line = re.sub(r"\(steps [\d, ]+\)", "(steps #)", line)
+    return re.sub(r"\d+(?:\.\d+)?(?:[kMG]\b|h\d+m|m\d+s|s\b|%)?", "#", line)
+
+
+def test_readme_example_output_is_what_the_default_job_prints(results):
+    """The README's closing lines of the default job, line for line, against what the fixture run
+    (the default job, shortened) printed, numbers, times and folders masked: every line it shows
+    exists with the same words and figures in the same places."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("The last lines say where everything went", 1)[1].split("```")[1]
+    shown = [ln for ln in block.splitlines()[1:] if ln.strip()]
+    assert shown[0].startswith("done: step 300, train loss "), shown
+    (key,) = [k for k, (c, run) in RUNNABLE.items() if run == "python scripts/train.py"]
+    printed = results[key].stdout.splitlines()
+    workdir = next(ln.split("│ ", 1)[1] for ln in printed if ln.startswith("outputs │ "))
+    masked = [_masked(ln, workdir) for ln in printed]
+    for line in shown:
+        want = re.escape(_masked(line, workdir)).replace(r"\.\.\.", ".*")
+        assert any(re.fullmatch(want, got) for got in masked), (line, printed[-12:])
