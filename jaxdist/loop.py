@@ -687,11 +687,11 @@ def _train(
                     batch = batches.get(step)
                 state, m = compiled(state, batch)
                 step += 1
+                ends.step = step  # before the hooks: a preemption's checkpoint hook stops the run
                 profiler.after(step, m)
                 for hook in hooks:
                     if hook.due(step, t.steps):
                         hook.fn(step, state, m)
-                ends.step = step
         return _finish(config, workdir, setup, logger, console, step, state, evaluate, ends)
     except Preempted:
         ends.write()
