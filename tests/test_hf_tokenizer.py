@@ -146,6 +146,12 @@ def test_a_folder_without_tokenizer_takes_ids_or_explicit_bytes(tmp_path):
     assert record["prompt"] == [5, 17, 33] and len(record["tokens"]) == 4 and record["text"] is None
     proc = script(*base, "--prompt=(0)", "--bytes")  # bytes 40, 48, 41: inside the vocabulary
     assert proc.stdout.splitlines()[0] == "tokenizer: UTF-8 bytes (--bytes)"
+    # hf.py import says there is none (generation_config.json, which it copies, is no tokenizer).
+    assert (hf_dir / "generation_config.json").is_file()
+    imported = script("scripts/hf.py", "import", hf_dir, "--out", tmp_path / "run")
+    assert imported.stdout.rstrip().endswith(
+        "; no tokenizer (sample.py then takes --prompt_ids, or --bytes)"
+    ), imported.stdout
     bad = script(*base, "--prompt_ids=5, 17", check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --prompt_ids='5, 17': expected")
 
