@@ -7,6 +7,7 @@ checkpoint under `workdir/checkpoints` if there is one, compiles the step once (
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist import checkpoint, data, metrics, train, weights, workdir_lock
+from jaxdist import checkpoint, data, goodput, metrics, train, weights, workdir_lock
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
 from jaxdist.errors import ConfigError, NonFiniteError
@@ -204,15 +205,26 @@ def _terminal_width() -> int:
         return 0
 
 
-def outputs_lines(workdir: str, ckpt_dir: str, steps: list[int]) -> list[str]:
-    """Where a run's outputs are, and the commands that read them; printed last."""
+def outputs_lines(
+    workdir: str, ckpt_dir: str, steps: list[int], plot_ready: bool | None = None
+) -> list[str]:
+    """Where a run's outputs are, and the commands that read them; printed last.
+
+    `plot_ready`: whether matplotlib is importable (None: look); without it the plot line says
+    what to install first, since the base install leaves plotting out.
+    """
+    if plot_ready is None:
+        import importlib.util
+
+        plot_ready = importlib.util.find_spec("matplotlib") is not None
     saved = f" (steps {', '.join(map(str, steps[-3:]))})" if steps else " (none saved)"
+    plot = "" if plot_ready else " (needs matplotlib: pip install -e '.[plot]')"
     lines = [
         f"outputs │ {workdir}",
         f"        │ checkpoints  {ckpt_dir}{saved}",
         f"        │ metrics      {os.path.join(workdir, 'metrics.jsonl')} (TensorBoard: "
         f"tensorboard --logdir {workdir})",
-        f"        │ plot         python scripts/plot.py {workdir}",
+        f"        │ plot         python scripts/plot.py {workdir}{plot}",
     ]
     if steps:
         lines.append(f"        │ verify       python scripts/ckpt.py verify {ckpt_dir}")
@@ -391,8 +403,14 @@ class _Console:
             return
         line = step_line(step, total, m, None).split(" │ ", 1)[1]  # tqdm shows the ETA itself
         self.bar.set_postfix_str(line.split(" │ eval ")[0], refresh=False)
-        if any(k.startswith("eval_") for k in m):
-            self.bar.write(f"step {step}: " + ", ".join(eval_parts(m)))
+        evals = f"step {step}: " + ", ".join(eval_parts(m))
+        if step == total:  # the bar is drawn once at 100%, not again around the last lines
+            self.bar.n = total
+            self.close()
+            if any(k.startswith("eval_") for k in m):
+                print(evals, flush=True)
+        elif any(k.startswith("eval_") for k in m):
+            self.bar.write(evals)
 
     def advance(self) -> None:
         if self.bar is not None:
@@ -467,24 +485,34 @@ def _report_progress(at_step: int) -> None:
             pass  # the watchdog is a help, never a reason to stop training
 
 
-def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool):
+def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool, clock=None):
     """(state, start step): the newest checkpoint's, `train.init_from`'s weights, or fresh.
 
-    (None, start) when the checkpoint already reached `train.steps`.
+    (None, start) when the checkpoint already reached `train.steps`. The read of a checkpoint is
+    charged to `clock`'s `restart`.
     """
     t = config.train
-    if ckpt.latest_step() is None:
+    latest = ckpt.latest_step()
+    if latest is None:
         if init_from is None:
             return engine.init(), 0
+        if main:
+            print(f"loading weights from {init_from.path} ...", flush=True)
         params = weights.load_params(init_from, engine.abstract_state["params"])
         if main:
-            print(f"initialised from {init_from.path} ({init_from.kind})", flush=True)
+            # The run keeps the tokenizer its weights know (sample.py, eval.py, hf.py export).
+            carried = weights.carry_tokenizer(init_from, os.path.dirname(str(ckpt.directory)))
+            note = f"; its tokenizer copied: {', '.join(carried)}" if carried else ""
+            print(f"initialised from {init_from.path} ({init_from.kind}){note}", flush=True)
         return engine.init(params=params), 0  # its weights, a fresh optimizer, step 0
     saved = ckpt.saved_config()
     checkpoint.check_config_compatible(
         saved, cfg_json, fields=tuple(RESUME_MUST_MATCH), why=RESUME_MUST_MATCH
     )
-    state, meta = ckpt.restore(engine.abstract_state)
+    if main and latest < t.steps:  # a finished run says only that, below
+        print(f"restoring step {latest} from {ckpt.directory} ...", flush=True)
+    with clock.charge("restart") if clock is not None else contextlib.nullcontext():
+        state, meta = ckpt.restore(engine.abstract_state)
     state = engine.to_storage(state)  # checkpoints hold the stacked layers in [L] order
     start = int(meta["data_position"])
     if start >= t.steps:
@@ -524,6 +552,14 @@ def _build(config, workdir: str, checks) -> _Setup:
     mesh_lib.check_backend(config)
     for check in checks:
         check(config, num_devices)
+    saved = checkpoint.committed_steps(os.path.join(workdir, "checkpoints"))
+    finished = bool(saved) and saved[-1] >= config.train.steps  # says so in one line, later
+    if jax.process_index() == 0 and not finished:  # the seconds before compiling are not silent
+        print(
+            f"loading data.source={config.data.source} and building the {config.model.name} "
+            f"on {num_devices} device(s) ...",
+            flush=True,
+        )
     ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
     if jax.process_index() == 0:
         for warning in ds.warnings:
@@ -581,15 +617,19 @@ def run(
       Preempted: SIGTERM or SIGINT stopped the run; its checkpoint is committed.
       NonFiniteError: a non-finite step with train.on_nonfinite=stop, or too many skipped.
     """
+    clock = goodput.Clock()
     workdir = check_workdir(workdir)
     init_from = weights.apply_init_from(config)  # the source's model fields, before validation
+    weights.check_init_tokenizer(init_from, config.data.source)
     setup = _build(config, workdir, checks)
     engine, ckpt, main = setup.engine, setup.ckpt, jax.process_index() == 0
     try:
-        state, start = _restore_or_init(engine, ckpt, config, setup.cfg_json, init_from, main)
+        state, start = _restore_or_init(
+            engine, ckpt, config, setup.cfg_json, init_from, main, clock
+        )
         if state is None:
             return {}
-        return _train(config, workdir, setup, state, start, layout_extras)
+        return _train(config, workdir, setup, state, start, layout_extras, clock)
     finally:
         try:
             ckpt.wait()
@@ -598,7 +638,9 @@ def run(
             setup.lock.release()
 
 
-def _train(config, workdir, setup: _Setup, state, start: int, layout_extras) -> dict[str, float]:
+def _train(
+    config, workdir, setup: _Setup, state, start: int, layout_extras, clock: goodput.Clock
+) -> dict[str, float]:
     """The steps from `start` to `train.steps`, with the hooks on their cadence."""
     engine, batches, ckpt, t = setup.engine, setup.batches, setup.ckpt, config.train
     main = jax.process_index() == 0
@@ -607,7 +649,14 @@ def _train(config, workdir, setup: _Setup, state, start: int, layout_extras) -> 
         "targets": jnp.int32,
     }
     abstract_batch = engine.abstract_batch(batches.global_shapes(), dtypes)
-    compiled = engine.train_step.lower(engine.abstract_state, abstract_batch).compile()
+    if main:
+        print("compiling the train step ...", flush=True)
+    t0 = time.perf_counter()
+    with clock.charge("compile"):
+        compiled = engine.train_step.lower(engine.abstract_state, abstract_batch).compile()
+    if main:
+        print(f"compiled in {time.perf_counter() - t0:.1f}s", flush=True)
+    redone = _steps_logged_past(workdir, start) if start > 0 else 0
     record = layout_record(engine, compiled, config)
     for extra in layout_extras:
         record.update(extra(config, engine))
@@ -620,7 +669,7 @@ def _train(config, workdir, setup: _Setup, state, start: int, layout_extras) -> 
         print(summary(record), flush=True)
     console = _Console(main, t.steps, start)
     guard = _FiniteGuard(t, ckpt, console.say, start)
-    logger = _Logger(config, record, writer, console, guard, start)
+    logger = _Logger(config, record, writer, console, guard, start, clock)
     evaluate = _Evaluator(engine, batches, t.eval_batches)
     hooks = [
         Hook(1, lambda step, state, m: _report_progress(step) if step > start + 1 else None),
@@ -633,21 +682,33 @@ def _train(config, workdir, setup: _Setup, state, start: int, layout_extras) -> 
         Hook(t.log_every, logger.log, at_end=True),
         Hook(1, lambda step, state, m: console.advance()),
         # Saved only once known finite, so the "last good checkpoint" is never a non-finite one.
-        Hook(1, lambda step, state, m: _checkpoint(engine, ckpt, guard, console, step, state, m)),
+        Hook(
+            1,
+            lambda step, state, m: _checkpoint(engine, ckpt, guard, console, clock, step, state, m),
+        ),
     ]
+    unit = "tok" if logger.rate_key == "tokens_per_s" else "ex"
+    ends = _RunEnd(writer, clock, start, redone, (logger.per_step_items, unit))
     profiler = _Profiler(config.profile.steps, workdir)
     setup.preemption.install()
     step = start
     try:
-        while step < t.steps:
-            profiler.before(step)
-            state, m = compiled(state, batches.get(step))
-            step += 1
-            profiler.after(step, m)
-            for hook in hooks:
-                if hook.due(step, t.steps):
-                    hook.fn(step, state, m)
-        return _finish(config, workdir, setup, logger, console, step, state, evaluate)
+        with clock.charge("productive"):
+            while step < t.steps:
+                profiler.before(step)
+                with clock.charge("data"):
+                    batch = batches.get(step)
+                state, m = compiled(state, batch)
+                step += 1
+                ends.step = step  # before the hooks: a preemption's checkpoint hook stops the run
+                profiler.after(step, m)
+                for hook in hooks:
+                    if hook.due(step, t.steps):
+                        hook.fn(step, state, m)
+        return _finish(config, workdir, setup, logger, console, step, state, evaluate, ends)
+    except Preempted:
+        ends.write()
+        raise
     finally:
         setup.preemption.restore()
         console.close()
@@ -669,15 +730,17 @@ def _layout_changed(workdir: str, record: dict[str, Any]) -> bool:
     return last is None or any(last.get(k) != record.get(k) for k in keys)
 
 
-def _checkpoint(engine, ckpt, guard, console, step: int, state, m) -> None:
+def _checkpoint(engine, ckpt, guard, console, clock, step: int, state, m) -> None:
     """Saves when orbax's policies say so (interval, preemption); a preemption then stops."""
     if not ckpt.should_save(step):  # asked once per step, on every process
         return
     guard.check(m, step)
-    ckpt.save(step, engine.to_user(state), data_position=step, force=True)
+    with clock.charge("checkpoint"):
+        ckpt.save(step, engine.to_user(state), data_position=step, force=True)
     if not ckpt.preempted:
         return
-    ckpt.wait()
+    with clock.charge("checkpoint"):
+        ckpt.wait()
     console.close()
     stopped = Preempted(step, str(ckpt.directory), preempted_exit_code())
     if console.main:
@@ -686,25 +749,97 @@ def _checkpoint(engine, ckpt, guard, console, step: int, state, m) -> None:
     raise stopped
 
 
-def _finish(config, workdir, setup, logger, console, step, state, evaluate) -> dict[str, float]:
-    """The final evaluation and checkpoint, then where the outputs are."""
-    ckpt = setup.ckpt
+def _finish(
+    config, workdir, setup, logger, console, step, state, evaluate, ends
+) -> dict[str, float]:
+    """The final evaluation and checkpoint, then the goodput record and where the outputs are."""
+    ckpt, clock = setup.ckpt, ends.clock
     logger.judge_previous(step + 1, None)
-    final_eval = evaluate(state)
+    with clock.charge("eval"):
+        final_eval = evaluate(state)
     _report_progress(step)
     logger.last.update(final_eval)
     logger.writer.write_step(step, {**final_eval, "kind": "eval"})
-    if config.checkpoint.every > 0:
-        ckpt.save(step, setup.engine.to_user(state), data_position=step, force=True)
-    ckpt.wait()
+    with clock.charge("checkpoint"):
+        if config.checkpoint.every > 0:
+            ckpt.save(step, setup.engine.to_user(state), data_position=step, force=True)
+        ckpt.wait()
     _report_progress(step)
     console.close()  # first: `done:` gets its own line, not the bar's
+    record = ends.write()
     if console.main:
-        evals = ", ".join(eval_parts(final_eval))
         loss = logger.last.get("loss", float("nan"))
-        print(f"done: step {step}, train loss {loss:.4f}, {evals}", flush=True)
+        print(done_line(step, loss, final_eval, record, ends.items_trained()), flush=True)
+        print(goodput.summary_line(record), flush=True)
         print("\n".join(outputs_lines(workdir, str(ckpt.directory), ckpt.all_steps())), flush=True)
     return logger.last
+
+
+def done_line(
+    step: int,
+    loss: float,
+    final_eval: dict[str, float],
+    record: dict[str, Any],
+    items: tuple[float, str],
+) -> str:
+    """`done: step 300, train loss 1.6689, eval loss 1.9226 │ 3m12s, mean 5.1k tok/s`.
+
+    The per-expert loads of a mixture of experts (`eval_moe_load_<e>`) stay in metrics.jsonl:
+    one figure per expert is more than a closing line can carry. The mean throughput is the items
+    (tokens or examples) this run trained over its productive seconds (goodput.py).
+    """
+    shown = {k: v for k, v in final_eval.items() if not k.startswith("eval_moe_load_")}
+    line = f"done: step {step}, train loss {loss:.4f}"
+    evals = ", ".join(eval_parts(shown))
+    if evals:
+        line += f", {evals}"
+    line += f" │ {_fmt_duration(record['total'])}"
+    if record["productive"] > 0:
+        count, unit = items
+        line += f", mean {_fmt_rate(count / record['productive'], unit)}"
+    return line
+
+
+class _RunEnd:
+    """Writes the run's `goodput` record once (at its end, or when a preemption stops it)."""
+
+    def __init__(self, writer, clock, start: int, redone: int, per_step: tuple[float, str]):
+        self.writer, self.clock = writer, clock
+        self.start, self.step, self.redone = start, start, redone
+        self.per_step = per_step  # (items per step, "tok" or "ex")
+        self.written: dict[str, Any] | None = None
+
+    def items_trained(self) -> tuple[float, str]:
+        return (self.step - self.start) * self.per_step[0], self.per_step[1]
+
+    def write(self) -> dict[str, Any]:
+        if self.written is None:
+            steps = self.step - self.start
+            if steps > 0 and self.redone > 0:  # steps a previous attempt had trained already
+                per_step = self.clock.seconds["productive"] / steps
+                self.clock.move(min(self.redone, steps) * per_step, "productive", "recomputed")
+            self.written = self.clock.record()
+            self.writer.write_record(self.written)
+        return self.written
+
+
+def _steps_logged_past(workdir: str, start: int) -> int:
+    """How many steps after `start` an earlier attempt logged (trained, then lost to a restart)."""
+    last = start
+    try:
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            for line in f:
+                if '"loss"' not in line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by the crash
+                if rec.get("kind") is None and isinstance(rec.get("step"), int):
+                    last = max(last, rec["step"])
+    except OSError:
+        return 0
+    return last - start
 
 
 class _Evaluator:
@@ -724,8 +859,9 @@ class _Evaluator:
 class _Logger:
     """The log hook: fetches the metrics every `train.log_every` steps, times, writes, prints."""
 
-    def __init__(self, config, record, writer, console, guard, start: int):
+    def __init__(self, config, record, writer, console, guard, start: int, clock=None):
         self.t, self.writer, self.console, self.guard = config.train, writer, console, guard
+        self.clock = clock if clock is not None else goodput.Clock()
         self.per_step_items = record.get("tokens_per_step", config.train.batch_size)
         self.rate_key = "tokens_per_s" if "tokens_per_step" in record else "examples_per_s"
         self.flops_per_token = record.get("flops_per_token")
@@ -748,7 +884,8 @@ class _Logger:
         and are written as their own record otherwise."""
         jax.block_until_ready(m)  # the step's own time stays on the clock
         t0 = time.perf_counter()
-        figures = run_eval()
+        with self.clock.charge("eval"):
+            figures = run_eval()
         self.t_last += time.perf_counter() - t0
         self.t_start += time.perf_counter() - t0
         _report_progress(step)

@@ -108,6 +108,11 @@ class MetricsWriter:
         if self.enabled:
             self._write({"kind": "layout", **record})
 
+    def write_record(self, record: Mapping[str, Any]) -> None:
+        """Writes `record` as it is (it names its own `kind`, e.g. the run's `goodput`)."""
+        if self.enabled:
+            self._write(record)
+
     def write_step(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Writes ``{"step": step, **metrics}``, and each scalar to TensorBoard at ``step``."""
         if not self.enabled:

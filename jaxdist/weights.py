@@ -326,3 +326,49 @@ def apply_init_from(config: ml_collections.ConfigDict) -> Source | None:
         if key not in RUN_MODEL_FIELDS:
             config.model[key] = value
     return src
+
+
+# A tokenizer.json's fields that say how text becomes ids; "truncation", "padding" and "version"
+# do not, and a re-saved file (scripts/tokenize.py writes `Tokenizer.to_str()`) may differ there.
+_TOKENIZER_IGNORED = ("truncation", "padding", "version")
+
+
+def data_tokenizer(source: str) -> str | None:
+    """The tokenizer.json a token folder `source` was made with (scripts/tokenize.py), or None."""
+    path = os.path.join(source, "tokenizer.json") if os.path.isdir(source) else None
+    return path if path and os.path.isfile(path) else None
+
+
+def _tokenizer_meaning(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a readable tokenizer.json ({e})") from None
+    _need(isinstance(raw, dict), f"{path}: not a tokenizer.json (expected a JSON object)")
+    return {k: v for k, v in raw.items() if k not in _TOKENIZER_IGNORED}
+
+
+def check_init_tokenizer(src: Source | None, data_source: str) -> None:
+    """ConfigError when `train.init_from`'s tokenizer and the one `data.source` was tokenized with
+    are both known and differ: the weights would learn ids that mean other text."""
+    if src is None:
+        return
+    theirs, data_tok = src.file("tokenizer.json"), data_tokenizer(data_source)
+    if theirs is None or data_tok is None:
+        return
+    if _tokenizer_meaning(theirs) != _tokenizer_meaning(data_tok):
+        raise ConfigError(
+            f"train.init_from={src.path} has its own tokenizer ({theirs}), but data.source="
+            f"{data_source} was tokenized with another ({data_tok}); tokenize the text with the "
+            f"model's: python scripts/tokenize.py --tokenizer={src.path} ..."
+        )
+
+
+def carry_tokenizer(src: Source | None, run_dir: str) -> list[str]:
+    """Copies `train.init_from`'s tokenizer files into the run folder `run_dir`, so that
+    `sample.py`, `eval.py` and `hf.py export` of the run use the tokenizer its weights know.
+    Returns the files copied (none when the source has no tokenizer.json)."""
+    if src is None or src.file("tokenizer.json") is None:
+        return []
+    return _copy_tokenizer_files(src, run_dir)

@@ -30,6 +30,15 @@ from jaxdist.metrics import human_bytes  # noqa: E402
 from jaxdist.orbax_reads import silence_orphaned_reads  # noqa: E402
 
 
+def array_table(infos) -> list[str]:
+    """The arrays as aligned columns (path, shape, dtype, bytes, sharding), each as wide as its
+    longest entry: a 5-D shape or a long path does not push the later columns out of line."""
+    rows = [("path", "shape", "dtype", "bytes", "sharding")]
+    rows += [(i.path, str(i.shape), str(i.dtype), str(i.nbytes), str(i.sharding)) for i in infos]
+    w = [max(len(r[c]) for r in rows) for c in range(4)]
+    return [f"{p:<{w[0]}}  {s:<{w[1]}}  {d:<{w[2]}}  {b:>{w[3]}}  {sh}" for p, s, d, b, sh in rows]
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     steps = ckpt.committed_steps(args.dir)
     meta = ckpt.read_metadata(args.dir, args.step)  # validates dir and step
@@ -41,10 +50,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"jaxdist={meta.get('jaxdist_version', '?')} mesh={meta.get('mesh', '?')} "
         f"processes={meta.get('process_count', '?')}"
     )
-    width = max([len("path")] + [len(i.path) for i in infos])
-    print(f"{'path':<{width}}  {'shape':<16} {'dtype':<9} {'bytes':>12}  sharding")
-    for i in infos:
-        print(f"{i.path:<{width}}  {str(i.shape):<16} {i.dtype:<9} {i.nbytes:>12}  {i.sharding}")
+    print("\n".join(array_table(infos)))
     total = sum(i.nbytes for i in infos)
     params = [i for i in infos if i.path.startswith("params/")]
     print(f"total: {len(infos)} arrays, {total} bytes ({human_bytes(total)})")

@@ -1,13 +1,16 @@
 """Loss and perplexity of a model on held-out data.
 
     python scripts/eval.py --checkpoint=PATH --data=SOURCE [--batches=N] [--batch_size=B]
-        [--seq_len=T] [--step=S] [--data_parallel=D] [--tensor=T] [--out=FILE.json]
+        [--seq_len=T] [--seed=S] [--step=S] [--data_parallel=D] [--tensor=T] [--out=FILE.json]
 
 PATH is a jaxdist run folder, a checkpoints folder or a Hugging Face folder; SOURCE anything
 `data.source` accepts (token shards from scripts/tokenize.py, a uint16 `.bin`, text read as bytes,
 `stdlib`). The loss is the mean next-token cross-entropy over `--batches` batches of the source's
 validation split (the same windows for every checkpoint: they depend only on the seed), on a mesh
-of data_parallel × tensor devices (simulated on a CPU). Bad input: one `error: ...` line, exit 2.
+of data_parallel × tensor devices (simulated on a CPU). By default the windows are those of the
+run's own final evaluation (`train.eval_batches` batches of `train.batch_size` rows of
+`model.seq_len` tokens, seed `train.seed`), so on the run's `data.source` the two agree; the line
+printed says what was evaluated. Bad input: one `error: ...` line, exit 2.
 """
 
 import argparse
@@ -38,7 +41,9 @@ def run(args: argparse.Namespace) -> dict:
     src = weights.resolve(args.checkpoint, args.step)
     config = src.config
     m = config.model
+    _defaults_from_run(args, src)
     seq_len = _checked(args, src, jax.device_count())
+    run_source = config.data.source
     config.data.source = args.data
     m.seq_len = seq_len
     ds = data.load(config.data, seq_len=seq_len, vocab_size=m.vocab_size)
@@ -74,12 +79,23 @@ def run(args: argparse.Namespace) -> dict:
         "loss": loss,
         "perplexity": math.exp(loss),
         "tokens": args.batches * args.batch_size * seq_len,
+        "windows": {
+            "batches": args.batches,
+            "batch_size": args.batch_size,
+            "seq_len": seq_len,
+            "seed": args.seed,
+        },
         "seconds": time.perf_counter() - t0,
     }
+    what = f"step {src.step}" if src.kind == "jaxdist" else "Hugging Face folder"
     print(
-        f"{args.checkpoint} (step {src.step}) on {args.data}: loss {loss:.4f}, perplexity "
-        f"{result['perplexity']:.3f} over {result['tokens']} tokens"
+        f"{args.checkpoint} ({what}) on {args.data}: loss {loss:.4f}, perplexity "
+        f"{result['perplexity']:.3f} over {result['tokens']} tokens ({args.batches} batches × "
+        f"{args.batch_size} × {seq_len} of the validation split, seed {args.seed})"
     )
+    note = _trainer_comparison(args, src, run_source, seq_len)
+    if note:
+        print(note)
     if args.out:  # whole or not at all
         tmp = f"{args.out}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
@@ -88,12 +104,45 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def _defaults_from_run(args: argparse.Namespace, src) -> None:
+    """Unset window flags take the run's own final evaluation's: `train.eval_batches` batches of
+    `train.batch_size` rows, seed `train.seed` (a Hugging Face folder: jaxdist's defaults)."""
+    t = src.config.train
+    if args.batches is None:
+        args.batches = int(t.eval_batches)
+    if args.batch_size is None:
+        args.batch_size = int(t.batch_size)
+    if args.seed is None:
+        args.seed = int(t.seed)
+
+
+def _trainer_comparison(args: argparse.Namespace, src, run_source: str, seq_len: int) -> str:
+    """For a jaxdist run evaluated on other windows than its final evaluation: which it used."""
+    if src.kind != "jaxdist":
+        return ""
+    t, m = src.config.train, src.config.model
+    same = args.data == run_source and (args.batches, args.batch_size, args.seed, seq_len) == (
+        t.eval_batches,
+        t.batch_size,
+        t.seed,
+        m.seq_len,
+    )
+    if same:
+        return "the same windows as the run's final evaluation"
+    return (
+        f"the run's final evaluation read other windows: {t.eval_batches} batches × "
+        f"{t.batch_size} × {m.seq_len} of data.source={run_source}, seed {t.seed}"
+    )
+
+
 def _checked(args: argparse.Namespace, src, device_count: int) -> int:
     """The sequence length to evaluate at; ConfigError for flags the run cannot honour."""
     from jaxdist import data
 
     m = src.config.model
-    seq_len = args.seq_len or min(m.seq_len, 1024)
+    # A run evaluates at the length it trained at; a Hugging Face folder's model.seq_len is its
+    # longest context (often 128k), so it is capped.
+    seq_len = args.seq_len or (m.seq_len if src.kind == "jaxdist" else min(m.seq_len, 1024))
     if seq_len > m.seq_len:
         raise ConfigError(f"--seq_len={seq_len} is longer than model.seq_len={m.seq_len}")
     n = args.data_parallel * args.tensor
@@ -117,10 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--data", required=True, help="a data.source: token shards, .bin, text, stdlib")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    p.add_argument("--batches", type=int, default=8)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=0, help="0 = model.seq_len (at most 1024)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batches", type=int, default=None, help="default: train.eval_batches")
+    p.add_argument("--batch_size", type=int, default=None, help="default: train.batch_size")
+    p.add_argument(
+        "--seq_len", type=int, default=0, help="0 = model.seq_len (an HF folder's: at most 1024)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="default: train.seed")
     p.add_argument("--data_parallel", type=int, default=1, help="devices the batch is split over")
     p.add_argument("--tensor", type=int, default=1, help="devices the heads are split over")
     p.add_argument("--out", default=None, help="write the result as JSON here")
@@ -129,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _checked_run(args: argparse.Namespace) -> None:
-    if args.batches < 1 or args.batch_size < 1:
+    if (args.batches is not None and args.batches < 1) or (
+        args.batch_size is not None and args.batch_size < 1
+    ):
         raise ConfigError("--batches and --batch_size must be >= 1")
     run(args)
 

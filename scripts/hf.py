@@ -29,17 +29,16 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     s = weights.import_hf(args.hf_dir, args.out)
     m = s["config"].model
-    tok = (
-        ", ".join(s["tokenizer_files"])
-        if "tokenizer.json" in s["tokenizer_files"]
-        else "none (no tokenizer.json: give sample.py --prompt_ids)"
-    )
+    files = s["tokenizer_files"]
+    if "tokenizer.json" in files:
+        tok = f"tokenizer files: {', '.join(files)}"
+    else:  # generation_config.json alone is no tokenizer
+        tok = "no tokenizer (sample.py then takes --prompt_ids, or --bytes)"
     also = f"; also copied: {', '.join(s['other_files'])}" if s["other_files"] else ""
     print(
         f"imported {args.hf_dir} → {args.out}: llama, {m.num_layers} layers, d_model {m.d_model}, "
         f"{m.num_heads} heads ({m.num_kv_heads} key/value), vocab {m.vocab_size}, "
-        f"{s['params']:,} parameters ({human_bytes(s['bytes'])} float32); tokenizer files: {tok}"
-        f"{also}"
+        f"{s['params']:,} parameters ({human_bytes(s['bytes'])} float32); {tok}{also}"
     )
     return 0
 

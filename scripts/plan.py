@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 from jaxdist.errors import ConfigError, run_command  # noqa: E402
 
@@ -55,6 +55,8 @@ def _parse(argv: list[str]) -> list[str]:
 
 
 def main(argv):
+    if not flags.FLAGS["verbosity"].present:  # absl's INFO lines (JAX's backend probe) stay out
+        logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         raise ConfigError(f"unexpected arguments {argv[1:]}; use --flag=value")
     from jaxdist import plan as plan_lib

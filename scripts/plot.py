@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 from jaxdist.errors import ConfigError, run_command  # noqa: E402
 
@@ -45,8 +45,16 @@ def read_metrics(path: str) -> dict[str, dict[int, float]]:
     return series
 
 
+PLOT_INSTALL = "pip install -e '.[plot]'"
+
+
 def plot(series: dict[str, dict[int, float]], out: str, title: str = "") -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError(
+            f"plotting needs matplotlib, which is not installed: {PLOT_INSTALL}"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -81,6 +89,8 @@ def plot(series: dict[str, dict[int, float]], out: str, title: str = "") -> None
 
 
 def main(argv):
+    if not flags.FLAGS["verbosity"].present:  # absl's INFO lines (JAX's backend probe) stay out
+        logging.set_verbosity(logging.WARNING)
     if len(argv) != 2:
         raise ConfigError("usage: scripts/plot.py WORKDIR [--out=FILE.png]")
     workdir = argv[1]

@@ -28,10 +28,35 @@ NATIVE_NOISE = re.compile(
     rb"\[Gloo\] Rank |\d+ is connected to |\d+ peer ranks\. "
     rb"|Expected number of connected peer ranks is : \d+"
 )
+# The whole banner, digits as `#`: a line that is nothing but a piece of it (`1`, ` is connected
+# to `, ` peer ranks. `), cut there by another thread's write, is dropped too.
+NATIVE_NOISE_TEXT = (
+    b"[Gloo] Rank # is connected to # peer ranks. Expected number of connected peer ranks is : #"
+)
 
 
-def _filter_native_stdout(noise: re.Pattern[bytes]):
-    """Routes file descriptor 1 through a pipe that removes `noise` and the lines it leaves blank.
+def is_native_noise_piece(text: bytes) -> bool:
+    """Whether `text` (a line without its newline) is only a piece of Gloo's banner."""
+    piece = re.sub(rb"\d+", b"#", text.strip())
+    return bool(piece) and piece in NATIVE_NOISE_TEXT
+
+
+def filter_native_line(line: bytes, *, drop_blank: bool) -> bytes | None:
+    """`line` with Gloo's banner removed; None when nothing of it is left to show.
+
+    `drop_blank`: drop blank lines too (a process other than 0 prints no blank lines of its own;
+    its blank lines are what the banner's pieces left).
+    """
+    kept = NATIVE_NOISE.sub(b"", line)
+    if kept.strip():
+        return None if is_native_noise_piece(kept) else kept
+    if line.strip() or drop_blank:
+        return None
+    return kept
+
+
+def _filter_native_stdout(drop_blank: bool):
+    """Routes file descriptor 1 through a pipe that removes Gloo's banner (`filter_native_line`).
 
     Returns a function that restores descriptor 1 and forwards what is still in the pipe; it must
     run before anything ends the process with `os._exit`, so register it with atexit late.
@@ -45,8 +70,8 @@ def _filter_native_stdout(noise: re.Pattern[bytes]):
     def pump() -> None:
         with os.fdopen(read_end, "rb") as src:
             for line in src:
-                kept = noise.sub(b"", line)
-                if kept.strip() or not line.strip():
+                kept = filter_native_line(line, drop_blank=drop_blank)
+                if kept is not None:
                     os.write(real, kept)
 
     thread = threading.Thread(target=pump, name="jaxdist-stdout-filter", daemon=True)
@@ -92,8 +117,9 @@ def main(argv):
     config_lib.apply_gin(config, flags.FLAGS.gin_file, flags.FLAGS.gin_param)
     xla_flags.apply(config.runtime.gpu_xla_flags, config.runtime.gpu_memory_fraction)
     restore_stdout = None
-    if quiet and distributed.detect().is_multiprocess:
-        restore_stdout = _filter_native_stdout(NATIVE_NOISE)
+    spec = distributed.detect()
+    if quiet and spec.is_multiprocess:
+        restore_stdout = _filter_native_stdout(drop_blank=spec.process_id != 0)
     distributed.initialize()
     if restore_stdout is not None:  # after initialize's exit hook, so it runs before that one
         atexit.register(restore_stdout)

@@ -217,7 +217,7 @@ def test_rerunning_a_finished_run_says_so_and_appends_nothing(finished_copy):
     ], proc.stdout
     assert snapshot(finished_copy) == before  # no duplicate eval record, no new checkpoint
     evals = [r for r in map(json.loads, (finished_copy / "metrics.jsonl").open()) if "kind" in r]
-    assert [r["kind"] for r in evals] == ["layout", "eval"]
+    assert [r["kind"] for r in evals] == ["layout", "eval", "goodput"]
 
 
 def test_resuming_with_other_train_steps_says_the_schedule_is_recomputed(finished_copy):

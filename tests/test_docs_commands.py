@@ -62,6 +62,12 @@ _TINY_BENCH_MODEL = (
     "--config.model.num_layers=1 --config.model.d_model=64 --config.model.num_heads=2 "
     "--config.model.seq_len=32 --steps=2 --warmup=1 --repeats=1"
 )
+# configs/llama3_8b.py shrunk to compile in a minute on a CPU (docs/CLUSTER.md's rehearsal sizes)
+_TINY_LLAMA = (
+    "--config.model.num_layers=2 --config.model.d_model=64 --config.model.num_heads=4 "
+    "--config.model.num_kv_heads=2 --config.model.head_dim=16 --config.model.mlp_dim=128 "
+    "--config.model.vocab_size=512 --config.model.seq_len=64"
+)
 # command as documented -> (flags appended, why it cannot run as written here)
 SHORTENED = {
     "python scripts/train.py": (
@@ -227,6 +233,12 @@ SHORTENED = {
         "--new_tokens=4 --repeats=1",
         "3 repeats of 32 decode steps at two batch sizes; one short repeat runs the same code",
     ),
+    "python scripts/train.py --config=configs/llama3_8b.py --workdir=runs/llama3_8b": (
+        _TINY_LLAMA + " --config.runtime.cpu_devices=8 --config.train.steps=2 "
+        "--config.train.batch_size=8 --config.train.eval_batches=1 --config.checkpoint.every=2",
+        "8B parameters need 8 GPUs: the same config and layout (FSDP over all 8 devices) with the "
+        "model shrunk, on 8 simulated CPU devices",
+    ),
     "python scripts/bench_pipeline.py --ms=4,8,32 --steps=0": (
         "--ms=4 --schedules=1f1b",
         "12 schedule × microbatch compiles; one row runs the same code",
@@ -283,6 +295,16 @@ NOT_RUN = {
         _CLUSTER
     ),
     "kubectl delete jobset jaxdist": _CLUSTER,
+    "sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-task=8 scripts/slurm/train.sbatch "
+    "--config=configs/llama3_8b.py --workdir=/shared/runs/llama3_8b --config.mesh.data=4 "
+    "--config.mesh.fsdp=8 --config.mesh.dcn_data=4 --config.train.batch_size=32": _CLUSTER
+    + "; docs/CLUSTER.md's rehearsal runs its layout (data × fsdp with dcn_data) in 2 processes",
+    "docker build -t jaxdist:cuda -f- . <<'EOF'\nFROM python:3.11-slim\nWORKDIR /app\n"
+    'COPY . /app\nRUN pip install --no-cache-dir -e . "jax[cuda12]"\nEOF': _CLUSTER,
+    "kubectl apply -f scripts/k8s/llama3_8b.yaml": _CLUSTER
+    + "; tests/test_config_llama3_8b.py checks the file against the planner's flags",
+    "kubectl logs -f -l jobset.sigs.k8s.io/jobset-name=jaxdist-llama3-8b --prefix "
+    "--max-log-requests=16": _CLUSTER,
 }
 
 
@@ -563,3 +585,28 @@ def test_install_hints_name_real_extras():
     files = [*DOCS, *(ROOT / "jaxdist").glob("*.py"), *(ROOT / "scripts").glob("*.py")]
     named = {m for f in files for m in re.findall(r"pip install -e '\.\[(\w+)\]'", f.read_text())}
     assert named and named <= set(extras), named - set(extras)
+
+
+def _masked(line: str, workdir: str) -> str:
+    """`line` with what differs between runs masked: the run folder, numbers, durations, rates,
+    the list of saved steps."""
+    line = line.replace(workdir, "DIR").replace("/path/to/runs/default", "DIR")
+    line = re.sub(r"\(steps [\d, ]+\)", "(steps #)", line)
+    return re.sub(r"\d+(?:\.\d+)?(?:[kMG]\b|h\d+m|m\d+s|s\b|%)?", "#", line)
+
+
+def test_readme_example_output_is_what_the_default_job_prints(results):
+    """The README's closing lines of the default job, line for line, against what the fixture run
+    (the default job, shortened) printed, numbers, times and folders masked: every line it shows
+    exists with the same words and figures in the same places."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("The last lines say where everything went", 1)[1].split("```")[1]
+    shown = [ln for ln in block.splitlines()[1:] if ln.strip()]
+    assert shown[0].startswith("done: step 300, train loss "), shown
+    (key,) = [k for k, (c, run) in RUNNABLE.items() if run == "python scripts/train.py"]
+    printed = results[key].stdout.splitlines()
+    workdir = next(ln.split("│ ", 1)[1] for ln in printed if ln.startswith("outputs │ "))
+    masked = [_masked(ln, workdir) for ln in printed]
+    for line in shown:
+        want = re.escape(_masked(line, workdir)).replace(r"\.\.\.", ".*")
+        assert any(re.fullmatch(want, got) for got in masked), (line, printed[-12:])

@@ -252,6 +252,7 @@ def test_eval_loss_equals_transformers(tmp_path):
     cmd += ["--batches=2", "--batch_size=4", "--seq_len=32", f"--out={out}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{hf_dir} (Hugging Face folder) on " in proc.stdout, proc.stdout  # not "(step None)"
     result = json.loads(out.read_text())
     src = ConfigDict({"source": str(tmp_path / "t.bin"), "val_fraction": 0.1, "max_bytes": 0})
     batches = data.Batches(data.load(src, seq_len=32, vocab_size=VOCAB), batch_size=4, seq_len=32,

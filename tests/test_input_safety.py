@@ -440,7 +440,7 @@ def test_no_tokenizer_is_said_and_generation_config_is_not_one(tmp_path):
     proc = run("hf.py", "import", folder, "--out", tmp_path / "run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.rstrip().endswith(
-        "tokenizer files: none (no tokenizer.json: give sample.py --prompt_ids); also copied: "
+        "; no tokenizer (sample.py then takes --prompt_ids, or --bytes); also copied: "
         "generation_config.json"
     ), proc.stdout
     assert (tmp_path / "run" / "generation_config.json").is_file()
