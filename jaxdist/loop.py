@@ -26,6 +26,7 @@ from jaxdist import checkpoint, data, metrics, train, weights
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
 from jaxdist.errors import ConfigError, NonFiniteError
+from jaxdist.network import counters
 
 log = logging.getLogger("jaxdist")
 
@@ -722,6 +723,8 @@ class _Logger:
         self.pending_eval: dict[str, float] = {}
         self.t_last = self.t_start = time.perf_counter()
         self.n_since = 0
+        # On an emulated cluster (launch.py --network): every host's link bytes per log window.
+        self.net = counters.Window.from_env() if writer.enabled else None
 
     def judge_previous(self, step: int, m) -> None:
         """Checks the finiteness of step - 1 (dispatched one step ago); keeps `m` for next time."""
@@ -751,6 +754,7 @@ class _Logger:
         self.guard.check(m, step)
         now = time.perf_counter()
         dt = (now - self.t_last) / max(self.n_since, 1)
+        steps = self.n_since
         self.t_last, self.n_since = now, 0
         last = {k: float(v) for k, v in m.items() if k != "finite"}
         last["step_time_s"] = dt
@@ -763,5 +767,8 @@ class _Logger:
         self.pending_eval = {}
         self.last = last
         self.writer.write_step(step, last)
+        net = self.net.take(steps) if self.net is not None else None
+        if net is not None:
+            self.writer.write_step(step, net)
         eta = (now - self.t_start) / (step - self.start) * (self.t.steps - step)
         self.console.step(step, self.t.steps, last, eta)
