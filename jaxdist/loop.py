@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist import checkpoint, data, metrics, train, weights
+from jaxdist import checkpoint, data, hlo_cost, metrics, train, weights
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
 from jaxdist.errors import ConfigError, NonFiniteError
@@ -69,6 +69,12 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         # sent + received bytes (a parameter server's hot spot); their per-step total below.
         "collective_phases": phases,
         "busiest_device_bytes_per_step": busiest,
+        # What each process sends to other processes (its host's link, one process per host).
+        "cross_process_bytes_per_step": hlo_cost.cross_host_bytes(
+            compiled.as_text(),
+            [d.process_index for d in engine.mesh.devices.flat],
+            conditional_period=local_steps,
+        ),
         "global_batch": config.train.batch_size,
         "grad_accum": config.train.grad_accum,
         "compute_dtype": config.train.compute_dtype,

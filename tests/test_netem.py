@@ -261,12 +261,15 @@ def test_training_over_the_network_equals_loopback_bit_for_bit(tmp_path, clean):
     for k, v in params["network"].items():
         assert v.tobytes() == params["loopback"][k].tobytes(), k
     recs = records(runs["network"])
-    hlo = sum(recs[0]["collective_bytes_per_step"].values())
+    layout = recs[0]
+    hlo = layout["cross_process_bytes_per_step"]  # one process per host: host i = process i
+    assert hlo[0] == hlo[1] == sum(layout["collective_bytes_per_step"].values()) > 0
     net = [r for r in recs if r.get("kind") == "net"]
     assert [r["step"] for r in net] == [1, 2, 3, 4]
     for r in net[1:]:  # step 1 also makes gloo's connections
-        for host, b in r["hosts"].items():
-            assert hlo <= b["tx_bytes_per_step"] <= 1.05 * hlo + 1024, (host, b, hlo)
+        for i, h in enumerate(hlo):
+            b = r["hosts"][f"host{i}"]
+            assert h <= b["tx_bytes_per_step"] <= 1.05 * h + 1024, (i, b, h)
     assert not [r for r in records(runs["loopback"]) if r.get("kind") == "net"]
 
 
@@ -287,3 +290,30 @@ def test_counters_parse_a_switch_port_table(tmp_path):
     window = counters.Window(str(dev))
     rec = window.take(steps=2)
     assert rec["kind"] == "net" and rec["hosts"]["host0"]["tx_bytes"] == 0
+
+
+def test_cross_host_bytes_follow_gloos_ring_and_the_permute_pairs():
+    """8 devices as 2 hosts × 4: a ring all-reduce of S crosses hosts once per host (the member
+    whose next rank is on the other host sends 2(N-1)/N·S); a ring permute likewise sends S."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxdist import hlo_cost
+
+    mesh = jax.make_mesh((8,), ("d",))
+    x = jax.device_put(jnp.ones((8, 1000)), NamedSharding(mesh, PartitionSpec("d")))
+    spec = PartitionSpec("d")
+
+    def compiled(fn):
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))
+        return f.lower(x).compile().as_text()
+
+    s = 4000  # bytes per device
+    reduce = compiled(lambda b: jax.lax.psum(b, "d"))
+    assert hlo_cost.cross_host_bytes(reduce, [0] * 4 + [1] * 4) == [2 * 7 / 8 * s] * 2
+    assert hlo_cost.cross_host_bytes(reduce, list(range(8))) == [2 * 7 / 8 * s] * 8
+    assert hlo_cost.cross_host_bytes(reduce, [0] * 8) == [0.0]
+    ring = [(i, (i + 1) % 8) for i in range(8)]
+    permute = compiled(lambda b: jax.lax.ppermute(b, "d", ring))
+    assert hlo_cost.cross_host_bytes(permute, [0] * 4 + [1] * 4) == [s, s]
