@@ -239,6 +239,10 @@ SHORTENED = {
 }
 _SETUP = "sets up an environment (a venv, packages from the network); this test runs in one"
 _CLUSTER = "needs a cluster (SLURM, Docker, Kubernetes), not this machine"
+_NETEM = (
+    "needs root (CAP_NET_ADMIN) for network namespaces; tests/test_netem.py runs such launches "
+    "and skips where namespaces cannot be made"
+)
 NOT_RUN = {
     "python3 -m venv .venv": _SETUP,
     ". .venv/bin/activate": _SETUP,
@@ -283,6 +287,12 @@ NOT_RUN = {
         _CLUSTER
     ),
     "kubectl delete jobset jaxdist": _CLUSTER,
+    "python scripts/launch.py --network=rate=50mbit --num_processes=2 --devices_per_process=2 "
+    "-- python scripts/train.py --workdir=runs/netem --config.train.steps=20 --config.mesh.data=4 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.mesh.dcn_data=2": _NETEM,
+    "python scripts/bench.py --study=network --out=docs/data/network_rate.json "
+    "--methods=xla,ring,hierarchical,ps,int8,powersgd --links=rate=1gbit,rate=50mbit "
+    "--network_steps=15": _NETEM + "; 24 training runs take ~40 min on 2 cores",
 }
 
 
