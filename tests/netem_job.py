@@ -5,7 +5,7 @@
 
 Process 0 writes OUT.json: the wall time of each all-reduce (after one warm-up), the HLO's bytes
 per device per all-reduce (jaxdist.hlo_cost, as the layout record counts them) and every host's
-link bytes over the timed all-reduces (or over the idle seconds) from `jaxdist.network.counters`.
+link bytes and frames (sent, received, frames sent, frames received) over each timed all-reduce (or over the idle seconds) from `jaxdist.network.counters`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _counters():
 
 
 def _delta(before, after):
-    return {h: [after[h][0] - before[h][0], after[h][1] - before[h][1]] for h in after}
+    return {h: [a - b for a, b in zip(after[h], before[h])] for h in after}
 
 
 def allreduce(nbytes: int, reps: int, out: str) -> None:
@@ -55,14 +55,14 @@ def allreduce(nbytes: int, reps: int, out: str) -> None:
     hlo = hlo_cost.collective_bytes(compiled.as_text())
     y = compiled(x)
     jax.block_until_ready(y)  # warm-up: gloo's connections are made on first use
-    times = []
-    before = _counters()
+    times, per_rep = [], []
     for _ in range(reps):
+        before = _counters()
         t0 = time.perf_counter()
         y = compiled(x)
         jax.block_until_ready(y)
         times.append(time.perf_counter() - t0)
-    after = _counters()
+        per_rep.append(_delta(before, _counters()))
     assert float(np.asarray(y.addressable_shards[0].data)[0, 0]) == jax.device_count()
     if jax.process_index() == 0:
         with open(out, "w", encoding="utf-8") as f:
@@ -72,7 +72,7 @@ def allreduce(nbytes: int, reps: int, out: str) -> None:
                     "hlo_bytes_per_device": hlo,
                     "devices": jax.device_count(),
                     "processes": jax.process_count(),
-                    "link_bytes": _delta(before, after),
+                    "link_bytes_per_rep": per_rep,
                 },
                 f,
             )

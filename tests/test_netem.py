@@ -135,9 +135,10 @@ def clean():
 def test_allreduce_time_and_kernel_bytes_over_50mbit(tmp_path, clean):
     """2 hosts, 1 device each, 50 Mbit/s (jumbo frames): an all-reduce of S = 4 MB per device
     sends S per host (ring: 2(N-1)/N·S), so it takes S / rate; the kernel's count of what each
-    host sent over the timed all-reduces is within 5% of the HLO's bytes (frames carry headers)."""
+    host sent and received in an all-reduce (the median of 5) is within 5% of the HLO's bytes
+    (frames carry headers: 0.7% at MTU 9000)."""
     out = tmp_path / "ar.json"
-    reps = 3
+    reps = 5
     run = _launch(
         "--network=rate=50mbit,mtu=9000",
         "--num_processes=2",
@@ -158,9 +159,13 @@ def test_allreduce_time_and_kernel_bytes_over_50mbit(tmp_path, clean):
     expected_s = hlo / (RATE / 8)
     median = statistics.median(got["times_s"])
     assert abs(median - expected_s) <= 0.2 * expected_s, (got["times_s"], expected_s)
-    for host, (sent, received) in got["link_bytes"].items():
-        assert abs(sent - reps * hlo) <= 0.05 * reps * hlo, (host, sent, reps * hlo)
-        assert abs(received - reps * hlo) <= 0.05 * reps * hlo, (host, received, reps * hlo)
+    # The median all-reduce's bytes: on a loaded machine a descheduled process can make TCP
+    # retransmit segments that had arrived (a spurious timeout), which the kernel counts again.
+    for host in ("0", "1"):
+        sent = statistics.median(r[host][0] for r in got["link_bytes_per_rep"])
+        received = statistics.median(r[host][1] for r in got["link_bytes_per_rep"])
+        assert abs(sent - hlo) <= 0.05 * hlo, (host, got["link_bytes_per_rep"], hlo)
+        assert abs(received - hlo) <= 0.05 * hlo, (host, got["link_bytes_per_rep"], hlo)
     assert namespaces.leftovers(run.tag) == []
 
 
@@ -286,7 +291,7 @@ def test_counters_parse_a_switch_port_table(tmp_path):
         "   br0:     224       3    0    0    0     0          0         3      274       3"
         "    0    0    0     0       0          0\n"
     )
-    assert counters.read(str(dev)) == {0: (176, 290)}
+    assert counters.read(str(dev)) == {0: (176, 290, 2, 3)}
     window = counters.Window(str(dev))
     rec = window.take(steps=2)
     assert rec["kind"] == "net" and rec["hosts"]["host0"]["tx_bytes"] == 0

@@ -19,8 +19,9 @@ ENV_PROCESSES_PER_HOST = "JAXDIST_NET_PROCESSES_PER_HOST"
 _PORT = re.compile(r"^h(\d+)$")
 
 
-def read(path: str) -> dict[int, tuple[int, int]]:
-    """host index -> (bytes it sent, bytes it received), from a switch's `/proc/<pid>/net/dev`."""
+def read(path: str) -> dict[int, tuple[int, int, int, int]]:
+    """host index -> (bytes it sent, bytes it received, frames it sent, frames it received), from
+    a switch's `/proc/<pid>/net/dev`."""
     out = {}
     with open(path, encoding="ascii") as f:
         for line in f.readlines()[2:]:
@@ -28,7 +29,9 @@ def read(path: str) -> dict[int, tuple[int, int]]:
             m = _PORT.match(name.strip())
             if m:
                 fields = rest.split()
-                out[int(m.group(1))] = (int(fields[0]), int(fields[8]))  # rx, tx of the port
+                # the port's rx is what the host sent, its tx what the host received
+                rx, rx_pk, tx, tx_pk = fields[0], fields[1], fields[8], fields[9]
+                out[int(m.group(1))] = (int(rx), int(tx), int(rx_pk), int(tx_pk))
     return out
 
 
@@ -53,7 +56,7 @@ class Window:
 
     def take(self, steps: int) -> dict[str, Any] | None:
         """The `kind: "net"` record of the window since the last call: `hosts` maps `host<i>` to
-        its `tx_bytes`, `rx_bytes` and the same per step (`steps` steps in the window)."""
+        its `tx_bytes`, `rx_bytes`, `tx_frames`, `rx_frames` and bytes per step (`steps` steps in the window)."""
         try:
             now = read(self.path)
         except OSError:
@@ -61,11 +64,12 @@ class Window:
         t = time.perf_counter()
         hosts = {}
         for h in sorted(now):
-            tx0, rx0 = self.last.get(h, (0, 0))
-            tx, rx = now[h][0] - tx0, now[h][1] - rx0
+            tx, rx, tx_pk, rx_pk = (a - b for a, b in zip(now[h], self.last.get(h, (0,) * 4)))
             hosts[f"host{h}"] = {
                 "tx_bytes": tx,
                 "rx_bytes": rx,
+                "tx_frames": tx_pk,
+                "rx_frames": rx_pk,
                 "tx_bytes_per_step": tx / max(steps, 1),
                 "rx_bytes_per_step": rx / max(steps, 1),
             }
