@@ -162,6 +162,30 @@ def add_predictions(result: dict) -> dict:
     return result
 
 
+def table(result: dict) -> str:
+    """The study as a Markdown table, one row per method and link."""
+    head = (
+        "| link | method | step s (p10-p90) | loopback s | exposed comm s | planner comm s "
+        "| kernel B/host/step | HLO B/host/step | kernel/HLO | time to target s | final loss |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    )
+    rows = []
+    for r in result["runs"]:
+        kernel, hlo = r["kernel_bytes_per_step"], r["hlo_bytes_per_step"]
+        k, h = (sum(kernel) / len(kernel) if kernel else None), sum(hlo) / len(hlo)
+        pred = r.get("predicted_comm_s")
+        ttt = r["time_to_target_s"]
+        rows.append(
+            f"| {r['link']} | {r['method']} | {r['step_time_s']:.3f} ({r['step_time_p10_s']:.3f}-"
+            f"{r['step_time_p90_s']:.3f}) | {r['compute_only_step_time_s']:.3f} | "
+            f"{r['exposed_comm_s']:.3f} | {'-' if pred is None else f'{pred:.3f}'} | "
+            f"{'-' if k is None else f'{k:,.0f}'} | {h:,.0f} | "
+            f"{'-' if k is None or not h else f'{k / h:.3f}'} | "
+            f"{'-' if ttt is None else f'{ttt:.1f}'} | {r['final_eval_loss']:.3f} |"
+        )
+    return head + "\n".join(rows)
+
+
 def run(links: list[str], methods: list[str], steps: int, target: float | None, out_dir: str):
     """Every method on loopback and on each link; returns the study's JSON object."""
     bad = [m for m in methods if m not in METHODS]
@@ -212,7 +236,7 @@ def run(links: list[str], methods: list[str], steps: int, target: float | None, 
                 f"HLO {r['hlo_bytes_per_step']} B/step/host",
                 flush=True,
             )
-    return add_predictions(
+    result = add_predictions(
         {
             "study": "network",
             "steps": steps,
@@ -224,3 +248,5 @@ def run(links: list[str], methods: list[str], steps: int, target: float | None, 
             "runs": runs,
         }
     )
+    print(table(result), flush=True)
+    return result
