@@ -548,7 +548,9 @@ def study_network(config) -> dict:
     methods = _METHODS.value or list(network_study.METHODS)
     target = _TARGET.value if flags.FLAGS["target_loss"].present else None
     with tempfile.TemporaryDirectory(prefix="jaxdist-network-study-") as d:
-        return network_study.run(_LINKS.value, methods, _NETWORK_STEPS.value, target, d)
+        return network_study.run(
+            _LINKS.value, methods, _NETWORK_STEPS.value, target, d, partial_path=_OUT.value
+        )
 
 
 def main(argv):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,8 +89,13 @@ def _run(
     cmd += [sys.executable, "scripts/train.py", f"--workdir={workdir}", *MODEL, *METHODS[method]]
     cmd += [f"--config.train.steps={steps}", f"--config.train.eval_every={eval_every}"]
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
+    for attempt in range(2):  # once more after a failure: a loaded machine can starve a process
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        if done.returncode == 0:
+            break
+        print(f"{workdir}: failed (attempt {attempt + 1}): {done.stderr[-1500:]}", flush=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
         raise RuntimeError(f"{' '.join(cmd)}\n{done.stderr[-3000:]}")
     recs = _records(workdir)
     layout = recs[0]
@@ -186,8 +192,16 @@ def table(result: dict) -> str:
     return head + "\n".join(rows)
 
 
-def run(links: list[str], methods: list[str], steps: int, target: float | None, out_dir: str):
-    """Every method on loopback and on each link; returns the study's JSON object."""
+def run(
+    links: list[str],
+    methods: list[str],
+    steps: int,
+    target: float | None,
+    out_dir: str,
+    partial_path: str | None = None,
+):
+    """Every method on loopback and on each link; returns the study's JSON object (written to
+    `partial_path` after each row too, so a stopped study keeps what it measured)."""
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise ConfigError(f"--methods: {bad} not in the network study ({', '.join(METHODS)})")
@@ -230,6 +244,10 @@ def run(links: list[str], methods: list[str], steps: int, target: float | None, 
                 }
             )
             r = runs[-1]
+            if partial_path:
+                with open(partial_path, "w", encoding="utf-8") as f:
+                    json.dump({"study": "network", "partial": True, "loopback": loopback,
+                               "target_loss": target, "runs": runs}, f, indent=1)  # fmt: skip
             print(
                 f"{link} {m}: {r['step_time_s'] * 1e3:.1f} ms/step (exposed "
                 f"{r['exposed_comm_s'] * 1e3:.1f} ms), kernel {r['kernel_bytes_per_step']} vs "
