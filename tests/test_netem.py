@@ -39,10 +39,19 @@ needs_namespaces = pytest.mark.skipif(
 )
 
 
+def _env_no_cache() -> dict[str, str]:
+    """The subprocess environment without the session's compilation cache: two processes that
+    find different things in it wait on each other in their first collective
+    (scripts/network_study.py)."""
+    env = _env(None, None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
+
+
 def _launch(*flags: str, env=None, timeout=300) -> subprocess.CompletedProcess:
     """launch.py with `flags`; `.tag` is the name prefix of the cluster it made (if any)."""
     cmd = [sys.executable, str(LAUNCH), *flags]
-    env = {**_env(None, None), **(env or {})}
+    env = {**_env_no_cache(), **(env or {})}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -245,7 +254,7 @@ def test_training_over_the_network_equals_loopback_bit_for_bit(tmp_path, clean):
         cmd += ["--platform=cpu", "--grace_s=2", "--", "python", "scripts/train.py"]
         cmd += [f"--workdir={workdir}", *TRAIN]
         procs[name] = subprocess.Popen(
-            cmd, cwd=ROOT, env=_env(None, None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            cmd, cwd=ROOT, env=_env_no_cache(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True,
         )  # fmt: skip
         runs[name] = workdir
