@@ -290,9 +290,11 @@ NOT_RUN = {
     "python scripts/launch.py --network=rate=50mbit --num_processes=2 --devices_per_process=2 "
     "-- python scripts/train.py --workdir=runs/netem --config.train.steps=20 --config.mesh.data=4 "
     "--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.mesh.dcn_data=2": _NETEM,
-    "python scripts/bench.py --study=network --out=docs/data/network_rate.json "
-    "--methods=xla,ring,hierarchical,ps,int8,powersgd --links=rate=1gbit,rate=50mbit "
-    "--network_steps=15": _NETEM + "; 24 training runs take ~40 min on 2 cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_rate50.json "
+    "--methods=xla,ring,hierarchical,ps,int8,powersgd --links=rate=50mbit "
+    "--network_steps=10": _NETEM + "; 12 training runs take ~30 min on 2 loaded cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_rate50_first.json "
+    "--methods=xla,hierarchical --links=rate=50mbit --network_steps=12": _NETEM,
 }
 
 
