@@ -272,6 +272,50 @@ def collective_phases(
     return out, float(total.max()) if n else 0.0
 
 
+def cross_host_bytes(
+    hlo_text: str, processes: Sequence[int], conditional_period: int = 1
+) -> list[float]:
+    """Bytes each process (host) sends to other processes per execution, as gloo moves them.
+
+    What a host's network link carries, to compare with its NIC's counters. XLA:CPU's gloo
+    communicator (one gloo rank per device, in the group's order) runs all-reduce as gloo's ring
+    (`AllreduceOptions::Algorithm::RING`: reduce-scatter then all-gather, each rank sending
+    2(N-1)/N·S to the next rank) and all-gather as gloo's ring, so a member's bytes cross hosts
+    when the next member of its group is on another process; reduce-scatter (gloo's
+    halving-doubling) is costed the same way, an approximation; all-to-all sends each other member
+    its S/N; collective-permute exactly its pairs.
+
+    Args:
+      hlo_text: a compiled module.
+      processes: the process index of each partition id (mesh.devices.flat order).
+      conditional_period: as in `collective_bytes`.
+
+    Returns:
+      Bytes per step, indexed by process.
+    """
+    out = [0.0] * (max(processes) + 1)
+    n = len(processes)
+    for op in collective_ops(hlo_text):
+        if op.wire_bytes <= 0:
+            continue
+        share = 1.0 / (conditional_period if op.conditional else 1)
+        if op.pairs is not None:
+            for src, dst in op.pairs:
+                if src < n and dst < n and processes[src] != processes[dst]:
+                    out[processes[src]] += op.bytes_per_exec * op.count * share
+            continue
+        for g in op.groups or (tuple(range(n)),):
+            g = [i for i in g if i < n]
+            for k, member in enumerate(g):
+                if op.kind == "all-to-all":
+                    others = [m for m in g if m != member]
+                    crossing = sum(processes[m] != processes[member] for m in others)
+                    out[processes[member]] += op.wire_bytes * share * crossing / max(len(others), 1)
+                elif processes[g[(k + 1) % len(g)]] != processes[member]:
+                    out[processes[member]] += op.wire_bytes * share
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # HLO text parsing: just enough structure for shapes, attributes and the call graph.
 # --------------------------------------------------------------------------------------------------

@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist import checkpoint, data, goodput, metrics, train, weights, workdir_lock
+from jaxdist import checkpoint, data, goodput, hlo_cost, metrics, train, weights, workdir_lock
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
 from jaxdist.errors import ConfigError, NonFiniteError
+from jaxdist.network import counters
 
 log = logging.getLogger("jaxdist")
 
@@ -69,6 +70,12 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         # sent + received bytes (a parameter server's hot spot); their per-step total below.
         "collective_phases": phases,
         "busiest_device_bytes_per_step": busiest,
+        # What each process sends to other processes (its host's link, one process per host).
+        "cross_process_bytes_per_step": hlo_cost.cross_host_bytes(
+            compiled.as_text(),
+            [d.process_index for d in engine.mesh.devices.flat],
+            conditional_period=local_steps,
+        ),
         "global_batch": config.train.batch_size,
         "grad_accum": config.train.grad_accum,
         "compute_dtype": config.train.compute_dtype,
@@ -871,6 +878,8 @@ class _Logger:
         self.pending_eval: dict[str, float] = {}
         self.t_last = self.t_start = time.perf_counter()
         self.n_since = 0
+        # On an emulated cluster (launch.py --network): every host's link bytes per log window.
+        self.net = counters.Window.from_env() if writer.enabled else None
 
     def judge_previous(self, step: int, m) -> None:
         """Checks the finiteness of step - 1 (dispatched one step ago); keeps `m` for next time."""
@@ -901,6 +910,7 @@ class _Logger:
         self.guard.check(m, step)
         now = time.perf_counter()
         dt = (now - self.t_last) / max(self.n_since, 1)
+        steps = self.n_since
         self.t_last, self.n_since = now, 0
         last = {k: float(v) for k, v in m.items() if k != "finite"}
         last["step_time_s"] = dt
@@ -913,5 +923,8 @@ class _Logger:
         self.pending_eval = {}
         self.last = last
         self.writer.write_step(step, last)
+        net = self.net.take(steps) if self.net is not None else None
+        if net is not None:
+            self.writer.write_step(step, net)
         eta = (now - self.t_start) / (step - self.start) * (self.t.steps - step)
         self.console.step(step, self.t.steps, last, eta)

@@ -22,6 +22,9 @@ Studies:
   aggregation  per grad_sync.algorithm: HLO bytes of the busiest device, sequential steps and step
             time; the planner's all-reduce time 8 → 4096 devices; steps to --target_loss for each
             grad_sync.staleness in --taus (scripts/aggregation_study.py, docs/AGGREGATION.md).
+  network   the same small GPT trained on emulated hosts (scripts/launch.py --network, needs root)
+            per --methods and --links: step time, exposed communication, each host's link bytes
+            per step (kernel) vs the HLO's, time to a target loss (scripts/network_study.py).
   context, moe  context and expert parallelism (scripts/bench_parallel.py): temp memory and step
             time vs sequence length for mesh.context 1/2/4/8; step time vs number of experts at
             equal active parameters, dropless vs capacity.
@@ -57,7 +60,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 _STUDY = flags.DEFINE_enum(
     "study",
     "overhead",
-    ["overhead", "compile", "batch", "compression", "aggregation", "context", "moe"],
+    ["overhead", "compile", "batch", "compression", "aggregation", "context", "moe", "network"],
     "Which benchmark.",
 )
 _LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "--study=context: lengths T.")
@@ -538,6 +541,26 @@ def study_aggregation(config) -> dict:
     )
 
 
+_LINKS = flags.DEFINE_list(
+    "links", ["rate=1gbit", "rate=50mbit"], "--study=network: --network values to run on."
+)
+_NETWORK_STEPS = flags.DEFINE_integer("network_steps", 30, "--study=network: steps per run.")
+
+
+def study_network(config) -> dict:
+    del config  # each row is its own launch of scripts/train.py
+    import tempfile
+
+    import network_study
+
+    methods = _METHODS.value or list(network_study.METHODS)
+    target = _TARGET.value if flags.FLAGS["target_loss"].present else None
+    with tempfile.TemporaryDirectory(prefix="jaxdist-network-study-") as d:
+        return network_study.run(
+            _LINKS.value, methods, _NETWORK_STEPS.value, target, d, partial_path=_OUT.value
+        )
+
+
 def main(argv):
     del argv
     if not flags.FLAGS["verbosity"].present:
@@ -555,6 +578,7 @@ def main(argv):
         "batch": study_batch,
         "compression": study_compression,
         "aggregation": study_aggregation,
+        "network": study_network,
         "context": lambda c: bench_parallel.study_context(
             c, [int(t) for t in _LENGTHS.value], _STEPS.value, _WARMUP.value
         ),

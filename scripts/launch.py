@@ -24,6 +24,12 @@ Faults it handles:
 - `--max_restarts=K`: after a failure (or a hang) the whole job is started again, up to K times;
   `train.py` resumes from the last checkpoint. `--elastic`: the restart runs on the processes that
   remain (the failed ones are left out), so a config with `mesh.data=-1` continues on fewer devices.
+
+The emulated cluster (`--network=PROFILE`, needs root): the processes run on N / P emulated hosts
+(`--processes_per_host=P`), each host a network namespace with its own hostname and address on a
+switch, its link shaped both ways (`jaxdist.network`); the coordinator is on host 0. `--link=H:...`
+changes host H's link. Everything it creates is removed when the launcher ends, however it ends
+(docs/MULTIHOST.md).
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ import sys
 import tempfile
 import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxdist.errors import ConfigError  # noqa: E402
+from jaxdist.network import counters, namespaces, profiles  # noqa: E402
 
 POLL_S = 0.05
 FAILURE_GRACE_S = 5.0  # after a failure the others cannot save (their peer is gone): no long wait
@@ -93,6 +103,24 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default=0.0,
         help="stop the job when a process reports no step for this many seconds (0 = off)",
     )
+    parser.add_argument(
+        "--network",
+        default="",
+        help="run on emulated hosts with shaped links: a profile (list: --network=list) or "
+        f"inline {profiles.INLINE_HELP}; needs root",
+    )
+    parser.add_argument(
+        "--processes_per_host",
+        type=int,
+        default=1,
+        help="with --network: processes on each emulated host (loopback between them)",
+    )
+    parser.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        help="with --network: HOST:field=value,... changes one host's link, e.g. 1:rate=10mbit",
+    )
     args = parser.parse_args(own)
     if not command:
         parser.error("no command: put it after '--', e.g. -- python scripts/train.py")
@@ -104,6 +132,13 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--max_restarts={args.max_restarts}: must be at least 0")
     if args.hang_s < 0:
         parser.error(f"--hang_s={args.hang_s:g}: must be at least 0 (0 = off)")
+    if args.processes_per_host < 1 or args.num_processes % args.processes_per_host:
+        parser.error(
+            f"--processes_per_host={args.processes_per_host}: must be at least 1 and divide "
+            f"--num_processes={args.num_processes}"
+        )
+    if not args.network and (args.link or args.processes_per_host != 1):
+        parser.error("--link and --processes_per_host need --network")
     if not 0 <= args.coordinator_port < 65536:
         parser.error(f"--coordinator_port={args.coordinator_port}: must be 0..65535")
     if command[0] in ("python", "python3"):
@@ -140,7 +175,9 @@ def _visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(ln for ln in out.splitlines() if ln.startswith("GPU "))]
 
 
-def _child_envs(args: argparse.Namespace, port: int) -> tuple[list[dict[str, str]], str]:
+def _child_envs(
+    args: argparse.Namespace, port: int, coordinator: str = "127.0.0.1"
+) -> tuple[list[dict[str, str]], str]:
     n, k = args.num_processes, args.devices_per_process
     gpus = _visible_gpus() if args.platform in ("auto", "gpu") else []
     if args.platform == "gpu" and len(gpus) < n * k:
@@ -152,7 +189,7 @@ def _child_envs(args: argparse.Namespace, port: int) -> tuple[list[dict[str, str
     for rank in range(n):
         env = dict(os.environ)
         env.update(
-            JAXDIST_COORDINATOR=f"127.0.0.1:{port}",
+            JAXDIST_COORDINATOR=f"{coordinator}:{port}",
             JAXDIST_NUM_PROCESSES=str(n),
             JAXDIST_PROCESS_ID=str(rank),
             PYTHONUNBUFFERED="1",  # lines reach the launcher as they are printed
@@ -229,8 +266,11 @@ class Launcher:
         grace_s: float,
         hang_s: float = 0.0,
         progress_dir: str | None = None,
+        wrap=None,
     ):
         self.command = command
+        # rank -> the command that process runs (inside its emulated host, with --network)
+        self.commands = [command if wrap is None else wrap(r, command) for r in range(len(envs))]
         self.envs = envs
         self.grace_s = grace_s
         self.hang_s = hang_s
@@ -276,7 +316,7 @@ class Launcher:
         for rank, env in enumerate(self.envs):
             try:
                 proc = subprocess.Popen(
-                    self.command,
+                    self.commands[rank],
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
@@ -428,8 +468,21 @@ class Launcher:
         return 0
 
 
+def _cluster(args: argparse.Namespace) -> namespaces.Cluster:
+    """The emulated cluster of `--network`, built (raises ConfigError when it cannot be)."""
+    hosts = args.num_processes // args.processes_per_host
+    links = profiles.host_links(profiles.link(args.network), hosts, args.link)
+    cluster = namespaces.Cluster(links).up()
+    print(f"{NAME}: {cluster.describe()}", file=sys.stderr, flush=True)
+    return cluster
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, command = _parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--network=list" in argv[: argv.index("--") if "--" in argv else len(argv)]:
+        print(profiles.listing())
+        return 0
+    args, command = _parse(argv)
     if args.coordinator_port and _port_in_use(args.coordinator_port):
         print(
             f"{NAME}: --coordinator_port={args.coordinator_port} is already in use on this host; "
@@ -437,18 +490,36 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    cluster = None
+    if args.network:
+        try:
+            cluster = _cluster(args)
+        except ConfigError as e:
+            print(f"{NAME}: {e}", file=sys.stderr, flush=True)
+            return 2
     # Progress files also let a failure be blamed on a process that had stalled before it.
     progress_dir = tempfile.mkdtemp(prefix="jaxdist-progress-")
     try:
         for attempt in range(args.max_restarts + 1):
-            port = args.coordinator_port or _free_port()
-            envs, what = _child_envs(args, port)
+            wrap, host = None, "127.0.0.1"
+            if cluster is None:
+                port = args.coordinator_port or _free_port()
+            else:  # a fresh namespace: any port is free; a new one per attempt (TIME_WAIT)
+                port = (args.coordinator_port or 8476) + attempt
+                host = cluster.hosts[0].address
+                per = args.processes_per_host
+                wrap = lambda rank, cmd, per=per: cluster.wrap(rank // per, cmd)  # noqa: E731
+            envs, what = _child_envs(args, port, host)
+            if cluster is not None:
+                for env in envs:
+                    env[counters.ENV_COUNTERS] = cluster.counters_path
+                    env[counters.ENV_PROCESSES_PER_HOST] = str(args.processes_per_host)
             print(
-                f"{NAME}: {args.num_processes} process(es) x {what}, coordinator 127.0.0.1:{port}",
+                f"{NAME}: {args.num_processes} process(es) x {what}, coordinator {host}:{port}",
                 file=sys.stderr,
                 flush=True,
             )
-            launcher = Launcher(command, envs, args.grace_s, args.hang_s, progress_dir)
+            launcher = Launcher(command, envs, args.grace_s, args.hang_s, progress_dir, wrap=wrap)
             code = launcher.run()
             if code == 0 or launcher.signalled is not None or attempt == args.max_restarts:
                 return code
@@ -468,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     finally:
         shutil.rmtree(progress_dir, ignore_errors=True)
+        if cluster is not None:
+            cluster.down()
 
 
 if __name__ == "__main__":

@@ -251,6 +251,10 @@ SHORTENED = {
 }
 _SETUP = "sets up an environment (a venv, packages from the network); this test runs in one"
 _CLUSTER = "needs a cluster (SLURM, Docker, Kubernetes), not this machine"
+_NETEM = (
+    "needs root (CAP_NET_ADMIN) for network namespaces; tests/test_netem.py runs such launches "
+    "and skips where namespaces cannot be made"
+)
 NOT_RUN = {
     "python3 -m venv .venv": _SETUP,
     ". .venv/bin/activate": _SETUP,
@@ -305,6 +309,14 @@ NOT_RUN = {
     + "; tests/test_config_llama3_8b.py checks the file against the planner's flags",
     "kubectl logs -f -l jobset.sigs.k8s.io/jobset-name=jaxdist-llama3-8b --prefix "
     "--max-log-requests=16": _CLUSTER,
+    "python scripts/launch.py --network=rate=50mbit --num_processes=2 --devices_per_process=2 "
+    "-- python scripts/train.py --workdir=runs/netem --config.train.steps=20 --config.mesh.data=4 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.mesh.dcn_data=2": _NETEM,
+    "python scripts/bench.py --study=network --out=docs/data/network_rate50.json "
+    "--methods=xla,ring,hierarchical,ps,int8,powersgd --links=rate=50mbit "
+    "--network_steps=10": _NETEM + "; 12 training runs take ~30 min on 2 loaded cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_rate50_first.json "
+    "--methods=xla,hierarchical --links=rate=50mbit --network_steps=12": _NETEM,
 }
 
 

@@ -1,0 +1,344 @@
+"""Builds and tears down the emulated cluster: one network namespace per host, a switch, shaped links.
+
+Layout of a cluster tagged `jdn<PID>` (PID = the launcher's process id):
+
+    namespace jdn<PID>-sw          bridge br0 with ports h0 .. h<H-1>   (the switch)
+    namespace jdn<PID>-h<i>        eth0 = 198.18.0.<i+1>/24, lo          (host i, hostname host<i>)
+    /etc/netns/jdn<PID>-h<i>/hosts every host's name and address (`ip netns exec` mounts it)
+
+Each host's link is a veth pair created directly inside the two namespaces (nothing is ever added
+to the machine's own namespace), shaped on both ends by `tc`: on eth0 for what the host sends, on
+h<i> for what it receives. 198.18.0.0/15 is the range RFC 2544 sets aside for benchmarking
+networks; each cluster's namespaces are their own world, so two clusters may both use it.
+
+Teardown (`Cluster.down`) deletes the namespaces (their veths and bridge go with them) and the
+/etc/netns folders. It is guaranteed by three layers: `down()` in the launcher's `finally`; a
+reaper process, started in its own session inside the switch namespace, that tears the cluster
+down when the launcher's end of a pipe closes, which also happens when the launcher is SIGKILLed;
+and `remove_stale()` at every start, which removes clusters whose launcher is no longer alive.
+The reaper's `/proc/<pid>/net/dev` also lists every host's switch port, which is how the training
+process reads all hosts' byte counters (`jaxdist.network.counters`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+from jaxdist.errors import ConfigError
+from jaxdist.network.profiles import LinkSpec
+
+PREFIX = "jdn"
+SUBNET = "198.18.0"  # RFC 2544's benchmarking range
+NETNS_RUN = "/run/netns"
+NETNS_ETC = "/etc/netns"
+ENV_NO_PRIVILEGE = "JAXDIST_NETEM_DENY"  # tests: behave as if CAP_NET_ADMIN were missing
+CAP_NET_ADMIN = 12
+_TAG = re.compile(rf"^({PREFIX}(\d+))-")
+
+# The reaper: waits for EOF on stdin (the launcher gone, however it ended), then deletes every
+# namespace and /etc/netns folder of its tag. Self-contained: it runs in a bare interpreter.
+_REAPER = r"""
+import os, subprocess, sys, shutil
+tag = sys.argv[1]
+sys.stdin.buffer.read()
+for name in sorted(os.listdir("/run/netns") if os.path.isdir("/run/netns") else []):
+    if name.startswith(tag + "-"):
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+for name in sorted(os.listdir("/etc/netns") if os.path.isdir("/etc/netns") else []):
+    if name.startswith(tag + "-"):
+        shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
+"""
+
+# Run inside a host's namespace and fresh UTS namespace (`unshare --uts`): set the hostname, which
+# gloo resolves to find the address it listens on, then become the command.
+_SET_HOSTNAME = (
+    "import os, socket, sys; socket.sethostname(sys.argv[1]); os.execvp(sys.argv[2], sys.argv[2:])"
+)
+
+
+class NoPrivilege(ConfigError):
+    """Namespaces cannot be made here (no CAP_NET_ADMIN, or no iproute2)."""
+
+
+class NoNetem(ConfigError):
+    """The links ask for delay, jitter or loss and the kernel has no netem qdisc."""
+
+
+def _has_cap_net_admin() -> bool:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+    except OSError:
+        pass
+    return False
+
+
+def check_privilege(env: dict[str, str] | None = None, netem: bool = False) -> None:
+    """Raises `NoPrivilege` with one line saying what is needed, if namespaces cannot be made.
+
+    Checks the `ip` and `unshare` commands, the CAP_NET_ADMIN bit of this process and, for what
+    the bit cannot tell (a user namespace grants it without the right to mount /run/netns), a
+    probe: a namespace added and deleted. With `netem`, also that the kernel has the netem qdisc
+    (delay, jitter, loss): some kernels are built without it (CONFIG_NET_SCH_NETEM).
+    """
+    env = os.environ if env is None else env
+    need = "--network needs root (CAP_NET_ADMIN) and iproute2 to create network namespaces"
+    missing = [c for c in ("ip", "tc", "unshare") if shutil.which(c) is None]
+    if missing:
+        raise NoPrivilege(f"{need}: {', '.join(missing)} not found (apt-get install iproute2)")
+    if env.get(ENV_NO_PRIVILEGE) == "1" or not _has_cap_net_admin():
+        raise NoPrivilege(f"{need}: this process lacks CAP_NET_ADMIN (run it as root, e.g. sudo)")
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    has_netem = True
+    if made.returncode == 0 and netem:
+        tc = ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem"]
+        has_netem = subprocess.run([*tc, "delay", "1ms"], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    if made.returncode != 0:
+        why = (made.stderr.strip().splitlines() or ["failed"])[-1]
+        raise NoPrivilege(f"{need}: 'ip netns add' failed here: {why}")
+    if not has_netem:
+        raise NoNetem(
+            "this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM; try 'modprobe sch_netem'): "
+            "delay, jitter and loss cannot be emulated; use a link with a rate only, e.g. "
+            "--network=rate=1gbit"
+        )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _ours(root: str) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(root) if _TAG.match(n))
+    except OSError:
+        return []
+
+
+def remove_stale() -> list[str]:
+    """Deletes the namespaces and /etc/netns folders of clusters whose launcher is gone.
+
+    Returns:
+      The names removed.
+    """
+    removed = []
+    for root in (NETNS_RUN, NETNS_ETC):
+        for name in _ours(root):
+            if _alive(int(_TAG.match(name).group(2))):
+                continue
+            if root == NETNS_RUN:
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            else:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def leftovers(tag: str | None = None) -> list[str]:
+    """Namespaces and /etc/netns folders of emulated clusters (of `tag` only, if given)."""
+    names = [f"{root}/{n}" for root in (NETNS_RUN, NETNS_ETC) for n in _ours(root)]
+    return [n for n in names if tag is None or os.path.basename(n).startswith(tag + "-")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """One emulated host: its namespace, hostname, address and link."""
+
+    index: int
+    netns: str
+    hostname: str
+    address: str
+    link: LinkSpec
+
+    @property
+    def port(self) -> str:
+        """The host's port on the switch (a veth in the switch namespace)."""
+        return f"h{self.index}"
+
+
+def _tc_commands(ns: str, dev: str, link: LinkSpec, send_side: bool) -> list[list[str]]:
+    """`tc` for one direction of a link: netem (delay/jitter, loss on the host's sending side)
+    with tbf (rate) as its child, or tbf alone."""
+    rate = f"{link.rate_bps:.0f}bit"
+    # tbf's bucket must hold a frame and ~4 ms at the rate (a 250 Hz timer's tick); its queue
+    # ~50 ms at the rate (and at least 4 buckets), so TCP fills the link without tail drops.
+    burst = max(2 * (link.mtu + 14), int(link.bytes_per_s * 4e-3), 16_000)
+    limit = max(4 * burst, int(link.bytes_per_s * 50e-3))
+    tbf = ["tbf", "rate", rate, "burst", str(burst), "limit", str(limit)]
+    netem = []
+    if link.delay_s:
+        netem += ["delay", f"{link.delay_s / 2 * 1e6:.0f}us"]
+        if link.jitter_s:
+            netem += [f"{link.jitter_s / 2 * 1e6:.0f}us", "distribution", "normal"]
+    if link.loss and send_side:
+        netem += ["loss", f"{link.loss * 100:g}%"]
+    base = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev]
+    if not netem:
+        return [[*base, "root", "handle", "1:", *tbf]]
+    return [
+        [*base, "root", "handle", "1:", "netem", "limit", "100000", *netem],
+        [*base, "parent", "1:1", "handle", "10:", *tbf],
+    ]
+
+
+class Cluster:
+    """H emulated hosts on one switch; build with `up()`, always end with `down()`.
+
+    Args:
+      links: one `LinkSpec` per host (host i gets links[i]).
+      tag: the name prefix, `jdn<launcher pid>` by default.
+    """
+
+    def __init__(self, links: list[LinkSpec], tag: str | None = None):
+        if not links:
+            raise ConfigError("an emulated cluster needs at least one host")
+        if len(links) > 250:
+            raise ConfigError(f"{len(links)} hosts: at most 250 fit the emulated /24")
+        self.tag = tag or f"{PREFIX}{os.getpid()}"
+        if not _TAG.match(self.tag + "-"):
+            raise ConfigError(f"cluster tag {self.tag!r} must be {PREFIX}<launcher pid>")
+        self.switch = f"{self.tag}-sw"
+        self.hosts = [
+            Host(i, f"{self.tag}-h{i}", f"host{i}", f"{SUBNET}.{i + 1}", link)
+            for i, link in enumerate(links)
+        ]
+        self.reaper: subprocess.Popen | None = None
+
+    # -- building -------------------------------------------------------------------------------
+    def _run(self, cmd: list[str]) -> None:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+
+    def up(self) -> Cluster:
+        """Creates the switch, the hosts, their links and hosts files, and starts the reaper.
+
+        Raises:
+          NoPrivilege: namespaces cannot be made here.
+          RuntimeError: a step failed (what was built is torn down first).
+        """
+        check_privilege(netem=any(h.link.needs_netem for h in self.hosts))
+        remove_stale()
+        try:
+            self._run(["ip", "netns", "add", self.switch])
+            self._start_reaper()
+            self._no_ipv6(self.switch)
+            sw = ["ip", "-n", self.switch]
+            self._run([*sw, "link", "add", "br0", "type", "bridge"])
+            self._run([*sw, "link", "set", "br0", "up"])
+            self._run([*sw, "link", "set", "lo", "up"])
+            hosts_file = "127.0.0.1\tlocalhost\n" + "".join(
+                f"{h.address}\t{h.hostname}\n" for h in self.hosts
+            )
+            for h in self.hosts:
+                self._run(["ip", "netns", "add", h.netns])
+                self._no_ipv6(h.netns)
+                etc = os.path.join(NETNS_ETC, h.netns)
+                os.makedirs(etc, exist_ok=True)
+                with open(os.path.join(etc, "hosts"), "w", encoding="ascii") as f:
+                    f.write(hosts_file)
+                with open(os.path.join(etc, "hostname"), "w", encoding="ascii") as f:
+                    f.write(h.hostname + "\n")
+                mtu = str(h.link.mtu)
+                self._run(
+                    [*sw, "link", "add", h.port, "mtu", mtu, "type", "veth",
+                     "peer", "name", "eth0", "mtu", mtu, "netns", h.netns]
+                )  # fmt: skip
+                self._run([*sw, "link", "set", h.port, "master", "br0", "up"])
+                hn = ["ip", "-n", h.netns]
+                self._run([*hn, "addr", "add", f"{h.address}/24", "dev", "eth0"])
+                self._run([*hn, "link", "set", "eth0", "up"])
+                self._run([*hn, "link", "set", "lo", "up"])
+                for cmd in _tc_commands(h.netns, "eth0", h.link, send_side=True):
+                    self._run(cmd)
+                for cmd in _tc_commands(self.switch, h.port, h.link, send_side=False):
+                    self._run(cmd)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _no_ipv6(self, ns: str) -> None:
+        """IPv6 off in a namespace before its links exist: its neighbour discovery and router
+        solicitations would add bytes to the links' counters that no collective sent."""
+        for scope in ("all", "default"):
+            self._run(
+                ["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                 f"net.ipv6.conf.{scope}.disable_ipv6=1"]
+            )  # fmt: skip
+
+    def _start_reaper(self) -> None:
+        self.reaper = subprocess.Popen(
+            ["ip", "netns", "exec", self.switch, sys.executable, "-c", _REAPER, self.tag],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C to the launcher's group must not stop it
+        )
+
+    # -- using ----------------------------------------------------------------------------------
+    def wrap(self, host: int, command: list[str]) -> list[str]:
+        """`command` run inside host `host`: its namespace (and /etc/netns hosts file), its own
+        UTS namespace with hostname `host<i>`. Every step execs the next, so the process started
+        is the command's (signals and PR_SET_PDEATHSIG reach it)."""
+        h = self.hosts[host]
+        return [
+            "ip", "netns", "exec", h.netns, "unshare", "--uts", "--",
+            sys.executable, "-c", _SET_HOSTNAME, h.hostname, *command,
+        ]  # fmt: skip
+
+    @property
+    def counters_path(self) -> str:
+        """`/proc/<pid>/net/dev` of a process in the switch namespace: every host port's bytes."""
+        if self.reaper is None:
+            raise RuntimeError("the cluster is not up")
+        return f"/proc/{self.reaper.pid}/net/dev"
+
+    def describe(self) -> str:
+        links = {h.link.describe() for h in self.hosts}
+        per = (
+            links.pop()
+            if len(links) == 1
+            else "; ".join(f"host{h.index}: {h.link.describe()}" for h in self.hosts)
+        )
+        return f"{len(self.hosts)} emulated host(s) {SUBNET}.1-{len(self.hosts)}, links {per}"
+
+    # -- tearing down ---------------------------------------------------------------------------
+    def down(self) -> None:
+        """Deletes every namespace and /etc/netns folder of this cluster; safe to call twice."""
+        for name in [h.netns for h in self.hosts] + [self.switch]:
+            if os.path.exists(os.path.join(NETNS_RUN, name)):
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
+        if self.reaper is not None:
+            try:
+                self.reaper.stdin.close()  # the reaper finds nothing left and exits
+                self.reaper.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.reaper.kill()
+            self.reaper = None
+        deadline = time.monotonic() + 5
+        while leftovers(self.tag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def __enter__(self) -> Cluster:
+        return self.up()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.down()
