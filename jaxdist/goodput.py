@@ -29,6 +29,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from jaxdist.metrics import human_duration
+
 CAUSES = ("productive", "compile", "checkpoint", "eval", "data", "restart", "recomputed", "idle")
 
 
@@ -87,14 +89,12 @@ class Clock:
 
 def summary_line(record: dict[str, Any]) -> str:
     """`goodput │ 71.3% of 2m05s productive; compile 21s, eval 9s, checkpoint 3s, data 1s, idle 2s`."""
-    from jaxdist.loop import _fmt_duration
-
     rest = [
-        f"{c} {_fmt_duration(record[c]) if record[c] >= 1 else f'{record[c]:.1f}s'}"
+        f"{c} {human_duration(record[c]) if record[c] >= 1 else f'{record[c]:.1f}s'}"
         for c in CAUSES
         if c != "productive" and record[c] >= 0.05
     ]
     line = (
-        f"goodput │ {100 * record['goodput']:.1f}% of {_fmt_duration(record['total'])} productive"
+        f"goodput │ {100 * record['goodput']:.1f}% of {human_duration(record['total'])} productive"
     )
     return line + (f"; {', '.join(rest)}" if rest else "")

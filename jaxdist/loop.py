@@ -157,14 +157,7 @@ def summary(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _fmt_duration(seconds: float) -> str:
-    """`42s`, `3m05s`, `1h02m`: an ETA at the precision a reader needs."""
-    s = max(0, int(round(seconds)))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+_fmt_duration = metrics.human_duration  # `42s`, `3m05s`, `1h02m` (also goodput's line)
 
 
 def _fmt_rate(per_s: float, unit: str) -> str:

@@ -27,6 +27,16 @@ from jaxdist.hlo_cost import (
 )
 
 
+def human_duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `1h02m`: a duration at the precision a reader needs."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def human_bytes(n: float | None) -> str:
     """`n` bytes for a reader: "512 B", "2.0 KiB", "1.5 GiB"; None is "n/a"."""
     if n is None:

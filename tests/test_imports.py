@@ -186,6 +186,11 @@ LAYERS = (
         "jaxdist.checkpoint.processes",
         "jaxdist.checkpoint.write_errors",
         "jaxdist.workdir_lock",  # one training run per --workdir
+        "jaxdist.goodput",  # the run's wall time by cause
+        "jaxdist.network",  # the emulated cluster: its modules below
+        "jaxdist.network.counters",
+        "jaxdist.network.namespaces",
+        "jaxdist.network.profiles",
         "jaxdist.orbax_reads",
         "jaxdist.data",
         "jaxdist.metrics",

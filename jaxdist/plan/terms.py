@@ -361,19 +361,22 @@ def fsdp_terms(s: Step, out: Terms) -> None:
             out.add(f"fsdp: all-gather {x.path}", "all-gather", gathered, payload, count, True)
 
 
-def grad_sync_wire_bytes(grad_sync, size: int, replicas: int) -> float:
+def grad_sync_wire_bytes(grad_sync, size: int, replicas: int, shape=None) -> float:
     """The planner's one price of a gradient compressor: the bytes one tensor's gradient shard of
     `size` float32 elements puts on the data axis's reduction over `replicas`, as the payload of
     the dense all-reduce that moves as much (4·size uncompressed).
 
-    Only top-k is priced here (`compression.topk_wire_ratio`: its own k; the all-gather's bytes
-    grow with R up to the dense reduce of the union, the two-phase exchange's do not); every other
-    `grad_sync.compression` is priced as uncompressed (`predict(compression_ratio=)` overrides).
+    Asks the compressor's spec (`CompressorSpec.wire_bytes`, jaxdist/compression/spec.py): the
+    ring-costed bytes one device sends, divided by the dense all-reduce's 2(N-1)/N, so a new
+    compressor is priced with no planner edit. `shape` (the tensor's unsharded shape, without the
+    stacked-layer axis) where the method reads it (PowerSGD's matrix view); `predict(
+    compression_ratio=)` overrides the whole ratio.
     """
-    if grad_sync.get("compression", "none") != "topk":
+    dense = hlo_cost.ring_wire_bytes("all-reduce", 4.0 * size, replicas)
+    if replicas <= 1 or dense <= 0:
         return 4.0 * size
-    two_phase = grad_sync.get("topk_exchange", "all_gather") == "two_phase"
-    return 4.0 * size / compression.topk_wire_ratio(size, replicas, grad_sync.topk_ratio, two_phase)
+    spec = compression.spec_of(grad_sync)
+    return 4.0 * size * spec.wire_bytes(4.0 * size, replicas, grad_sync, shape) / dense
 
 
 def grad_sync_ratio(s: Step) -> float:
@@ -384,7 +387,15 @@ def grad_sync_ratio(s: Step) -> float:
         layers = s.Lp if x.stacked else 1
         size = n // layers
         dense += layers * size
-        sent += layers * grad_sync_wire_bytes(s.config.grad_sync, size, s.sizes["data"]) / 4
+        shape = tuple(x.shape[1:] if x.stacked else x.shape)
+        whole = math.prod(shape) == size  # the matrix view only where the shard is the tensor
+        sent += (
+            layers
+            * grad_sync_wire_bytes(
+                s.config.grad_sync, size, s.sizes["data"], shape if whole else None
+            )
+            / 4
+        )
     return sent / dense
 
 
