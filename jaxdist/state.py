@@ -73,13 +73,16 @@ def opt_shardings(
 ) -> tuple[Any, Any]:
     """(abstract optimizer state, its shardings): each leaf sharded like its parameter."""
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    # A partitioned optimizer (`optax.partition`: Muon's and AdamW's halves) keeps parameter trees
+    # with `MaskedNode` where the other half's parameters are: those stay empty.
+    masked = optax.transforms.MaskedNode
     shardings = optax.tree_map_params(
         tx,
-        lambda _, s: s,
+        lambda leaf, s: leaf if isinstance(leaf, masked) else s,
         abstract_opt,
         param_shardings,
         transform_non_params=lambda _: sharding.replicated(mesh),
-        is_leaf=lambda x: isinstance(x, NamedSharding),
+        is_leaf=lambda x: isinstance(x, NamedSharding | masked),
     )
     return abstract_opt, shardings
 

@@ -153,6 +153,7 @@ LAYERS = (
         "jaxdist.compression",
         "jaxdist.allreduce",
         "jaxdist.optim",
+        "jaxdist.muon",  # train.optimizer=muon's transform, read by jaxdist.optim's spec
         "jaxdist.checkpoint",
         "jaxdist.orbax_reads",
         "jaxdist.data",
