@@ -201,11 +201,11 @@ def scale_by_muon(
             u = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g, m_hat, g_hat)
         else:
             u = m_hat
-        # The axes lead: under `optax.partition` the other half's parameters are `MaskedNode`s.
+        # The axes lead; under `partition` the other half's parameters are scalars, passed through.
         out = jax.tree.map(
             lambda axes, x: (
                 x
-                if isinstance(x, optax.transforms.MaskedNode)
+                if x.ndim == 0
                 else orthogonalize(
                     x, axes, steps=steps, eps=eps, mesh=mesh, distribution=distribution
                 )
@@ -215,6 +215,40 @@ def scale_by_muon(
             is_leaf=sharding.is_axes,
         )
         return out, MuonState(count, mu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def partition(
+    transforms: dict[str, optax.GradientTransformation], labels: Any
+) -> optax.GradientTransformation:
+    """Each parameter through the transform its label names (`labels`: a tree like the params).
+
+    Unlike `optax.partition`, every transform's state is a whole parameter tree: it holds a float32
+    scalar where the other transforms' parameters are (optax's `MaskedNode`s have no leaves, so
+    `optax.tree_map_params` could not pair them with a tree of parameter shardings).
+    """
+
+    def only(tree: Any, label: str) -> Any:
+        return jax.tree.map(
+            lambda x, lab: x if lab == label else jnp.zeros((), jnp.float32), tree, labels
+        )
+
+    def init_fn(params):
+        if not jax.tree.leaves(params):  # optax.tree_map_params' placeholder for the params
+            return {k: tx.init(params) for k, tx in transforms.items()}
+        return {k: tx.init(only(params, k)) for k, tx in transforms.items()}
+
+    def update_fn(updates, state, params=None):
+        outs, new = {}, {}
+        for k, tx in transforms.items():
+            p = None if params is None else only(params, k)
+            outs[k], new[k] = tx.update(only(updates, k), state[k], p)
+        names = tuple(transforms)
+        merged = jax.tree.map(
+            lambda lab, *xs: xs[names.index(lab)], labels, *(outs[k] for k in names)
+        )
+        return merged, new
 
     return optax.GradientTransformation(init_fn, update_fn)
 

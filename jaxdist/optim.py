@@ -386,7 +386,7 @@ class Muon(AdamW):
             optax.scale_by_learning_rate(lr),
         )
         rest = super().transform(lr, wd_mask, axes_tree, mesh)
-        return optax.partition({"muon": matrices, "adamw": rest}, labels)
+        return muon.partition({"muon": matrices, "adamw": rest}, labels)
 
     def moments(self, axes):
         return 1 if muon.matrix_dims(axes) is not None else 2

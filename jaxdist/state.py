@@ -73,16 +73,15 @@ def opt_shardings(
 ) -> tuple[Any, Any]:
     """(abstract optimizer state, its shardings): each leaf sharded like its parameter."""
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    # A partitioned optimizer (`optax.partition`: Muon's and AdamW's halves) keeps parameter trees
-    # with `MaskedNode` where the other half's parameters are: those stay empty.
-    masked = optax.transforms.MaskedNode
+    # A partitioned optimizer (`jaxdist.muon.partition`: Muon's and AdamW's halves) keeps a scalar
+    # where the other half's parameters are: replicated.
     shardings = optax.tree_map_params(
         tx,
-        lambda leaf, s: leaf if isinstance(leaf, masked) else s,
+        lambda leaf, s: s if leaf.ndim else sharding.replicated(mesh),
         abstract_opt,
         param_shardings,
         transform_non_params=lambda _: sharding.replicated(mesh),
-        is_leaf=lambda x: isinstance(x, NamedSharding | masked),
+        is_leaf=lambda x: isinstance(x, NamedSharding),
     )
     return abstract_opt, shardings
 
