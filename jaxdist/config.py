@@ -101,6 +101,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.b2 = 0.95
     c.train.momentum = 0.9
     c.train.nesterov = False  # sgd: Nesterov momentum
+    c.train.opt_state_dtype = "float32"  # or "bfloat16": the optimizer's moments (jaxdist/optim.py)
+    # train.optimizer=muon's own fields (jaxdist/optim.py `Muon`, whose defaults these are).
+    c.train.muon = ml_collections.ConfigDict()
+    c.train.muon.momentum = 0.95
+    c.train.muon.nesterov = True
+    c.train.muon.ns_steps = 5
+    c.train.muon.bias_correction = False  # True: optax.contrib.muon's convention
+    c.train.muon.distribution = "gather"  # or "auto" (jaxdist/muon.py)
     c.train.grad_clip = 1.0  # 0 = no clipping
     c.train.grad_accum = 1
     c.train.compute_dtype = "float32"
@@ -228,12 +236,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     from models import api
 
     models.get(config.model.name)
-    _choice(config, "train.optimizer", tuple(optim.OPTIMIZERS))
-    _choice(config, "train.schedule", tuple(optim.SCHEDULES))
+    optim.check(config)
     _choice(config, "train.compute_dtype", COMPUTE_DTYPES)
     _choice(config, "train.remat", api.remat_names())
     _choice(config, "train.on_nonfinite", NONFINITE)
-    _choice(config, "train.lr_scaling", tuple(optim.LR_SCALINGS))
     _choice(config, "model.norm", ("rmsnorm", "layernorm"))
     _choice(config, "model.attention", ("xla", "cudnn", "auto"))
     for path in (

@@ -11,15 +11,17 @@ gets L ratios, exactly as if the layers were separate arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxdist import sharding
+from jaxdist import muon, sharding
+from jaxdist.errors import ConfigError
 
 # The one registry of `train.lr_scaling` names: name -> batch_size / base_batch_size -> factor.
 LR_SCALINGS: dict[str, Callable[[float], float]] = {
@@ -94,50 +96,355 @@ def scale_by_layerwise_trust_ratio(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _adamw(c, lr, wd_mask, axes_tree) -> optax.GradientTransformation:
-    return optax.adamw(lr, b1=c.b1, b2=c.b2, eps=1e-8, weight_decay=c.weight_decay, mask=wd_mask)
+# --------------------------------------------------------------------------------------------------
+# Optimizer state in a narrower dtype (`train.opt_state_dtype`).
+
+STATE_DTYPES = ("float32", "bfloat16")
 
 
-def _lamb(c, lr, wd_mask, axes_tree) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.scale_by_adam(b1=c.b1, b2=c.b2, eps=1e-6),
-        optax.add_decayed_weights(c.weight_decay, mask=wd_mask),
-        scale_by_layerwise_trust_ratio(axes_tree),
-        optax.scale_by_learning_rate(lr),
-    )
+def _is_moment(x: Any) -> bool:
+    """A floating state leaf with at least one dimension: a moment (counts and scalars are not)."""
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and jnp.ndim(x) >= 1
 
 
-def _lars(c, lr, wd_mask, axes_tree) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.add_decayed_weights(c.weight_decay, mask=wd_mask),
-        scale_by_layerwise_trust_ratio(axes_tree, trust_coefficient=0.001, eps=0.0),
-        optax.scale_by_learning_rate(lr),
-        optax.trace(decay=c.momentum, nesterov=False),
-    )
+def with_state_dtype(tx: optax.GradientTransformation, dtype: str) -> optax.GradientTransformation:
+    """`tx` with its moments stored in `dtype`: read up to float32 for the update, written back
+    rounded to nearest. The identity for float32; the state keeps `tx`'s tree structure, so it is
+    sharded like the parameters exactly as before."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return tx
+
+    def cast(tree: Any, to: Any) -> Any:
+        return jax.tree.map(lambda x: x.astype(to) if _is_moment(x) else x, tree)
+
+    def init_fn(params):
+        return cast(tx.init(params), dtype)
+
+    def update_fn(updates, state, params=None):
+        out, new = tx.update(updates, cast(state, jnp.float32), params)
+        return out, cast(new, dtype)
+
+    return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _sgd(c, lr, wd_mask, axes_tree) -> optax.GradientTransformation:
+# --------------------------------------------------------------------------------------------------
+# Optimizer specs: one frozen dataclass per `train.optimizer` name, registered below.
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """What jaxdist knows of one optimizer: its fields, abilities, checks and costs.
+
+    A spec is built from the `train` config (`from_config`): each dataclass field is read from
+    `train.<field>`, or from `train.<section>.<field>` for the fields in `own` (its sub-config,
+    whose schema is `config.base_config().train.<section>`; tests pin the two defaults equal).
+    Abilities are class attributes; `moments(axes)` says how many arrays like a parameter it
+    keeps, from which the planner's state bytes follow.
+    """
+
+    name: ClassVar[str] = ""
+    section: ClassVar[str] = ""  # its own sub-config `train.<section>` ("" = none)
+    own: ClassVar[tuple[str, ...]] = ()  # fields read from that sub-config
+    needs_full_gradient: ClassVar[bool] = False  # refuses compressors that send part of it
+
+    weight_decay: float = 0.01
+    state_dtype: str = "float32"  # train.opt_state_dtype
+
+    @classmethod
+    def from_config(cls, train_cfg: Any) -> OptimizerSpec:
+        """The spec with every field from `train_cfg` (absent ones keep the default)."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            key = "opt_state_dtype" if f.name == "state_dtype" else f.name
+            node = train_cfg.get(cls.section) if f.name in cls.own else train_cfg
+            if node is not None and key in node:
+                values[f.name] = node[key]
+        return cls(**values)
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """The defaults of its own sub-config's fields (`own`)."""
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.name in cls.own}
+
+    def transform(self, lr: optax.Schedule, wd_mask: Any, axes_tree: Any, mesh: Any):
+        """The optimizer in float32 state, before clipping (each spec defines it)."""
+        raise NotImplementedError
+
+    def build(
+        self, lr: optax.Schedule, axes_tree: Any, mesh: Any = None
+    ) -> optax.GradientTransformation:
+        """The optimizer (before clipping) with its moments in `state_dtype`.
+
+        Args:
+          lr: the learning-rate schedule.
+          axes_tree: logical axes of the parameters (tree of tuples).
+          mesh: the device mesh, for optimizers that lay their work out on it (Muon's
+            `distribution`); None leaves the layout to XLA.
+        """
+        tx = self.transform(lr, _matrix_mask(axes_tree), axes_tree, mesh)
+        return with_state_dtype(tx, self.state_dtype)
+
+    # Abilities and costs, per parameter with logical axes `axes` (the planner's hooks).
+    def moments(self, axes: tuple) -> int:
+        """Arrays the size of a parameter with these axes that the state keeps."""
+        return 0
+
+    def state_bytes_per_param(self, axes: tuple) -> int:
+        """Optimizer-state bytes per element of a parameter with these axes."""
+        return self.moments(axes) * jnp.dtype(self.state_dtype).itemsize
+
+    def extra_flops(self, shape: tuple[int, ...], axes: tuple) -> float:
+        """Matmul FLOPs per step the update adds for one parameter (elementwise work: 0)."""
+        return 0.0
+
+    def wire_bytes(self, shape: tuple[int, ...], axes: tuple, mesh_shape: dict) -> float:
+        """Bytes one device sends per step for the update of one parameter (its own collectives)."""
+        return 0.0
+
+    def check(self, config: Any) -> None:
+        """Raises ConfigError (one line) for fields out of range or combinations it refuses."""
+        t = config.train
+        _need(
+            t.get("opt_state_dtype", "float32") in STATE_DTYPES,
+            f"train.opt_state_dtype={t.get('opt_state_dtype')!r} is not valid; choose one of "
+            + ", ".join(STATE_DTYPES),
+        )
+        _need(self.weight_decay >= 0, f"train.weight_decay={self.weight_decay} must be >= 0")
+        if self.needs_full_gradient:
+            g = config.grad_sync
+            partial = g.compression in _PARTIAL_GRADIENT_COMPRESSORS or g.get(
+                "momentum_correction", False
+            )
+            _need(
+                not partial,
+                f"train.optimizer={self.name!r} orthogonalises the whole gradient; "
+                f"grad_sync.compression={g.compression!r} sends only part of it (choose none, "
+                "bf16, int8 or powersgd)",
+            )
+
+
+# Compressors whose decoded gradient is not the whole gradient: a sparse or sign code whose error
+# stays in a residual, or Adam's momentum in place of the gradient (compression.py's onebit family).
+_PARTIAL_GRADIENT_COMPRESSORS = (
+    "topk",
+    "ef_sign",
+    "sign",
+    "onebit_adam",
+    "twobit_adam",
+    "topk_adam",
+)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _unit_interval(value: float, field: str) -> None:
+    _need(0.0 <= value < 1.0, f"{field}={value} must be in [0, 1)")
+
+
+# The one registry of `train.optimizer` names: name -> spec class.
+OPTIMIZERS: dict[str, type[OptimizerSpec]] = {}
+
+
+def register(cls: type[OptimizerSpec]) -> type[OptimizerSpec]:
+    """Class decorator: adds a spec to `OPTIMIZERS` under its `name`."""
+    OPTIMIZERS[cls.name] = cls
+    return cls
+
+
+def spec(train_cfg: Any) -> OptimizerSpec:
+    """The spec of `train.optimizer`, its fields read from `train_cfg`."""
+    return OPTIMIZERS[train_cfg.optimizer].from_config(train_cfg)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class AdamW(OptimizerSpec):
+    """AdamW (Loshchilov & Hutter 2019), eps 1e-8; decay on matrices only."""
+
+    name: ClassVar[str] = "adamw"
+    b1: float = 0.9
+    b2: float = 0.95
+
+    def transform(self, lr, wd_mask, axes_tree, mesh):
+        return optax.adamw(
+            lr, b1=self.b1, b2=self.b2, eps=1e-8, weight_decay=self.weight_decay, mask=wd_mask
+        )
+
+    def moments(self, axes):
+        return 2
+
+    def check(self, config):
+        super().check(config)
+        _unit_interval(self.b1, "train.b1")
+        _unit_interval(self.b2, "train.b2")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Lamb(AdamW):
+    """LAMB (You et al. 2020): Adam's direction, eps 1e-6, scaled by the per-layer trust ratio."""
+
+    name: ClassVar[str] = "lamb"
+
+    def transform(self, lr, wd_mask, axes_tree, mesh):
+        return optax.chain(
+            optax.scale_by_adam(b1=self.b1, b2=self.b2, eps=1e-6),
+            optax.add_decayed_weights(self.weight_decay, mask=wd_mask),
+            scale_by_layerwise_trust_ratio(axes_tree),
+            optax.scale_by_learning_rate(lr),
+        )
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Lars(OptimizerSpec):
+    """LARS (You et al. 2017): decayed gradient, trust ratio 0.001·‖w‖/‖u‖, then momentum."""
+
+    name: ClassVar[str] = "lars"
+    momentum: float = 0.9
+
+    def transform(self, lr, wd_mask, axes_tree, mesh):
+        return optax.chain(
+            optax.add_decayed_weights(self.weight_decay, mask=wd_mask),
+            scale_by_layerwise_trust_ratio(axes_tree, trust_coefficient=0.001, eps=0.0),
+            optax.scale_by_learning_rate(lr),
+            optax.trace(decay=self.momentum, nesterov=False),
+        )
+
+    def moments(self, axes):
+        return 1
+
+    def check(self, config):
+        super().check(config)
+        _unit_interval(self.momentum, "train.momentum")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Sgd(OptimizerSpec):
     """SGD with momentum (none when `train.momentum` is 0; Nesterov with `train.nesterov`)."""
-    return optax.chain(
-        optax.add_decayed_weights(c.weight_decay, mask=wd_mask),
-        optax.sgd(lr, momentum=c.momentum or None, nesterov=bool(c.get("nesterov", False))),
+
+    name: ClassVar[str] = "sgd"
+    momentum: float = 0.9
+    nesterov: bool = False
+
+    def transform(self, lr, wd_mask, axes_tree, mesh):
+        return optax.chain(
+            optax.add_decayed_weights(self.weight_decay, mask=wd_mask),
+            optax.sgd(lr, momentum=self.momentum or None, nesterov=bool(self.nesterov)),
+        )
+
+    def moments(self, axes):
+        return 1 if self.momentum else 0
+
+    def check(self, config):
+        super().check(config)
+        _unit_interval(self.momentum, "train.momentum")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Muon(AdamW):
+    """Muon for the blocks' matrices, AdamW (b1, b2, weight_decay) for the rest (jaxdist/muon.py).
+
+    Its own fields live in `train.muon`: momentum β, nesterov, ns_steps, bias_correction (optax's
+    convention; torch's and Keller Jordan's is without) and distribution (`gather` | `auto`).
+    """
+
+    name: ClassVar[str] = "muon"
+    section: ClassVar[str] = "muon"
+    own: ClassVar[tuple[str, ...]] = (
+        "momentum",
+        "nesterov",
+        "ns_steps",
+        "bias_correction",
+        "distribution",
     )
+    needs_full_gradient: ClassVar[bool] = True
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = muon.NS_STEPS
+    bias_correction: bool = False
+    distribution: str = "gather"
+
+    def transform(self, lr, wd_mask, axes_tree, mesh):
+        labels = jax.tree.map(lambda use: "muon" if use else "adamw", muon.muon_mask(axes_tree))
+        matrices = optax.chain(
+            muon.scale_by_muon(
+                axes_tree,
+                beta=self.momentum,
+                nesterov=self.nesterov,
+                bias_correction=self.bias_correction,
+                steps=self.ns_steps,
+                mesh=mesh,
+                distribution=self.distribution,
+            ),
+            optax.add_decayed_weights(self.weight_decay, mask=wd_mask),
+            optax.scale_by_learning_rate(lr),
+        )
+        rest = super().transform(lr, wd_mask, axes_tree, mesh)
+        return muon.partition({"muon": matrices, "adamw": rest}, labels)
+
+    def moments(self, axes):
+        return 1 if muon.matrix_dims(axes) is not None else 2
+
+    def extra_flops(self, shape, axes):
+        return muon.extra_flops(shape, axes, self.ns_steps)
+
+    def wire_bytes(self, shape, axes, mesh_shape):
+        if self.distribution != "gather":
+            return 0.0  # XLA's choice: read it from the compiled step
+        return muon.gather_bytes(shape, axes, mesh_shape)
+
+    def check(self, config):
+        super().check(config)
+        _unit_interval(self.momentum, "train.muon.momentum")
+        _need(
+            isinstance(self.ns_steps, int) and self.ns_steps >= 1,
+            f"train.muon.ns_steps={self.ns_steps!r} must be a positive integer (5 is standard)",
+        )
+        _need(
+            self.distribution in muon.DISTRIBUTIONS,
+            f"train.muon.distribution={self.distribution!r} is not valid; choose one of "
+            + ", ".join(muon.DISTRIBUTIONS),
+        )
 
 
-# The one registry of `train.optimizer` names: name -> (train config, learning-rate schedule,
-# weight-decay mask, logical axes of the params) -> optimizer (before clipping).
-OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
-    "adamw": _adamw,
-    "lamb": _lamb,
-    "lars": _lars,
-    "sgd": _sgd,
-}
+def check(config: Any) -> None:
+    """`train.optimizer`, `train.schedule`, `train.lr_scaling` and the optimizer's own rules;
+    config.validate calls this.
+
+    Raises:
+      ConfigError: one line naming the field and what would be valid.
+    """
+    t = config.train
+    for field, names in (
+        ("optimizer", OPTIMIZERS),
+        ("schedule", SCHEDULES),
+        ("lr_scaling", LR_SCALINGS),
+    ):
+        _need(
+            t[field] in names,
+            f"train.{field}={t[field]!r} is not valid; choose one of {', '.join(names)}",
+        )
+    spec(t).check(config)
 
 
-def build(train_cfg, axes_tree: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optimizer named by `train.optimizer`, with clipping, decay mask and schedule."""
+def build(
+    train_cfg, axes_tree: Any, mesh: Any = None
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optimizer named by `train.optimizer`, with clipping, decay mask and schedule.
+
+    Args:
+      train_cfg: the `train` config.
+      axes_tree: logical axes of the parameters.
+      mesh: the device mesh (Muon's `distribution` lays its work out on it); None: XLA decides.
+    """
     lr = schedule(train_cfg)
-    opt = OPTIMIZERS[train_cfg.optimizer](train_cfg, lr, _matrix_mask(axes_tree), axes_tree)
+    opt = spec(train_cfg).build(lr, axes_tree, mesh)
     if train_cfg.grad_clip > 0:
         opt = optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), opt)
     return opt, lr

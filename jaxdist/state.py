@@ -73,9 +73,11 @@ def opt_shardings(
 ) -> tuple[Any, Any]:
     """(abstract optimizer state, its shardings): each leaf sharded like its parameter."""
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    # A partitioned optimizer (`jaxdist.muon.partition`: Muon's and AdamW's halves) keeps a scalar
+    # where the other half's parameters are: replicated.
     shardings = optax.tree_map_params(
         tx,
-        lambda _, s: s,
+        lambda leaf, s: s if leaf.ndim else sharding.replicated(mesh),
         abstract_opt,
         param_shardings,
         transform_non_params=lambda _: sharding.replicated(mesh),

@@ -157,7 +157,7 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
     batch_axes = family.batch_axes(config.model, ds)
     model = abstract_model(make_model)
     mesh_shape = {k: int(v) for k, v in mesh.shape.items()}
-    tx, lr_schedule = optim.build(strategies.optimizer_config(config, mesh_shape), model.axes)
+    tx, lr_schedule = optim.build(strategies.optimizer_config(config, mesh_shape), model.axes, mesh)
     param_shardings = sharding.tree_shardings(model.axes, model.params, mesh)
     loss_fn = _loss_fn(config, mesh, family, model)
     setup = strategies.Setup(

@@ -175,6 +175,7 @@ LAYERS = (
         "jaxdist.compression",
         "jaxdist.allreduce",
         "jaxdist.optim",
+        "jaxdist.muon",  # train.optimizer=muon's transform, read by jaxdist.optim's spec
         "jaxdist.checkpoint",  # the package: its modules below
         "jaxdist.checkpoint.manager",
         "jaxdist.checkpoint.offline",
