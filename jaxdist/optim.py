@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxdist import muon, sharding
+from jaxdist import compression, muon, sharding
 from jaxdist.errors import ConfigError
 
 # The one registry of `train.lr_scaling` names: name -> batch_size / base_batch_size -> factor.
@@ -212,27 +212,20 @@ class OptimizerSpec:
         _need(self.weight_decay >= 0, f"train.weight_decay={self.weight_decay} must be >= 0")
         if self.needs_full_gradient:
             g = config.grad_sync
-            partial = g.compression in _PARTIAL_GRADIENT_COMPRESSORS or g.get(
+            partial = not compression.spec_of(g).dense_estimate or g.get(
                 "momentum_correction", False
             )
             _need(
                 not partial,
                 f"train.optimizer={self.name!r} orthogonalises the whole gradient; "
-                f"grad_sync.compression={g.compression!r} sends only part of it (choose none, "
-                "bf16, int8 or powersgd)",
+                f"grad_sync.compression={g.compression!r} sends only part of it (choose one of "
+                + ", ".join(
+                    n
+                    for n, c in compression.COMPRESSORS.items()
+                    if c.dense_estimate and not c.deprecated_for
+                )
+                + ")",
             )
-
-
-# Compressors whose decoded gradient is not the whole gradient: a sparse or sign code whose error
-# stays in a residual, or Adam's momentum in place of the gradient (compression.py's onebit family).
-_PARTIAL_GRADIENT_COMPRESSORS = (
-    "topk",
-    "ef_sign",
-    "sign",
-    "onebit_adam",
-    "twobit_adam",
-    "topk_adam",
-)
 
 
 def _need(cond: bool, msg: str) -> None:

@@ -248,17 +248,39 @@ def test_randk_converges_like_none():
 # The planner prices every registered compressor through its spec, and the price is what compiles
 
 
-@pytest.mark.parametrize("name", NAMES)
+def _planner_config(name: str):
+    c = tiny_gpt_config(data=8, fsdp=1, tensor=1)
+    for k, v in _cfg(name).items():
+        c.grad_sync[k] = v
+    return c
+
+
+def _needs_warmup(name: str) -> bool:
+    """Refused without a dense warm-up: its compiled step holds the warm-up branch too, which the
+    HLO reader charges at its dense cost, so the steady-state price is checked against the
+    compressor's own compiled exchange (`test_wire_bytes_match_the_spec`) instead."""
+    try:
+        config_lib.validate(_planner_config(name), 8)
+    except ConfigError as e:
+        assert "warmup_steps" in str(e), (name, str(e))  # no other refusal hides a compressor
+        return True
+    return False
+
+
+def test_only_warmup_compressors_are_left_to_the_exchange_test():
+    assert {n for n in NAMES if _needs_warmup(n)} <= {
+        n for n in NAMES if C.COMPRESSORS[n].preconditioner or C.COMPRESSORS[n].freezes_variance
+    } | {n for n in NAMES if C.COMPRESSORS[n].deprecated_for}
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if not _needs_warmup(n)])
 def test_planner_prices_it_as_the_compiled_step_sends(name):
     """data=8 on the tiny GPT: the planner's gradient-sync bytes (its spec's `wire_bytes`, no
     planner edit per compressor) within 5% of what the compiled train step's HLO sends."""
     from jaxdist import loop, plan
     from tests.helpers import engine_for
 
-    c = tiny_gpt_config(data=8, fsdp=1, tensor=1)
-    for k, v in _cfg(name).items():
-        c.grad_sync[k] = v
-    config_lib.validate(c)
+    c = _planner_config(name)
     eng, batches = engine_for(c)
     dtypes = {"inputs": np.int32, "targets": np.int32}
     compiled = eng.train_step.lower(

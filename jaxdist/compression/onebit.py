@@ -268,6 +268,7 @@ ONEBIT_ADAM = CompressorSpec(
     state_bytes=_adam_state,
     extra_flops=lambda grad_bytes, replicas, cfg: 2 * grad_bytes,
     example={"warmup_steps": 2},
+    dense_estimate=False,
 )
 TWOBIT_ADAM = CompressorSpec(
     name="twobit_adam",
@@ -283,6 +284,7 @@ TWOBIT_ADAM = CompressorSpec(
     state_bytes=_adam_state,
     extra_flops=lambda grad_bytes, replicas, cfg: 2 * grad_bytes,
     example={"warmup_steps": 2},
+    dense_estimate=False,
 )
 TOPK_ADAM = CompressorSpec(
     name="topk_adam",
@@ -298,4 +300,5 @@ TOPK_ADAM = CompressorSpec(
     state_bytes=lambda grad_bytes, replicas, cfg: 2 * grad_bytes + grad_bytes / replicas,
     extra_flops=lambda grad_bytes, replicas, cfg: 4 * grad_bytes,
     example={"warmup_steps": 2, "topk_ratio": 0.05},
+    dense_estimate=False,
 )

@@ -114,4 +114,5 @@ RANDK = CompressorSpec(
         grad_bytes / 4 * math.log2(max(2, grad_bytes / 4))
     ),
     example={"topk_ratio": 0.1},
+    dense_estimate=False,
 )

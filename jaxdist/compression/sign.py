@@ -241,6 +241,7 @@ EF_SIGN = CompressorSpec(
     local_adam=lambda cfg: {"rms": False},
     state_bytes=_sign_state,
     extra_flops=lambda grad_bytes, replicas, cfg: 2 * grad_bytes,  # ~8 ops per element
+    dense_estimate=False,
 )
 SIGN = dataclasses.replace(
     EF_SIGN, name="sign", summary="the old name of ef_sign", deprecated_for="ef_sign"

@@ -124,6 +124,10 @@ class CompressorSpec:
         for that tensor (residuals, momenta, factors): memory the planner adds to the optimizer.
       extra_flops: `(grad_bytes, replicas, cfg) -> float`, an estimate of the floating-point
         operations per step its compression adds for that tensor (not measured; ordering only).
+      dense_estimate: what it hands the optimizer is a dense estimate of the whole mean gradient
+        (the casts; PowerSGD's low-rank product). False for sparse and sign codes and for the
+        Adam family that syncs momentum: an optimizer that transforms the whole gradient (Muon's
+        orthogonalisation, jaxdist/optim.py) refuses those.
       example: `grad_sync` fields the registry-driven tests run it with (besides `compression`),
         chosen so that it compresses (e.g. past any warm-up) and passes `config.validate`.
     """
@@ -146,6 +150,7 @@ class CompressorSpec:
     state_bytes: Callable[[float, int, Any], float] = no_bytes
     extra_flops: Callable[[float, int, Any], float] = no_bytes
     example: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    dense_estimate: bool = True
 
 
 def total_wire_bytes(

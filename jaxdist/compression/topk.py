@@ -314,4 +314,5 @@ TOPK = CompressorSpec(
         * max(1.0, math.log2(max(2.0, float(field(cfg, "topk_ratio")) * grad_bytes / 4)))
     ),
     example={"topk_ratio": 0.1},
+    dense_estimate=False,
 )
