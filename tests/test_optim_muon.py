@@ -27,7 +27,7 @@ import optax
 import pytest
 
 from jaxdist import config as config_lib
-from jaxdist import hlo_cost, muon, optim
+from jaxdist import hlo_cost, muon, optim, plan
 from jaxdist.errors import ConfigError
 from tests.helpers import compile_step, engine_for, tiny_gpt_config, train_steps
 
@@ -335,6 +335,15 @@ def test_gather_adds_one_all_gather_per_matrix_of_the_declared_bytes():
     )
     assert declared > 0
     assert extra == pytest.approx(declared, rel=1e-6)
+
+
+def test_planner_prices_muons_gathers_as_the_compiled_step_sends():
+    """The planner reads the optimizer spec's `wire_bytes` (plan/terms.optimizer_terms, no
+    optimizer named there): its all-gather bytes for Muon at data=2 × fsdp=2 × tensor=2 equal the
+    compiled step's."""
+    c = _muon(tiny_gpt_config(data=2, fsdp=2, tensor=2))
+    predicted = plan.predict(c, hw="cpu_here", num_devices=8).collective_bytes["all-gather"]
+    assert predicted == pytest.approx(_all_gather_bytes(c), rel=0.01)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from jaxdist.plan.terms import (
     fsdp_terms,
     grad_sync_ratio,
     grad_sync_terms,
+    optimizer_terms,
     pipeline_terms,
     step_of,
     tensor_terms,
@@ -307,6 +308,7 @@ def predict(
     if compression_ratio == 1.0:  # the configured compressor's own price
         compression_ratio = grad_sync_ratio(s)
     grad_sync_terms(s, out, compression_ratio)
+    optimizer_terms(s, out)
     pipeline_terms(s, out)
     # Per layer run, one pipeline microbatch's tokens; 1f1b / zb: every tick's costliest branch.
     runs = s.Lp * s.ticks_1f1b * s.A if s.one_f_one_b else s.reps

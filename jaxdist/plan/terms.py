@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from jaxdist import compression, hlo_cost, pipeline, sharding
+from jaxdist import compression, hlo_cost, optim, pipeline, sharding
 from jaxdist import config as config_lib
 from jaxdist.plan.hardware import Hardware
 from jaxdist.plan.layouts import Layout
@@ -359,6 +359,39 @@ def fsdp_terms(s: Step, out: Terms) -> None:
             else:
                 count = 1
             out.add(f"fsdp: all-gather {x.path}", "all-gather", gathered, payload, count, True)
+
+
+# Logical axes the optimizer's per-matrix work runs over one by one (stacked layers, experts):
+# the mesh axes that split them are never gathered for it.
+_OPTIMIZER_BATCH_AXES = ("layers", "experts")
+
+
+def optimizer_terms(s: Step, out: Terms) -> None:
+    """The optimizer's own collectives (Muon's `gather`): its spec's `wire_bytes` per parameter
+    (`jaxdist.optim`, no optimizer named here), charged as an all-gather over the mesh axes that
+    split the parameter's matrix dimensions in storage."""
+    spec = optim.spec(s.config.train)
+    for x, st in zip(s.model.params, s.sh.storage):
+        wire = spec.wire_bytes(x.shape, x.axes, s.sizes)
+        if wire <= 0:
+            continue
+        entries = tuple(st) + (None,) * (len(x.shape) - len(st))
+        axes = tuple(
+            a
+            for name, entry in zip(x.axes, entries)
+            if name not in _OPTIMIZER_BATCH_AXES
+            for a in _entry_axes(entry)
+        )
+        group = math.prod(s.sizes[a] for a in axes)
+        if group > 1:  # wire = (N-1)/N · S_out: the payload S_out the ring cost reads
+            out.add(
+                f"optimizer: all-gather {x.path}",
+                "all-gather",
+                axes,
+                wire * group / (group - 1),
+                1,
+                False,
+            )
 
 
 def grad_sync_wire_bytes(grad_sync, size: int, replicas: int, shape=None) -> float:
