@@ -297,3 +297,23 @@ def test_plot_script_draws_a_run(tmp_path):
     assert png.stat().st_size > 10_000
     missing = _script("scripts/plot.py", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and missing.stderr.startswith("error: ")
+
+
+def test_scaling_plot_draws_equal_curves_distinguishably(tmp_path, monkeypatch):
+    """H100 and H200 predict the same curve at a compute-bound width: each profile gets its own
+    marker and dash, so the line drawn second does not hide the first (issue 31, item 18)."""
+    import matplotlib.axes
+
+    styles = []
+    real_plot = matplotlib.axes.Axes.plot
+
+    def record(self, *args, **kwargs):
+        styles.append((kwargs.get("label"), kwargs.get("marker"), str(kwargs.get("linestyle"))))
+        return real_plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", record)
+    rows = [{"devices": n, "efficiency": 0.9, "mfu": 0.5} for n in (8, 16, 32)]
+    plan.plot_scaling({"h100": rows, "h200": rows}, str(tmp_path / "s.png"))
+    by_label = {label: (m, ls) for label, m, ls in styles}
+    assert set(by_label) == {"h100", "h200"} and by_label["h100"] != by_label["h200"], styles
+    assert (tmp_path / "s.png").stat().st_size > 0

@@ -15,13 +15,19 @@ def plot_scaling(curves: dict[str, list[dict[str, Any]]], path: str, title: str 
     import matplotlib.pyplot as plt
 
     fig, (ax_eff, ax_mfu) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, rows in curves.items():
+    # Profiles that differ only in what the step does not depend on (H100 and H200 at one width
+    # are compute-bound alike) draw the same line: each gets its own marker and dash, so a line
+    # drawn exactly under another still shows.
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (5, 1))), ("x", "-")]
+    for i, (name, rows) in enumerate(curves.items()):
+        marker, dash = styles[i % len(styles)]
         pts = [r for r in rows if r.get("efficiency") is not None]
         if not pts:
             continue
         xs = [r["devices"] for r in pts]
-        ax_eff.plot(xs, [100 * r["efficiency"] for r in pts], marker="o", label=name)
-        ax_mfu.plot(xs, [100 * r["mfu"] for r in pts], marker="o", label=name)
+        style = dict(marker=marker, linestyle=dash, markerfacecolor="none", label=name)
+        ax_eff.plot(xs, [100 * r["efficiency"] for r in pts], **style)
+        ax_mfu.plot(xs, [100 * r["mfu"] for r in pts], **style)
     for ax, label in ((ax_eff, "scaling efficiency (%)"), (ax_mfu, "predicted MFU (%)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("devices")
