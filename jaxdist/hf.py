@@ -304,7 +304,7 @@ def check_against_headers(weights: Weights, m, where: str) -> None:
 
 
 def check_names(weights: Weights, m, where: str) -> None:
-    """ConfigError for a missing tensor or one no Llama parameter takes."""
+    """ConfigError for a missing tensor or one no parameter of the family takes."""
     want = set(hf_names(m))
     ignored = tuple(_format(m).ignored(m))
     have = {n for n in weights.names() if not ignored or not n.endswith(ignored)}
@@ -373,7 +373,7 @@ def write_hf(
     params: dict, m, out_dir: str, *, dtype: str = "float32", max_shard_bytes: int = MAX_SHARD_BYTES
 ) -> dict[str, Any]:
     """Writes `config.json` and the weights (`model.safetensors`, or shards and their index past
-    `max_shard_bytes`) of jaxdist Llama `params` (host arrays) into the existing `out_dir`.
+    `max_shard_bytes`) of jaxdist `params` (host arrays) into the existing `out_dir`.
 
     Returns: {"files": [...], "tensors": n, "bytes": total}.
     """

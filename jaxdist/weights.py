@@ -246,7 +246,7 @@ def _copy_tokenizer_files(side: dict[str, str], dst: str) -> list[str]:
 
 
 def import_hf(hf_dir: str, out_dir: str) -> dict[str, Any]:
-    """A Hugging Face Llama folder → a jaxdist run folder `out_dir` (config.json, checkpoints/0,
+    """A Hugging Face folder (any family with an `HFFormat`) → a jaxdist run folder `out_dir` (config.json, checkpoints/0,
     tokenizer files). Returns a summary: parameters, bytes, tokenizer files copied."""
     src = resolve(hf_dir)
     _need(src.kind == "hf", f"{hf_dir} is a jaxdist run, not a Hugging Face folder")
@@ -286,7 +286,7 @@ def export_hf(
     dtype: str = "float32",
     max_shard_bytes: int = hf.MAX_SHARD_BYTES,
 ) -> dict[str, Any]:
-    """A jaxdist Llama run (or checkpoints folder) → an HF folder `out_dir` that
+    """A jaxdist run (or checkpoints folder) of a family with an `HFFormat` → an HF folder `out_dir` that
     `transformers.AutoModelForCausalLM.from_pretrained` loads. Returns `hf.write_hf`'s summary."""
     src = resolve(path, step)
     _need(
@@ -294,9 +294,11 @@ def export_hf(
         f"{path} is already a Hugging Face folder; export takes a jaxdist run",
     )
     m = src.config.model
+    exportable = [n for n in models.names() if models.get(n).hf is not None]
     _need(
-        m.name == "llama",
-        f"model.name={m.name!r} in {src.checkpoints} has no Hugging Face form; hf.py exports llama",
+        m.name in models.names() and models.get(m.name).hf is not None,
+        f"model.name={m.name!r} in {src.checkpoints} has no Hugging Face form; hf.py exports "
+        + ", ".join(exportable),
     )
     side = _side_files(src)
     params = host_params(src)

@@ -15,7 +15,7 @@ from typing import Any
 from jaxdist.errors import ConfigError
 from models.api import ModelFamily, Stages
 
-BUILTIN = ("gpt", "llama", "mlp", "resnet")  # modules of this package that define FAMILY
+BUILTIN = ("gpt", "llama", "mlp", "qwen3", "resnet")  # modules of this package that define FAMILY
 _REGISTRY: dict[str, ModelFamily] = {}
 
 

@@ -153,14 +153,28 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-def _qkv(lp, x, positions, cfg, c):
-    """Normed input → rotated q [B, T, N, H] and k, v [B, T, K, H]."""
+def project_qkv(x, cfg, c) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """RMSNorm(x) [B, T, D] → q [B, T, N, H] and k, v [B, T, K, H], not yet rotated."""
     h = rms_norm(x, c("attn_norm"), cfg.norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", h, c("wq"))
+    k = jnp.einsum("btd,dkh->btkh", h, c("wk"))
+    return q, k, jnp.einsum("btd,dkh->btkh", h, c("wv"))
+
+
+def rotate_qk(q, k, v, positions, cfg) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q and k rotated to their positions (`rope`), each of q, k, v constrained to `HEADS`."""
     inv = inverse_frequencies(cfg)
-    q = constrain(rope(jnp.einsum("btd,dnh->btnh", h, c("wq")), positions, inv), HEADS)
-    k = constrain(rope(jnp.einsum("btd,dkh->btkh", h, c("wk")), positions, inv), HEADS)
-    v = constrain(jnp.einsum("btd,dkh->btkh", h, c("wv")), HEADS)
-    return q, k, v
+    q, k = rope(q, positions, inv), rope(k, positions, inv)
+    return constrain(q, HEADS), constrain(k, HEADS), constrain(v, HEADS)
+
+
+def qkv(lp, x, positions, cfg, c) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Llama's attention input: x [B, T, D] → rotated q [B, T, N, H] and k, v [B, T, K, H].
+
+    A family built on these layers passes its own (same signature) as `qkv=` to `block`,
+    `forward_cached`, `stages` and `decoder` (models/qwen3.py norms q and k before the rotation).
+    """
+    return rotate_qk(*project_qkv(x, cfg, c), positions, cfg)
 
 
 def _mlp(lp, x, cfg, c, normed=None):
@@ -182,25 +196,31 @@ def _attend(q, k, v, positions: np.ndarray | None, cfg) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
 
-def _attention_part(lp, x, cfg, positions, c) -> jax.Array:
+def _attention_part(lp, x, cfg, positions, c, qkv=qkv) -> jax.Array:
     """x + attention(RMSNorm(x)) on [B, T, D]."""
     with jax.named_scope("attention"):
         if attention.is_manual():  # the pipeline's stages: x holds this device's T/c slots
             positions, pos = attention.local_positions(x.shape[1], cfg.context_attention)
         else:
             pos = jnp.arange(x.shape[1]) if positions is None else jnp.asarray(positions)
-        q, k, v = _qkv(lp, x, pos, cfg, c)
+        q, k, v = qkv(lp, x, pos, cfg, c)
         o = constrain(_attend(q, k, v, positions, cfg), HEADS)
         return x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ACT)
 
 
 def block(
-    lp: dict[str, jax.Array], x: jax.Array, *, cfg, positions: np.ndarray | None = None
+    lp: dict[str, jax.Array],
+    x: jax.Array,
+    *,
+    cfg,
+    positions: np.ndarray | None = None,
+    qkv: Any = qkv,
 ) -> jax.Array:
     """One pre-norm Llama layer on x [B, T, D]; `lp` holds one layer's parameters. `positions`
-    [T]: each storage slot's position (the zig-zag order of ring attention), default arange."""
+    [T]: each storage slot's position (the zig-zag order of ring attention), default arange.
+    `qkv`: the attention's input projections (`qkv`'s signature)."""
     c = lambda name: constrain(lp[name], BLOCK_AXES[name])  # gathered over fsdp for compute
-    x = _attention_part(lp, x, cfg, positions, c)
+    x = _attention_part(lp, x, cfg, positions, c, qkv)
     with jax.named_scope("mlp"):
         return _mlp(lp, x, cfg, c)
 
@@ -218,19 +238,23 @@ def _moe_mlp(lp, x, cfg, c) -> tuple[jax.Array, dict]:
     return x + constrain(y, ACT), stats
 
 
-def moe_block(lp: dict[str, jax.Array], carry, *, cfg, positions: np.ndarray | None = None):
+def moe_block(
+    lp: dict[str, jax.Array], carry, *, cfg, positions: np.ndarray | None = None, qkv: Any = qkv
+):
     """One MoE layer on carry = (x [B, T, D], router stats summed over the layers so far)."""
     x, acc = carry
     c = lambda name: constrain(lp[name], {**BLOCK_AXES, **moe.AXES}[name])
-    x = _attention_part(lp, x, cfg, positions, c)
+    x = _attention_part(lp, x, cfg, positions, c, qkv)
     with jax.named_scope("moe"):
         x, stats = _moe_mlp(lp, x, cfg, c)
     return x, jax.tree.map(jnp.add, acc, stats)
 
 
-def moe_layer(lp: dict[str, jax.Array], x: jax.Array, *, cfg) -> tuple[jax.Array, dict]:
+def moe_layer(
+    lp: dict[str, jax.Array], x: jax.Array, *, cfg, qkv: Any = qkv
+) -> tuple[jax.Array, dict]:
     """One MoE layer as the pipeline's block: (x, this layer's router stats)."""
-    return moe_block(lp, (x, moe_stats_zero(cfg, x)), cfg=cfg)
+    return moe_block(lp, (x, moe_stats_zero(cfg, x)), cfg=cfg, qkv=qkv)
 
 
 def moe_aux_loss(stats: dict, cfg) -> tuple[jax.Array, dict]:
@@ -277,13 +301,19 @@ def head_loss(p: dict[str, jax.Array], x: jax.Array, targets: jax.Array, *, eps:
 
 
 class Llama(nnx.Module):
-    """Token embedding → L scanned layers → final RMSNorm → head (or the tied embedding)."""
+    """Token embedding → L scanned layers → final RMSNorm → head (or the tied embedding).
+
+    A family built on it (models/qwen3.py) subclasses it with its own `layers_type` (the stacked
+    parameters) and `qkv` (the attention's input projections)."""
+
+    layers_type = Layers
+    qkv = staticmethod(qkv)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.cfg = cfg
         D, V = cfg.d_model, cfg.vocab_size
         self.embed = _param(0.02 * jax.random.normal(rngs.params(), (V, D)), ("vocab", "embed"))
-        self.layers = Layers(cfg, rngs)
+        self.layers = self.layers_type(cfg, rngs)
         self.final_norm = _param(jnp.ones((D,)), ("embed",))
         if not cfg.tie_embeddings:
             self.head = _param(0.02 * jax.random.normal(rngs.params(), (D, V)), ("embed", "vocab"))
@@ -301,7 +331,7 @@ class Llama(nnx.Module):
         x = embed_tokens({"embed": self.embed[...]}, tokens, embed_grad=self.cfg.embed_grad)
         moe_layers = bool(self.cfg.num_experts)
         fn = moe_block if moe_layers else block
-        layer = functools.partial(fn, cfg=self.cfg, positions=positions)
+        layer = functools.partial(fn, cfg=self.cfg, positions=positions, qkv=self.qkv)
         carry = (x, moe_stats_zero(self.cfg, x)) if moe_layers else x
         out = api.scan_layers(
             layer, self.layers.stacked(), carry, remat=remat, unroll=self.cfg.scan_unroll
@@ -377,6 +407,7 @@ def forward_cached(
     cache: dict[str, jax.Array],
     *,
     cfg,
+    qkv: Any = qkv,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Logits of tokens [B, T] placed at positions start[b] + t, and the cache with their keys and
     values written there. Each query attends to every cached key at a position <= its own, so
@@ -396,7 +427,7 @@ def forward_cached(
     def layer(x, lp_and_cache):
         lp, ck, cv = lp_and_cache
         c = lambda name: constrain(lp[name], {**BLOCK_AXES, **moe.AXES}[name])
-        q, k, v = _qkv(lp, x, positions, cfg, c)
+        q, k, v = qkv(lp, x, positions, cfg, c)
         ck = constrain(_write_rows(ck, k, start), CACHE_AXES[1:])
         cv = constrain(_write_rows(cv, v, start), CACHE_AXES[1:])
         qg = q.reshape(B, T, d["K"], G, d["H"]).astype(jnp.float32)  # [B, T, K, G, H]
@@ -576,7 +607,7 @@ def _check_experts(m, mesh: Mapping[str, int]) -> None:
     _need(cf >= 0, f"model.moe_capacity_factor={cf} must be >= 0 (0 = dropless)")
 
 
-def stages(cfg) -> api.Stages:
+def stages(cfg, qkv: Any = qkv) -> api.Stages:
     """Embedding / stacked `layers` / final norm + head, for the pipeline. With tied embeddings
     the head's part holds the embedding table too, and `join` sums its two gradients."""
     eps = cfg.norm_eps
@@ -601,7 +632,7 @@ def stages(cfg) -> api.Stages:
         split=split,
         join=join,
         embed=functools.partial(embed_tokens, embed_grad=cfg.embed_grad),
-        block=functools.partial(moe_layer if moe_layers else block, cfg=cfg),
+        block=functools.partial(moe_layer if moe_layers else block, cfg=cfg, qkv=qkv),
         head_loss=functools.partial(head_loss, eps=eps),
         order=functools.partial(sequence_order, cfg),
         aux_zero=functools.partial(moe_stats_zero, cfg) if moe_layers else None,
@@ -760,12 +791,12 @@ HF = api.HFFormat(
 )
 
 
-def decoder(cfg) -> api.Decoder:
+def decoder(cfg, qkv: Any = qkv) -> api.Decoder:
     """The KV-cache forward for generation (`scripts/sample.py`)."""
     return api.Decoder(
         init_cache=functools.partial(init_cache, cfg),
         cache_axes={"k": CACHE_AXES, "v": CACHE_AXES},
-        forward=functools.partial(forward_cached, cfg=cfg),
+        forward=functools.partial(forward_cached, cfg=cfg, qkv=qkv),
     )
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out of jaxdist (Llama family).
+"""Hugging Face checkpoints in and out of jaxdist (the families with an HF form: Llama, Qwen3).
 
     python scripts/hf.py import HF_DIR --out DIR
     python scripts/hf.py export PATH --out HF_DIR [--step S] [--dtype float32|bfloat16]
@@ -36,7 +36,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         tok = "no tokenizer (sample.py then takes --prompt_ids, or --bytes)"
     also = f"; also copied: {', '.join(s['other_files'])}" if s["other_files"] else ""
     print(
-        f"imported {args.hf_dir} → {args.out}: llama, {m.num_layers} layers, d_model {m.d_model}, "
+        f"imported {args.hf_dir} → {args.out}: {m.name}, {m.num_layers} layers, d_model {m.d_model}, "
         f"{m.num_heads} heads ({m.num_kv_heads} key/value), vocab {m.vocab_size}, "
         f"{s['params']:,} parameters ({human_bytes(s['bytes'])} float32); {tok}{also}"
     )

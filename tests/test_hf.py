@@ -61,11 +61,11 @@ def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 
 def jaxdist_logits(path, tokens: np.ndarray) -> np.ndarray:
-    """Logits of the jaxdist Llama whose weights `weights.resolve(path)` finds, on one device."""
+    """Logits of the jaxdist model whose weights `weights.resolve(path)` finds, on one device."""
     import models
 
     src = weights.resolve(str(path))
-    model = api.abstract_model(models.get("llama").make(src.config.model, None))
+    model = api.abstract_model(models.get(src.config.model.name).make(src.config.model, None))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), model.params
