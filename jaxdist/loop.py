@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -26,10 +25,35 @@ import numpy as np
 from jaxdist import checkpoint, data, goodput, hlo_cost, metrics, train, weights, workdir_lock
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
+from jaxdist.console import (
+    Console,
+    done_line,
+    eval_parts,
+    fmt_duration,
+    outputs_lines,
+    step_line,
+    summary,
+)
 from jaxdist.errors import ConfigError, NonFiniteError
 from jaxdist.network import counters
+from jaxdist.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption, preempted_exit_code
 
 log = logging.getLogger("jaxdist")
+
+# Names tests and scripts read as `loop.X` (the console and preemption live in their own modules).
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "Hook",
+    "Preempted",
+    "done_line",
+    "layout_record",
+    "outputs_lines",
+    "preempted_exit_code",
+    "run",
+    "step_line",
+    "summary",
+]
+_fmt_duration = fmt_duration  # tests/test_console.py reads it as loop._fmt_duration
 
 
 def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
@@ -112,202 +136,6 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
     return record
 
 
-def summary(record: dict[str, Any]) -> str:
-    mesh = " × ".join(f"{k}={v}" for k, v in record["mesh"].items())
-    b = record["bytes_per_device"]
-    coll = record["collective_bytes_per_step"]
-    wire = ", ".join(f"{k} {metrics.human_bytes(v)}" for k, v in coll.items()) or "none"
-    lines = [
-        f"jaxdist │ {record['model']} │ {record['params_total']:,} parameters │ "
-        f"{record['devices']} × {record['device_kind']} in {record['processes']} process(es)",
-        f"mesh    │ {mesh}",
-        f"memory  │ per device: params {metrics.human_bytes(b['params'])}, optimizer {metrics.human_bytes(b['opt_state'])}, "
-        f"temp {metrics.human_bytes(b['temp'])}",
-        f"wire    │ per device per step: {wire} (total {metrics.human_bytes(sum(coll.values()))})"
-        + (
-            f"; busiest device sends + receives {metrics.human_bytes(record['busiest_device_bytes_per_step'])}"
-            if "busiest_device_bytes_per_step" in record
-            else ""
-        ),
-    ]
-    extra = {
-        "grad_sync_state": "compressor state",
-        "local_state": "local SGD replica state",
-        "in_flight_state": "stale gradients in flight",
-        "outer_pending_state": "outer gradients in flight",
-    }
-    for key, what in extra.items():
-        if key in b:
-            lines[2] += f", {what} {metrics.human_bytes(b[key])}"
-    if "local_steps" in record:
-        lines[3] += f"; parameters averaged every {record['local_steps']} steps"
-    if "predicted_bytes_per_device" in record:
-        p = record["predicted_bytes_per_device"]
-        lines.append(
-            f"planner │ predicted params {metrics.human_bytes(p['params'])}, optimizer {metrics.human_bytes(p['opt_state'])}, "
-            f"temp {metrics.human_bytes(p['temp'])} (jaxdist/plan/)"
-        )
-    if "planner" in record:  # the family is not modelled, in one line
-        lines.append(f"planner │ {record['planner']}")
-    if "bubble_fraction" in record:
-        line = f"pipeline│ bubble fraction {record['bubble_fraction']:.3f}"
-        if "lockstep_vs_ideal" in record.get("pipeline", {}):
-            line += f", lock-step cost {record['pipeline']['lockstep_vs_ideal']:.2f}× the ideal"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-_fmt_duration = metrics.human_duration  # `42s`, `3m05s`, `1h02m` (also goodput's line)
-
-
-def _fmt_rate(per_s: float, unit: str) -> str:
-    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if per_s >= scale:
-            return f"{per_s / scale:.3g}{suffix} {unit}/s"
-    return f"{per_s:.3g} {unit}/s"
-
-
-def step_line(step: int, total: int, m: dict[str, float], eta_s: float | None) -> str:
-    """The periodic log line, as nanoGPT and torchtitan print theirs.
-
-    `step     20/300 │ loss 4.5491 │ lr 2.25e-03 │ 412.3 ms/step │ 1.24k tok/s │ MFU 41.2% │ ETA 1m55s`
-    (MFU only where the device's peak is known; eval figures when the step evaluated).
-    """
-    parts = [f"step {step:6d}/{total}", f"loss {m['loss']:.4f}"]
-    if "learning_rate" in m:
-        parts.append(f"lr {m['learning_rate']:.2e}")
-    if "step_time_s" in m:
-        parts.append(f"{m['step_time_s'] * 1e3:.1f} ms/step")
-    if "tokens_per_s" in m:
-        parts.append(_fmt_rate(m["tokens_per_s"], "tok"))
-    elif "examples_per_s" in m:
-        parts.append(_fmt_rate(m["examples_per_s"], "ex"))
-    if "mfu" in m:
-        parts.append(f"MFU {100 * m['mfu']:.1f}%")
-    if eta_s is not None and step < total:
-        parts.append(f"ETA {_fmt_duration(eta_s)}")
-    parts += eval_parts(m)
-    return " │ ".join(parts)
-
-
-def eval_parts(m: dict[str, float]) -> list[str]:
-    """`eval loss 4.4241`, `eval accuracy 0.913`: every eval_* figure of a record."""
-    return [
-        f"eval {k.removeprefix('eval_')} {v:.4f}" for k, v in m.items() if k.startswith("eval_")
-    ]
-
-
-def _terminal_width() -> int:
-    """Columns of the terminal stdout is, 0 for none (a pipe, a file, CI, a size-less pty)."""
-    try:
-        return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else 0
-    except (OSError, ValueError, AttributeError):
-        return 0
-
-
-def outputs_lines(
-    workdir: str, ckpt_dir: str, steps: list[int], plot_ready: bool | None = None
-) -> list[str]:
-    """Where a run's outputs are, and the commands that read them; printed last.
-
-    `plot_ready`: whether matplotlib is importable (None: look); without it the plot line says
-    what to install first, since the base install leaves plotting out.
-    """
-    if plot_ready is None:
-        import importlib.util
-
-        plot_ready = importlib.util.find_spec("matplotlib") is not None
-    saved = f" (steps {', '.join(map(str, steps[-3:]))})" if steps else " (none saved)"
-    plot = "" if plot_ready else " (needs matplotlib: pip install -e '.[plot]')"
-    lines = [
-        f"outputs │ {workdir}",
-        f"        │ checkpoints  {ckpt_dir}{saved}",
-        f"        │ metrics      {os.path.join(workdir, 'metrics.jsonl')} (TensorBoard: "
-        f"tensorboard --logdir {workdir})",
-        f"        │ plot         python scripts/plot.py {workdir}{plot}",
-    ]
-    if steps:
-        lines.append(f"        │ verify       python scripts/ckpt.py verify {ckpt_dir}")
-    return lines
-
-
-# Exit status of a run stopped by a preemption notice after its checkpoint: 128 + SIGTERM, what a
-# process killed by SIGTERM reports, so SLURM (--requeue) and JobSet/Job restart policies see an
-# unfinished run. `JAXDIST_PREEMPTED_EXIT_CODE` overrides it.
-PREEMPTED_EXIT_CODE = 128 + int(signal.SIGTERM)
-# Variables that say a scheduler runs this process (SLURM, a Kubernetes indexed Job or JobSet).
-_SCHEDULER_VARS = ("SLURM_JOB_ID", "JOB_COMPLETION_INDEX", "JOBSET_NAME")
-
-
-class Preempted(Exception):
-    """Raised by `run` after the checkpoint of a stop asked for by SIGTERM/SIGINT is committed.
-
-    Attributes:
-      step: the step the run stopped at and saved.
-      directory: the checkpoint folder.
-      exit_code: what the process should exit with (`preempted_exit_code()`).
-    """
-
-    def __init__(self, step: int, directory: str, exit_code: int):
-        super().__init__(f"preempted at step {step}: checkpoint saved in {directory}")
-        self.step, self.directory, self.exit_code = step, directory, exit_code
-
-
-def preempted_exit_code(env: dict[str, str] | None = None) -> int:
-    """PREEMPTED_EXIT_CODE for a job a scheduler or launcher may restart, else 0.
-
-    A job of several processes, or one under SLURM or Kubernetes, was preempted: it exits non-zero
-    so that it is requeued. A lone process outside a scheduler was stopped by its user (Ctrl-C,
-    `kill`): it exits 0. `JAXDIST_PREEMPTED_EXIT_CODE` sets the code in every case.
-    """
-    env = os.environ if env is None else env
-    if env.get("JAXDIST_PREEMPTED_EXIT_CODE", "").strip():
-        return int(env["JAXDIST_PREEMPTED_EXIT_CODE"])
-    if jax.process_count() > 1 or any(v in env for v in _SCHEDULER_VARS):
-        return PREEMPTED_EXIT_CODE
-    return 0
-
-
-class _Preemption:
-    """Turns SIGTERM/SIGINT into a stop at a step boundary that every process agrees on.
-
-    One process: a Python handler sets a flag. Several: `jax.distributed.initialize` starts JAX's
-    preemption service, whose C++ SIGTERM handler tells every process through the coordinator and
-    makes `reached_preemption_sync_point` true at one common step. A Python SIGTERM handler would
-    replace that handler (the service would never hear of the signal), so none is installed for
-    SIGTERM; SIGINT (Ctrl-C) is passed on to it as a SIGTERM.
-    """
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._old = {}
-        self._multi = jax.process_count() > 1
-
-    def install(self):
-        if self._multi:
-            self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._forward)
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        del frame
-        self.signum = signum
-
-    def _forward(self, signum, frame):
-        del frame
-        self.signum = signum
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    def restore(self):
-        for sig, h in self._old.items():
-            signal.signal(sig, h)
-
-    def stop_requested(self) -> bool:
-        """One process: whether SIGTERM/SIGINT arrived. Several: False (JAX's service decides)."""
-        return not self._multi and self.signum is not None
-
-
 # What a resume must keep, and why. Everything else may change: the learning rate and the other
 # optimizer hyperparameters, train.steps (the schedule is recomputed, and said), the mesh.
 RESUME_MUST_MATCH = {
@@ -378,49 +206,6 @@ class Hook:
 
     def due(self, step: int, last_step: int) -> bool:
         return (self.every > 0 and step % self.every == 0) or (self.at_end and step == last_step)
-
-
-class _Console:
-    """Where the run's lines go: a tqdm bar on a terminal, plain lines otherwise; process 0 only."""
-
-    def __init__(self, main: bool, total: int, start: int):
-        self.main, self.bar = main, None
-        if main and _terminal_width() > 0:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-
-    def say(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line)
-        elif self.main:
-            print(line, flush=True)
-
-    def step(self, step: int, total: int, m: dict[str, float], eta_s: float) -> None:
-        if self.bar is None:
-            if self.main:
-                print(step_line(step, total, m, eta_s), flush=True)
-            return
-        line = step_line(step, total, m, None).split(" │ ", 1)[1]  # tqdm shows the ETA itself
-        self.bar.set_postfix_str(line.split(" │ eval ")[0], refresh=False)
-        evals = f"step {step}: " + ", ".join(eval_parts(m))
-        if step == total:  # the bar is drawn once at 100%, not again around the last lines
-            self.bar.n = total
-            self.close()
-            if any(k.startswith("eval_") for k in m):
-                print(evals, flush=True)
-        elif any(k.startswith("eval_") for k in m):
-            self.bar.write(evals)
-
-    def advance(self) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def close(self) -> None:
-        """Ends the bar, so that the lines after it get their own."""
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
 
 
 class _FiniteGuard:
@@ -541,7 +326,7 @@ class _Setup:
     batches: data.Batches
     ckpt: checkpoint.Checkpointer
     cfg_json: dict[str, Any]
-    preemption: _Preemption
+    preemption: Preemption
     lock: workdir_lock.WorkdirLock  # held by process 0 until `run` returns or raises
 
 
@@ -578,7 +363,7 @@ def _build(config, workdir: str, checks) -> _Setup:
     if lock.note:
         print(f"note: {lock.note}", file=sys.stderr, flush=True)
     cfg_json = config_lib.to_json_dict(config)
-    preemption = _Preemption()
+    preemption = Preemption()
     try:
         ckpt = checkpoint.Checkpointer(
             os.path.join(workdir, "checkpoints"),
@@ -667,7 +452,7 @@ def _train(
         if start == 0 or _layout_changed(workdir, record):
             writer.write_layout(record)
         print(summary(record), flush=True)
-    console = _Console(main, t.steps, start)
+    console = Console(main, t.steps, start)
     guard = _FiniteGuard(t, ckpt, console.say, start)
     logger = _Logger(config, record, writer, console, guard, start, clock)
     evaluate = _Evaluator(engine, batches, t.eval_batches)
@@ -773,31 +558,6 @@ def _finish(
         print(goodput.summary_line(record), flush=True)
         print("\n".join(outputs_lines(workdir, str(ckpt.directory), ckpt.all_steps())), flush=True)
     return logger.last
-
-
-def done_line(
-    step: int,
-    loss: float,
-    final_eval: dict[str, float],
-    record: dict[str, Any],
-    items: tuple[float, str],
-) -> str:
-    """`done: step 300, train loss 1.6689, eval loss 1.9226 │ 3m12s, mean 5.1k tok/s`.
-
-    The per-expert loads of a mixture of experts (`eval_moe_load_<e>`) stay in metrics.jsonl:
-    one figure per expert is more than a closing line can carry. The mean throughput is the items
-    (tokens or examples) this run trained over its productive seconds (goodput.py).
-    """
-    shown = {k: v for k, v in final_eval.items() if not k.startswith("eval_moe_load_")}
-    line = f"done: step {step}, train loss {loss:.4f}"
-    evals = ", ".join(eval_parts(shown))
-    if evals:
-        line += f", {evals}"
-    line += f" │ {_fmt_duration(record['total'])}"
-    if record["productive"] > 0:
-        count, unit = items
-        line += f", mean {_fmt_rate(count / record['productive'], unit)}"
-    return line
 
 
 class _RunEnd:

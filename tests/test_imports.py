@@ -188,6 +188,8 @@ LAYERS = (
         "jaxdist.checkpoint.write_errors",
         "jaxdist.workdir_lock",  # one training run per --workdir
         "jaxdist.goodput",  # the run's wall time by cause
+        "jaxdist.console",  # the run's printed lines
+        "jaxdist.preemption",  # SIGTERM / SIGINT to a checkpointed stop
         "jaxdist.network",  # the emulated cluster: its modules below
         "jaxdist.network.counters",
         "jaxdist.network.namespaces",
