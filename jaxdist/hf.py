@@ -22,6 +22,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+import models
+from jaxdist.config import base_config
 from jaxdist.errors import ConfigError
 
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size
@@ -123,9 +125,6 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ml_collections
       ConfigError: an architecture no family imports, or a field the family cannot take; one
         line naming `where` and the field.
     """
-    import models
-    from jaxdist.config import base_config
-
     family = models.for_hf(hf.get("architectures"), where)
     m = base_config().model
     m.name = family.name
@@ -162,8 +161,6 @@ def _short(value: int) -> str:
 
 
 def _format(m) -> Any:
-    import models
-
     family = models.get(m.name)
     _need(
         family.hf is not None,

@@ -22,7 +22,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist import checkpoint, data, goodput, hlo_cost, metrics, train, weights, workdir_lock
+from jaxdist import (
+    checkpoint,
+    data,
+    goodput,
+    hlo_cost,
+    metrics,
+    optim,
+    pipeline,
+    train,
+    weights,
+    workdir_lock,
+)
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
 from jaxdist.console import (
@@ -122,8 +133,6 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
     if local_steps > 1:
         record["local_steps"] = local_steps
     if engine.schedule is not None:
-        from jaxdist import pipeline
-
         # The table bubble assumes unit-time ticks; the lock-step cost is what the program runs.
         record["pipeline"] = {**engine.schedule.describe(), **pipeline.step_cost(engine, compiled)}
         record["bubble_fraction"] = engine.schedule.bubble_fraction
@@ -182,8 +191,6 @@ def _schedule_change_note(saved_train: dict[str, Any], train_cfg, step: int) -> 
     if saved_train.get("steps", train_cfg.steps) == train_cfg.steps:
         return None
     from ml_collections import ConfigDict
-
-    from jaxdist import optim
 
     before = ConfigDict({**train_cfg.to_dict(), **saved_train})
     lr_then = float(optim.schedule(before)(step))

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import models
-from jaxdist import microbatch, optim, sharding, strategies
+from jaxdist import microbatch, optim, pipeline, sharding, strategies
 from jaxdist import state as state_lib
 from jaxdist.data import Dataset
 from jaxdist.state import TrainState
@@ -85,8 +85,6 @@ class Engine:
     def _reorder(self, tree: Any, shardings: Any, *, to_user: bool) -> Any:
         if self.layer_order is None:
             return tree
-        from jaxdist import pipeline
-
         whole = shardings is None
         if whole and to_user in self._reorder_state:  # compiled once per direction
             return self._reorder_state[to_user](tree)
@@ -220,8 +218,6 @@ def _eval_step(setup: strategies.Setup, model, loss_fn) -> Callable:
     would gather every layer onto every device)."""
     eval_loss = loss_fn
     if setup.stages is not None:
-        from jaxdist import pipeline
-
         eval_loss = pipeline.make_loss(
             setup.config, setup.mesh, setup.stages, model.axes, setup.batch_axes
         )
@@ -237,8 +233,6 @@ def _init(setup: strategies.Setup, spec, mesh_shape: dict[str, int]):
     """(init(key, params=None) -> state, the pipeline's stored layer order or None)."""
     if setup.stages is None:
         return spec.init, None
-    from jaxdist import pipeline
-
     order = pipeline.layer_order(setup.config, mesh_shape)
 
     def init(key: jax.Array, params: Any = None) -> TrainState:
