@@ -23,7 +23,7 @@ import ml_collections
 import numpy as np
 
 import models
-from jaxdist.config import base_config
+from jaxdist.schema import base_config
 from jaxdist.errors import ConfigError
 
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size

@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxdist.config import MESH_AXES, resolve_mesh_shape
+from jaxdist.schema import MESH_AXES, resolve_mesh_shape
 from jaxdist.errors import ConfigError
 
 

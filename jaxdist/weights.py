@@ -30,7 +30,7 @@ import models
 from jaxdist import checkpoint as ckpt
 from jaxdist import hf, sharding
 from jaxdist import mesh as mesh_lib
-from jaxdist.config import base_config, to_json_dict
+from jaxdist.schema import base_config, to_json_dict
 from jaxdist.errors import ConfigError
 from models import api
 
