@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxdist import config as config_lib
 from jaxdist import data, mesh, train
+from jaxdist.checkpoint import offline
 
 
 def tiny_gpt_config(**mesh_sizes):
@@ -102,3 +103,35 @@ def run_script(script: str, *flags: str, timeout: int = 600) -> subprocess.Compl
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
+
+
+def largest_data_file(step_dir: pathlib.Path) -> pathlib.Path:
+    """The biggest data file of a saved step (where a flipped bit lands in an array's chunks)."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def flip_a_bit_that_still_decodes(ckpt_dir: pathlib.Path, step: int) -> str:
+    """Flips one bit of the largest data file where the step still reads, with other values.
+
+    The chunks are zstd-compressed, so most flips break decoding (which restore always caught);
+    the search, over fixed positions of a deterministic file, finds one that decodes to different
+    numbers: the silent kind. Returns the path of the array it changed. Reads without the CRC
+    check (`read_arrays` itself refuses such a step).
+    """
+    before = offline.read_arrays_unchecked(ckpt_dir, step)
+    data_file = largest_data_file(ckpt_dir / str(step))
+    original = data_file.read_bytes()
+    for at in range(len(original) // 3, len(original), 7):
+        raw = bytearray(original)
+        raw[at] ^= 0x10
+        data_file.write_bytes(bytes(raw))
+        try:
+            after = offline.read_arrays_unchecked(ckpt_dir, step)
+        except Exception:
+            continue
+        changed = [p for p in before if not np.array_equal(before[p], after[p], equal_nan=True)]
+        if changed and all(np.isfinite(after[p]).all() for p in changed):
+            return changed[0]
+    data_file.write_bytes(original)
+    raise AssertionError(f"no flip in {data_file} decodes silently")

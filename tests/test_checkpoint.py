@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import checkpoint
-from jaxdist.checkpoint import offline
 from jaxdist.errors import ConfigError
+from tests.helpers import flip_a_bit_that_still_decodes, largest_data_file
 
 REPO = Path(__file__).resolve().parents[1]
 # When one read of a damaged checkpoint fails, orbax's event loop closes while other reads are in
@@ -124,11 +124,6 @@ def ckpt_dir(pristine, tmp_path):
     return directory
 
 
-def _largest_data_file(step_dir: Path) -> Path:
-    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
-    return max(files, key=lambda p: p.stat().st_size)
-
-
 def test_save_restore_round_trip_is_bit_exact(pristine, states):
     assert checkpoint.committed_steps(pristine) == [2, 4]  # every=2: steps 1 and 3 were skipped
     ckpt = checkpoint.Checkpointer(pristine, every=2, keep=3, config_json=CONFIG)
@@ -191,7 +186,7 @@ def test_restore_onto_a_different_mesh_reshards(pristine, states):
 
 def test_shape_mismatch_is_one_line_naming_the_array_before_reading_data(ckpt_dir, states):
     # Damage the data: the mismatch must still be reported, as it is read from metadata alone.
-    data_file = _largest_data_file(ckpt_dir / "4")
+    data_file = largest_data_file(ckpt_dir / "4")
     data_file.write_bytes(b"\xff" * data_file.stat().st_size)
     abstract = _abstract(states[4])
     abstract["params"]["dense"]["w"] = jax.ShapeDtypeStruct(
@@ -237,7 +232,7 @@ def test_half_written_folders_are_ignored(ckpt_dir, states, caplog):
 
 
 def test_corrupted_newest_step_falls_back_with_a_warning(ckpt_dir, states, caplog):
-    data_file = _largest_data_file(ckpt_dir / "4")
+    data_file = largest_data_file(ckpt_dir / "4")
     data_file.write_bytes(b"\xff" * data_file.stat().st_size)
     ckpt = checkpoint.Checkpointer(ckpt_dir, every=2, keep=3, config_json=CONFIG)
     with caplog.at_level(logging.WARNING, logger="jaxdist.checkpoint"):
@@ -259,7 +254,7 @@ def test_corrupted_newest_step_falls_back_with_a_warning(ckpt_dir, states, caplo
 
 def test_every_step_unreadable_raises_instead_of_starting_over(ckpt_dir, states):
     for step in (2, 4):
-        data_file = _largest_data_file(ckpt_dir / str(step))
+        data_file = largest_data_file(ckpt_dir / str(step))
         data_file.write_bytes(b"\xff" * data_file.stat().st_size)
     ckpt = checkpoint.Checkpointer(ckpt_dir, every=2, keep=3, config_json=CONFIG)
     with pytest.raises(ConfigError, match=r"no readable checkpoint .*\[4, 2\]"):
@@ -409,7 +404,7 @@ def test_tool_verify_passes_then_names_a_corrupted_or_deleted_data_file(ckpt_dir
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok: step 4")
 
-    data_file = _largest_data_file(ckpt_dir / "4")
+    data_file = largest_data_file(ckpt_dir / "4")
     original = data_file.read_bytes()
     data_file.write_bytes(b"\xff" * len(original))
     out = _tool("verify", ckpt_dir)
@@ -565,32 +560,6 @@ if __name__ == "__main__":
     _two_process_worker(sys.argv[1])
 
 
-def _flip_a_bit_that_still_decodes(ckpt_dir: Path, step: int) -> str:
-    """Flips one bit of the largest data file where the step still reads, with other values.
-
-    The chunks are zstd-compressed, so most flips break decoding (which restore always caught);
-    the search, over fixed positions of a deterministic file, finds one that decodes to different
-    numbers: the silent kind. Returns the path of the array it changed. Reads without the CRC
-    check (`read_arrays` itself refuses such a step).
-    """
-    before = offline.read_arrays_unchecked(ckpt_dir, step)
-    data_file = _largest_data_file(ckpt_dir / str(step))
-    original = data_file.read_bytes()
-    for at in range(len(original) // 3, len(original), 7):
-        raw = bytearray(original)
-        raw[at] ^= 0x10
-        data_file.write_bytes(bytes(raw))
-        try:
-            after = offline.read_arrays_unchecked(ckpt_dir, step)
-        except Exception:
-            continue
-        changed = [p for p in before if not np.array_equal(before[p], after[p], equal_nan=True)]
-        if changed and all(np.isfinite(after[p]).all() for p in changed):
-            return changed[0]
-    data_file.write_bytes(original)
-    raise AssertionError(f"no flip in {data_file} decodes silently")
-
-
 def test_checksums_catch_a_silently_flipped_byte(ckpt_dir, states, caplog):
     meta = checkpoint.read_metadata(ckpt_dir, 4)
     w_sums = meta["checksums"]["params/dense/w"]
@@ -598,7 +567,7 @@ def test_checksums_catch_a_silently_flipped_byte(ckpt_dir, states, caplog):
     assert set(meta["checksums"]) == set(meta["shardings"])
 
     # The step still reads, finite, with different numbers: only the checksums can tell.
-    path = _flip_a_bit_that_still_decodes(ckpt_dir, 4)
+    path = flip_a_bit_that_still_decodes(ckpt_dir, 4)
     report = checkpoint.verify_checkpoint(ckpt_dir, 4)
     assert report.problems and all(" checksum mismatch " in p for p in report.problems), report
     assert report.problems[0].startswith(f"{path} shard ["), report.problems

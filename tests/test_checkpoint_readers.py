@@ -22,6 +22,7 @@ from jaxdist.checkpoint import offline
 from jaxdist.config import base_config, to_json_dict
 from jaxdist.errors import ConfigError
 from models import api
+from tests.helpers import flip_a_bit_that_still_decodes
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [  # orbax's abandoned reads of a damaged step, reported late (see test_checkpoint)
@@ -67,33 +68,11 @@ def _make_run(path: Path, steps=(0,)) -> Path:
     return path
 
 
-def _flip_a_bit_that_still_decodes(ckpt_dir: Path, step: int) -> str:
-    """Flips one bit in the largest data file of `step` such that it still decodes, to other
-    finite numbers (chunks are compressed: most flips break decoding). Returns the array's path."""
-    before = offline.read_arrays_unchecked(ckpt_dir, step)
-    files = [p for p in (ckpt_dir / str(step) / "state").rglob("*") if p.parent.name == "d"]
-    data_file = max(files, key=lambda p: p.stat().st_size)
-    original = data_file.read_bytes()
-    for at in range(len(original) // 3, len(original), 7):
-        raw = bytearray(original)
-        raw[at] ^= 0x10
-        data_file.write_bytes(bytes(raw))
-        try:
-            after = offline.read_arrays_unchecked(ckpt_dir, step)
-        except Exception:
-            continue
-        changed = [p for p in before if not np.array_equal(before[p], after[p], equal_nan=True)]
-        if changed and all(np.isfinite(after[p]).all() for p in changed):
-            return changed[0]
-    data_file.write_bytes(original)
-    raise AssertionError(f"no flip in {data_file} decodes silently")
-
-
 @pytest.fixture(scope="module")
 def corrupted_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("corrupt")
     run = _make_run(base / "run")
-    path = _flip_a_bit_that_still_decodes(run / "checkpoints", 0)
+    path = flip_a_bit_that_still_decodes(run / "checkpoints", 0)
     return run, path
 
 
