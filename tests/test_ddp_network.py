@@ -1,0 +1,81 @@
+"""PyTorch DDP's side of the network study (scripts/ddp_gpt.py) on 2 emulated hosts at 50 Mbit/s."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+
+from tests.test_netem import _can_make_namespaces, _launch, clean  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None or _can_make_namespaces() is not None,
+    reason=f"needs torch (the hf extra) and network namespaces: {_can_make_namespaces() or 'ok'}",
+)
+
+# The network study's GPT (scripts/network_study.py MODEL), 2 steps.
+MODEL = (
+    "--config.model.num_layers=2",
+    "--config.model.d_model=128",
+    "--config.model.num_heads=4",
+    "--config.model.seq_len=64",
+    "--config.model.vocab_size=256",
+    "--config.train.batch_size=16",
+    "--config.train.learning_rate=3e-3",
+    "--config.train.warmup_steps=5",
+    "--config.train.eval_batches=1",
+    "--config.data.max_bytes=200000",
+    "--config.train.steps=2",
+)
+
+
+def _jaxdist_gpt_params() -> int:
+    """jaxdist's own GPT at the study's shape, counted from its parameter shapes."""
+    import jax
+    from flax import nnx
+
+    from jaxdist.config import base_config
+    from models.gpt import GPT
+
+    cfg = base_config().model
+    cfg.num_layers, cfg.d_model, cfg.num_heads = 2, 128, 4
+    cfg.seq_len, cfg.vocab_size = 64, 256
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(state))
+
+
+def test_ddp_two_hosts_at_50mbit_sends_the_ring_bytes(tmp_path, clean):  # noqa: F811
+    """2 DDP steps over 2 hosts at 50 Mbit/s: jaxdist's parameter count, and each step's link
+    bytes per host within 10% of gloo's ring all-reduce of the float32 gradient,
+    2(N-1)/N·4·params (frames add ~7%: headers and the ACKs of what the host receives)."""
+    run = _launch(
+        "--network=rate=50mbit",
+        "--num_processes=2",
+        "--devices_per_process=1",
+        "--platform=cpu",
+        "--",
+        sys.executable,
+        "scripts/ddp_gpt.py",
+        f"--workdir={tmp_path}",
+        *MODEL,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    layout = recs[0]
+    params = _jaxdist_gpt_params()
+    assert layout["params_total"] == params == 459392
+    expected = 2 * (2 - 1) / 2 * 4 * params
+    assert layout["cross_process_bytes_per_step"] == [expected, expected]
+    steps = [r for r in recs if "loss" in r and r.get("kind") is None]
+    assert [r["step"] for r in steps] == [1, 2] and all(math.isfinite(r["loss"]) for r in steps)
+    net = [r for r in recs if r.get("kind") == "net"]
+    assert [r["step"] for r in net] == [1, 2]
+    for r in net:
+        for host in ("host0", "host1"):
+            sent = r["hosts"][host]["tx_bytes_per_step"]
+            assert abs(sent - expected) <= 0.1 * expected, (r, expected)
