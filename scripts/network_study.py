@@ -238,6 +238,43 @@ def table(result: dict) -> str:
     return head + "\n".join(rows)
 
 
+# jaxdist method -> the DDP method that sends the same bytes (fp32 ring, 16-bit, PowerSGD rank 4)
+PAIRS = {"xla": "ddp", "ring": "ddp", "bf16": "ddp_fp16", "powersgd": "ddp_powersgd"}
+
+
+def side_by_side(result: dict) -> str:
+    """jaxdist against PyTorch DDP as a Markdown table: per link, each jaxdist method next to the
+    DDP method that sends the same bytes (`PAIRS`), with the machine's load average per run."""
+    rows = {(r["link"], r["method"]): r for r in result["runs"]}
+    head = (
+        "| link | jaxdist method | step s (p10-p90) | loopback s | exposed s | kernel B/host/step "
+        "| DDP method | step s (p10-p90) | loopback s | exposed s | kernel B/host/step "
+        "| load avg (jaxdist; DDP) |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    )
+
+    def cells(r: dict) -> str:
+        k = r["kernel_bytes_per_step"]
+        k = f"{sum(k) / len(k):,.0f}" if k else "-"
+        return (
+            f"{r['method']} | {r['step_time_s']:.3f} ({r['step_time_p10_s']:.3f}-"
+            f"{r['step_time_p90_s']:.3f}) | {r['compute_only_step_time_s']:.3f} | "
+            f"{r['exposed_comm_s']:.3f} | {k}"
+        )
+
+    def load(r: dict) -> str:
+        a, b = r["compute_only_load_avg"], r["load_avg"]
+        return f"{min(a + b):.0f}-{max(a + b):.0f}"
+
+    out = []
+    for link in dict.fromkeys(r["link"] for r in result["runs"]):
+        for jm, dm in PAIRS.items():
+            j, d = rows.get((link, jm)), rows.get((link, dm))
+            if j and d:
+                out.append(f"| {link} | {cells(j)} | {cells(d)} | {load(j)}; {load(d)} |")
+    return head + "\n".join(out)
+
+
 def run(
     links: list[str],
     methods: list[str],
@@ -325,4 +362,6 @@ def run(
         }
     )
     print(table(result), flush=True)
+    if any(r["framework"] == "ddp" for r in runs):
+        print(side_by_side(result), flush=True)
     return result

@@ -11,7 +11,7 @@ import pytest
 
 from tests.test_netem import _can_make_namespaces, _launch, clean  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.skipif(
+needs_torch_and_namespaces = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None or _can_make_namespaces() is not None,
     reason=f"needs torch (the hf extra) and network namespaces: {_can_make_namespaces() or 'ok'}",
 )
@@ -48,6 +48,7 @@ def _jaxdist_gpt_params() -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(state))
 
 
+@needs_torch_and_namespaces
 def test_ddp_two_hosts_at_50mbit_sends_the_ring_bytes(tmp_path, clean):  # noqa: F811
     """2 DDP steps over 2 hosts at 50 Mbit/s: jaxdist's parameter count, and each step's link
     bytes per host within 10% of gloo's ring all-reduce of the float32 gradient,
@@ -79,3 +80,43 @@ def test_ddp_two_hosts_at_50mbit_sends_the_ring_bytes(tmp_path, clean):  # noqa:
         for host in ("host0", "host1"):
             sent = r["hosts"][host]["tx_bytes_per_step"]
             assert abs(sent - expected) <= 0.1 * expected, (r, expected)
+
+
+def _study():
+    sys.path.insert(0, "scripts")
+    import network_study
+
+    return network_study
+
+
+def test_ddp_rows_launch_one_process_per_device_with_the_same_model_flags():
+    ns = _study()
+    cmd = ns._command("w", "ddp_powersgd", "rate=50mbit", 10, 3, devices=2)
+    assert cmd[cmd.index("--") + 2].endswith("ddp_gpt.py")
+    assert "--num_processes=4" in cmd and "--processes_per_host=2" in cmd
+    assert [a for a in cmd if a in ns.MODEL] == list(ns.MODEL)
+    assert cmd[-2:] == ["--ddp_hook=powersgd", "--powersgd_rank=4"]
+    assert ns.framework("ddp_fp16") == "ddp" and ns.framework("bf16") == "jaxdist"
+    jax_cmd = ns._command("w", "xla", None, 10, 3, devices=1)
+    assert "--config.mesh.data=2" in jax_cmd and "--devices_per_process=1" in jax_cmd
+
+
+def test_side_by_side_pairs_each_jaxdist_method_with_ddps_same_bytes():
+    ns = _study()
+
+    def row(method, step, base):
+        return {
+            "framework": ns.framework(method), "method": method, "link": "rate=50mbit",
+            "step_time_s": step, "step_time_p10_s": step, "step_time_p90_s": step,
+            "compute_only_step_time_s": base, "exposed_comm_s": step - base,
+            "kernel_bytes_per_step": [100.0, 300.0], "load_avg": [3.0, 4.0],
+            "compute_only_load_avg": [2.0, 9.0],
+        }  # fmt: skip
+
+    runs = [row("xla", 0.9, 0.4), row("ddp", 0.6, 0.3), row("powersgd", 0.5, 0.45)]
+    lines = ns.side_by_side({"runs": runs}).splitlines()
+    assert len(lines) == 3  # head, rule, xla | ddp (powersgd has no DDP row here)
+    assert lines[2] == (
+        "| rate=50mbit | xla | 0.900 (0.900-0.900) | 0.400 | 0.500 | 200 | ddp | 0.600 "
+        "(0.600-0.600) | 0.300 | 0.300 | 200 | 2-9; 2-9 |"
+    )
