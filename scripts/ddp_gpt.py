@@ -214,7 +214,12 @@ def main(argv: list[str]) -> int:
     params_total = sum(p.numel() for p in model.parameters())
     expected = gpt_param_count(cfg)
     assert params_total == expected, f"{params_total} parameters, jaxdist's GPT has {expected}"
-    ddp = DistributedDataParallel(model)
+    # PowerSGD in one bucket (an explicit cap: DDP's default makes the first bucket 1 MiB). With
+    # two, this job hung at step 4 on loopback: our reading is that bucket 0's Q all-reduce (issued
+    # from gloo's completion callback of its P all-reduce) and bucket 1's P all-reduce (issued by
+    # the backward) were issued in different orders on the two ranks.
+    one_bucket = {"bucket_cap_mb": 25} if args.ddp_hook == "powersgd" else {}
+    ddp = DistributedDataParallel(model, **one_bucket)
     if args.ddp_hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif args.ddp_hook == "powersgd":
