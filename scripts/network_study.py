@@ -22,7 +22,9 @@ processes on one machine). From each run's metrics.jsonl:
 `framework` is `jaxdist` for the jaxdist methods and `ddp` for the PyTorch DDP ones
 (`ddp`, `ddp_fp16`, `ddp_powersgd`: scripts/ddp_gpt.py, the same GPT, data and AdamW in PyTorch,
 one process per device, `torch.nn.parallel.DistributedDataParallel` over gloo), measured the same
-way: its metrics.jsonl has the same records. Each row also has `load_avg`, the machine's 1-minute
+way: its metrics.jsonl has the same records. There is no HLO there: a DDP row's
+`hlo_bytes_per_step` is gloo's ring all-reduce of the float32 gradient, 2(N-1)/N·4·params per host,
+whatever the hook sends. Each row also has `load_avg`, the machine's 1-minute
 load average when the run started and ended (the machine may be shared; the times are only as good
 as that).
 """
