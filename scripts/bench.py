@@ -545,6 +545,12 @@ _LINKS = flags.DEFINE_list(
     "links", ["rate=1gbit", "rate=50mbit"], "--study=network: --network values to run on."
 )
 _NETWORK_STEPS = flags.DEFINE_integer("network_steps", 30, "--study=network: steps per run.")
+_NETWORK_DEVICES = flags.DEFINE_integer(
+    "network_devices",
+    2,
+    "--study=network: CPU devices per emulated host (jaxdist: one process with this many "
+    "devices; DDP rows: this many processes per host).",
+)
 
 
 def study_network(config) -> dict:
@@ -557,7 +563,13 @@ def study_network(config) -> dict:
     target = _TARGET.value if flags.FLAGS["target_loss"].present else None
     with tempfile.TemporaryDirectory(prefix="jaxdist-network-study-") as d:
         return network_study.run(
-            _LINKS.value, methods, _NETWORK_STEPS.value, target, d, partial_path=_OUT.value
+            _LINKS.value,
+            methods,
+            _NETWORK_STEPS.value,
+            target,
+            d,
+            partial_path=_OUT.value,
+            devices=_NETWORK_DEVICES.value,
         )
 
 

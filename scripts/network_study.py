@@ -19,7 +19,14 @@ processes on one machine). From each run's metrics.jsonl:
   (`--target_loss` if given, else the loopback `xla` run's final validation loss), null if never;
   `final_eval_loss`.
 
-`framework` is `jaxdist` for every row here; a PyTorch DDP side writes `ddp` rows.
+`framework` is `jaxdist` for the jaxdist methods and `ddp` for the PyTorch DDP ones
+(`ddp`, `ddp_fp16`, `ddp_powersgd`: scripts/ddp_gpt.py, the same GPT, data and AdamW in PyTorch,
+one process per device, `torch.nn.parallel.DistributedDataParallel` over gloo), measured the same
+way: its metrics.jsonl has the same records. There is no HLO there: a DDP row's
+`hlo_bytes_per_step` is gloo's ring all-reduce of the float32 gradient, 2(N-1)/N·4·params per host,
+whatever the hook sends. Each row also has `load_avg`, the machine's 1-minute
+load average when the run started and ended (the machine may be shared; the times are only as good
+as that).
 """
 
 from __future__ import annotations
@@ -51,6 +58,13 @@ METHODS: dict[str, tuple[str, ...]] = {
     "int8": ("--config.grad_sync.compression=int8",),
     "powersgd": ("--config.grad_sync.compression=powersgd", "--config.grad_sync.rank=4"),
 }
+# label -> scripts/ddp_gpt.py flags (PyTorch DDP; `framework: "ddp"` rows)
+DDP_METHODS: dict[str, tuple[str, ...]] = {
+    "ddp": (),
+    "ddp_fp16": ("--ddp_hook=fp16",),
+    "ddp_powersgd": ("--ddp_hook=powersgd", "--powersgd_rank=4"),
+}
+DDP = os.path.join(ROOT, "scripts", "ddp_gpt.py")
 HOSTS, DEVICES = 2, 2
 # A small GPT (0.46 M parameters, 1.8 MB of float32 gradients): its ring all-reduce over 4 devices
 # on 2 hosts sends 2.8 MB per host per step, 0.45 s at 50 Mbit/s, 22 ms at 1 Gbit/s.
@@ -67,11 +81,21 @@ MODEL = (
     "--config.train.eval_batches=2",
     "--config.checkpoint.every=0",
     "--config.data.max_bytes=2000000",
-    f"--config.mesh.data={HOSTS * DEVICES}",
     "--config.mesh.fsdp=1",
     "--config.mesh.tensor=1",
     f"--config.mesh.dcn_data={HOSTS}",
 )
+
+
+def framework(method: str) -> str:
+    """`ddp` for the PyTorch DDP methods, else `jaxdist`."""
+    return "ddp" if method in DDP_METHODS else "jaxdist"
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
 STEADY_FROM = 3  # steps 1-2 connect gloo and settle
 
 
@@ -80,14 +104,36 @@ def _records(workdir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _run(
-    workdir: str, method: str, link: str | None, steps: int, eval_every: int, env: dict
-) -> dict:
+def _command(
+    workdir: str, method: str, link: str | None, steps: int, eval_every: int, devices: int
+) -> list[str]:
+    """The launch of one row: jaxdist's train.py with H processes × `devices` CPU devices, or
+    scripts/ddp_gpt.py with H·`devices` processes (one per device, `devices` per host)."""
     net = [f"--network={link}"] if link else []
+    fit = [f"--config.train.steps={steps}", f"--config.train.eval_every={eval_every}"]
+    if method in DDP_METHODS:
+        per = [f"--processes_per_host={devices}"] if link and devices > 1 else []
+        cmd = [sys.executable, LAUNCH, *net, f"--num_processes={HOSTS * devices}", *per]
+        cmd += ["--devices_per_process=1", "--platform=cpu", "--grace_s=2", "--"]
+        return cmd + [sys.executable, DDP, f"--workdir={workdir}", *MODEL, *fit,
+                      *DDP_METHODS[method]]  # fmt: skip
     cmd = [sys.executable, LAUNCH, *net, f"--num_processes={HOSTS}"]
-    cmd += [f"--devices_per_process={DEVICES}", "--platform=cpu", "--grace_s=2", "--"]
+    cmd += [f"--devices_per_process={devices}", "--platform=cpu", "--grace_s=2", "--"]
     cmd += [sys.executable, "scripts/train.py", f"--workdir={workdir}", *MODEL, *METHODS[method]]
-    cmd += [f"--config.train.steps={steps}", f"--config.train.eval_every={eval_every}"]
+    return cmd + [f"--config.mesh.data={HOSTS * devices}", *fit]
+
+
+def _run(
+    workdir: str,
+    method: str,
+    link: str | None,
+    steps: int,
+    eval_every: int,
+    env: dict,
+    devices: int = DEVICES,
+) -> dict:
+    cmd = _command(workdir, method, link, steps, eval_every, devices)
+    load_start = _load()
     t0 = time.perf_counter()
     for attempt in range(2):  # once more after a failure: a loaded machine can starve a process
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
@@ -113,6 +159,7 @@ def _run(
         "collective_bytes_per_step": layout["collective_bytes_per_step"],
         "params_total": layout["params_total"],
         "wall_s": time.perf_counter() - t0,
+        "load_avg": [load_start, _load()],
     }
     net_recs = [r for r in recs if r.get("kind") == "net" and r["step"] >= STEADY_FROM]
     if net_recs:
@@ -158,9 +205,10 @@ def add_predictions(result: dict) -> dict:
     for row in result["runs"]:
         hw = planner_hardware(row["link"], row["devices_per_host"])
         n = row["hosts"] * row["devices_per_host"]
-        if row["method"] in ("xla", "ring", "hierarchical", "ps", "sharded_ps", "tree"):
+        algorithm = "ring" if row["method"] == "ddp" else row["method"]  # gloo's ring, fp32
+        if algorithm in ("xla", "ring", "hierarchical", "ps", "sharded_ps", "tree"):
             cost = plan.algorithm_cost(
-                row["method"], 4.0 * row["params_total"], n, hw, row["devices_per_host"]
+                algorithm, 4.0 * row["params_total"], n, hw, row["devices_per_host"]
             )
             row["predicted_comm_s"] = cost.time_s
         else:
@@ -192,6 +240,43 @@ def table(result: dict) -> str:
     return head + "\n".join(rows)
 
 
+# jaxdist method -> the DDP method that sends the same bytes (fp32 ring, 16-bit, PowerSGD rank 4)
+PAIRS = {"xla": "ddp", "ring": "ddp", "bf16": "ddp_fp16", "powersgd": "ddp_powersgd"}
+
+
+def side_by_side(result: dict) -> str:
+    """jaxdist against PyTorch DDP as a Markdown table: per link, each jaxdist method next to the
+    DDP method that sends the same bytes (`PAIRS`), with the machine's load average per run."""
+    rows = {(r["link"], r["method"]): r for r in result["runs"]}
+    head = (
+        "| link | jaxdist method | step s (p10-p90) | loopback s | exposed s | kernel B/host/step "
+        "| DDP method | step s (p10-p90) | loopback s | exposed s | kernel B/host/step "
+        "| load avg (jaxdist; DDP) |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    )
+
+    def cells(r: dict) -> str:
+        k = r["kernel_bytes_per_step"]
+        k = f"{sum(k) / len(k):,.0f}" if k else "-"
+        return (
+            f"{r['method']} | {r['step_time_s']:.3f} ({r['step_time_p10_s']:.3f}-"
+            f"{r['step_time_p90_s']:.3f}) | {r['compute_only_step_time_s']:.3f} | "
+            f"{r['exposed_comm_s']:.3f} | {k}"
+        )
+
+    def load(r: dict) -> str:
+        a, b = r["compute_only_load_avg"], r["load_avg"]
+        return f"{min(a + b):.0f}-{max(a + b):.0f}"
+
+    out = []
+    for link in dict.fromkeys(r["link"] for r in result["runs"]):
+        for jm, dm in PAIRS.items():
+            j, d = rows.get((link, jm)), rows.get((link, dm))
+            if j and d:
+                out.append(f"| {link} | {cells(j)} | {cells(d)} | {load(j)}; {load(d)} |")
+    return head + "\n".join(out)
+
+
 def run(
     links: list[str],
     methods: list[str],
@@ -199,12 +284,17 @@ def run(
     target: float | None,
     out_dir: str,
     partial_path: str | None = None,
+    devices: int = DEVICES,
 ):
-    """Every method on loopback and on each link; returns the study's JSON object (written to
-    `partial_path` after each row too, so a stopped study keeps what it measured)."""
-    bad = [m for m in methods if m not in METHODS]
+    """Every method on loopback and on each link, H hosts × `devices` devices each; returns the
+    study's JSON object (written to `partial_path` after each row too, so a stopped study keeps
+    what it measured)."""
+    known = {**METHODS, **DDP_METHODS}
+    bad = [m for m in methods if m not in known]
     if bad:
-        raise ConfigError(f"--methods: {bad} not in the network study ({', '.join(METHODS)})")
+        raise ConfigError(f"--methods: {bad} not in the network study ({', '.join(known)})")
+    if devices < 1:
+        raise ConfigError(f"--network_devices={devices}: must be at least 1")
     eval_every = max(steps // 3, 1)
     # No compilation cache shared between runs. Seen twice with one: the first run over the
     # network after the loopback run of the same program failed, process 1 aborted by a failed
@@ -214,7 +304,9 @@ def run(
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     loopback = {}
     for m in methods:
-        loopback[m] = _run(os.path.join(out_dir, f"loopback_{m}"), m, None, steps, eval_every, env)
+        loopback[m] = _run(
+            os.path.join(out_dir, f"loopback_{m}"), m, None, steps, eval_every, env, devices
+        )
         print(f"loopback {m}: {loopback[m]['step_time_s'] * 1e3:.1f} ms/step", flush=True)
     ref = loopback.get("xla") or next(iter(loopback.values()))
     target = target if target is not None else ref["final_eval_loss"]
@@ -222,15 +314,15 @@ def run(
     for link in links:
         for m in methods:
             workdir = os.path.join(out_dir, f"{link}_{m}".replace("=", "-"))
-            row = _run(workdir, m, link, steps, eval_every, env)
+            row = _run(workdir, m, link, steps, eval_every, env, devices)
             base = loopback[m]
             runs.append(
                 {
-                    "framework": "jaxdist",
+                    "framework": framework(m),
                     "method": m,
                     "link": link,
                     "hosts": HOSTS,
-                    "devices_per_host": DEVICES,
+                    "devices_per_host": devices,
                     "step_time_s": row["step_time_s"],
                     "step_time_p10_s": row["step_time_p10_s"],
                     "step_time_p90_s": row["step_time_p90_s"],
@@ -243,6 +335,8 @@ def run(
                     "params_total": row["params_total"],
                     "evals": row["evals"],
                     "step_times_s": row["step_times_s"],
+                    "load_avg": row["load_avg"],
+                    "compute_only_load_avg": base["load_avg"],
                 }
             )
             r = runs[-1]
@@ -262,6 +356,7 @@ def run(
             "steps": steps,
             "target_loss": target,
             "model_flags": list(MODEL),
+            "devices_per_host": devices,
             "loopback": {
                 m: {k: v for k, v in r.items() if k != "step_times_s"} for m, r in loopback.items()
             },
@@ -269,4 +364,6 @@ def run(
         }
     )
     print(table(result), flush=True)
+    if any(r["framework"] == "ddp" for r in runs):
+        print(side_by_side(result), flush=True)
     return result

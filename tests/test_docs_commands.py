@@ -317,6 +317,10 @@ NOT_RUN = {
     "--network_steps=10": _NETEM + "; 12 training runs take ~30 min on 2 loaded cores",
     "python scripts/bench.py --study=network --out=docs/data/network_rate50_first.json "
     "--methods=xla,hierarchical --links=rate=50mbit --network_steps=12": _NETEM,
+    "python scripts/bench.py --study=network --out=docs/data/network_ddp_rate50.json "
+    "--methods=xla,ring,bf16,powersgd,ddp,ddp_fp16,ddp_powersgd --links=rate=50mbit "
+    "--network_steps=10 --network_devices=1": _NETEM
+    + "; the DDP rows need torch (hf extra); tests/test_ddp_network.py runs one over 50 Mbit/s",
 }
 
 
