@@ -23,8 +23,8 @@ import ml_collections
 import numpy as np
 
 import models
-from jaxdist.schema import base_config
 from jaxdist.errors import ConfigError
+from jaxdist.schema import base_config
 
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size
 INDEX_FILE = "model.safetensors.index.json"

@@ -19,8 +19,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxdist.schema import MESH_AXES, resolve_mesh_shape
 from jaxdist.errors import ConfigError
+from jaxdist.schema import MESH_AXES, resolve_mesh_shape
 
 
 def accelerator_present() -> bool:

@@ -30,8 +30,8 @@ import models
 from jaxdist import checkpoint as ckpt
 from jaxdist import hf, sharding
 from jaxdist import mesh as mesh_lib
-from jaxdist.schema import base_config, to_json_dict
 from jaxdist.errors import ConfigError
+from jaxdist.schema import base_config, to_json_dict
 from models import api
 
 ONE_DEVICE = {"data": 1, "fsdp": 1, "tensor": 1, "pipeline": 1}
@@ -373,4 +373,5 @@ def carry_tokenizer(src: Source | None, run_dir: str) -> list[str]:
     Returns the files copied (none when the source has no tokenizer.json)."""
     if src is None or src.file("tokenizer.json") is None:
         return []
-    return _copy_tokenizer_files(src, run_dir)
+    tokenizer = {n: p for n, p in _side_files(src).items() if n in hf.TOKENIZER_FILES}
+    return _copy_tokenizer_files(tokenizer, run_dir)
