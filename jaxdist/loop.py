@@ -556,6 +556,7 @@ def _finish(
         if config.checkpoint.every > 0:
             ckpt.save(step, setup.engine.to_user(state), data_position=step, force=True)
         ckpt.wait()
+        ckpt.close()  # orbax's threads stop inside the clock: the record covers the whole run
     _report_progress(step)
     console.close()  # first: `done:` gets its own line, not the bar's
     record = ends.write()

@@ -119,6 +119,7 @@ class Checkpointer:
         # Committed steps that failed to restore; moved aside before the next save.
         self._unreadable: set[int] = set()
         self._in_flight: int | None = None  # the step of a save that may still be writing
+        self._closed = False
         silence_failed_writes()  # a background save's failure is reported once, by `wait`/`save`
         # When to save is orbax's decision: a fixed interval, or a preemption (checked first, on
         # every call, so that every process asks JAX's sync point at every step).
@@ -270,7 +271,10 @@ class Checkpointer:
         self._in_flight = None
 
     def close(self) -> None:
-        """Waits for pending saves and stops orbax's background threads."""
+        """Waits for pending saves and stops orbax's background threads (once; later calls return)."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._manager.close()
         except Exception as err:
