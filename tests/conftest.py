@@ -24,11 +24,14 @@ test sets its own environment.
 """
 
 import atexit
+import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the session makes it
@@ -75,3 +78,40 @@ def pytest_collection_modifyitems(config, items):
             "emitters: run them without JAXDIST_TEST_FAST_CODEGEN=1, or deselect them with "
             "-m 'not bitwise'"
         )
+
+
+# JAXDIST_TEST_CPU_LOG=FILE: one JSON line per test phase with the CPU seconds it cost (this
+# process and the subprocesses it waited for), a measure of the suite's cost that a busy machine
+# does not inflate as it does wall time. For planning where the suite's time goes; off by default.
+_CPU_LOG = os.environ.get("JAXDIST_TEST_CPU_LOG")
+
+
+def _cpu_seconds() -> float:
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+if _CPU_LOG:
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        cpu, wall = _cpu_seconds(), time.perf_counter()
+        yield
+        with open(_CPU_LOG, "a") as f:
+            record = {
+                "test": item.nodeid,
+                "cpu_s": round(_cpu_seconds() - cpu, 3),
+                "wall_s": round(time.perf_counter() - wall, 3),
+            }
+            f.write(json.dumps(record) + "\n")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_collection(session):
+        cpu, wall = _cpu_seconds(), time.perf_counter()
+        yield
+        with open(_CPU_LOG, "a") as f:
+            record = {"test": "<collection>", "cpu_s": round(_cpu_seconds() - cpu, 3)}
+            f.write(json.dumps({**record, "wall_s": round(time.perf_counter() - wall, 3)}) + "\n")

@@ -21,22 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import checkpoint
 from jaxdist.errors import ConfigError
-from tests.helpers import flip_a_bit_that_still_decodes, largest_data_file
+from tests.helpers import ORBAX_ABANDONED_READS, flip_a_bit_that_still_decodes, largest_data_file
 
 REPO = Path(__file__).resolve().parents[1]
-# When one read of a damaged checkpoint fails, orbax's event loop closes while other reads are in
-# flight; those end as unraisable "Event loop is closed" / never-awaited read coroutines, reported
-# whenever they are garbage-collected (often during a later test). Harmless; only those are ignored.
-pytestmark = [
-    pytest.mark.filterwarnings(
-        "ignore:(?s)Exception ignored in. <coroutine object _read_array_index_and_device_put"
-        ":pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings(
-        "ignore:(?s)Exception ignored in. None.*Event loop is closed"
-        ":pytest.PytestUnraisableExceptionWarning"
-    ),
-]
+pytestmark = ORBAX_ABANDONED_READS
 CONFIG = {"model": {"name": "mlp", "d_model": 64}, "train": {"steps": 4}}
 
 

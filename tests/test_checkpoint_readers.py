@@ -22,19 +22,10 @@ from jaxdist.checkpoint import offline
 from jaxdist.config import base_config, to_json_dict
 from jaxdist.errors import ConfigError
 from models import api
-from tests.helpers import flip_a_bit_that_still_decodes
+from tests.helpers import ORBAX_ABANDONED_READS, flip_a_bit_that_still_decodes
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [  # orbax's abandoned reads of a damaged step, reported late (see test_checkpoint)
-    pytest.mark.filterwarnings(
-        "ignore:(?s)Exception ignored in. <coroutine object _read_array_index_and_device_put"
-        ":pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings(
-        "ignore:(?s)Exception ignored in. None.*Event loop is closed"
-        ":pytest.PytestUnraisableExceptionWarning"
-    ),
-]
+pytestmark = ORBAX_ABANDONED_READS
 
 
 def _llama_config():

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch", reason="needs the hf extra: pip install -e 
 tokenizers = pytest.importorskip("tokenizers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 from tests.test_hf import REPO, VOCAB, hf_tiny  # noqa: E402
+from tests.test_sample import hf_greedy  # noqa: E402
 
 TEXT = " ".join(
     ["the mesh splits the model over the devices and the data over the mesh"] * 40
@@ -96,16 +97,7 @@ def test_fine_tuned_run_keeps_its_tokenizer_through_export(tmp_path):
     for prompt, record in zip(PROMPTS, ours):
         ids = hf_tok(prompt)["input_ids"]
         assert ids[0] == 1 and len(ids) > 2  # BOS, then BPE pieces: not bytes
-        with torch.no_grad():
-            gen = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW,
-                do_sample=False,
-                eos_token_id=2,
-                pad_token_id=0,
-            )
-        new = gen[0, len(ids) :].tolist()
+        new = hf_greedy(model, ids, NEW)
         assert record["tokens"] == new, (prompt, record, new)
         assert record["text"] == hf_tok.decode(new, skip_special_tokens=True), record
         assert record["text"].strip(), record  # words, not an empty string

@@ -9,23 +9,12 @@ import json
 import pytest
 
 from jaxdist import checkpoint
-from tests.helpers import run_script
+from tests.helpers import ONE_DEVICE_GPT_FLAGS, run_script
 
 pytestmark = pytest.mark.slow
 
 FLAGS = (
-    "--config=configs/default.py",
-    "--config.runtime.cpu_devices=1",
-    "--config.mesh.data=1",
-    "--config.mesh.fsdp=1",
-    "--config.mesh.tensor=1",
-    "--config.model.num_layers=1",
-    "--config.model.d_model=32",
-    "--config.model.num_heads=4",
-    "--config.model.seq_len=16",
-    "--config.train.batch_size=16",
-    "--config.train.log_every=1",
-    "--config.train.eval_every=0",
+    *ONE_DEVICE_GPT_FLAGS,
     "--config.train.optimizer=muon",
     "--config.train.schedule=constant",  # the stopped run's shorter train.steps: same schedule
     "--config.train.warmup_steps=0",

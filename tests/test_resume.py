@@ -27,37 +27,16 @@ import numpy as np
 import pytest
 
 from jaxdist import checkpoint
+from tests.helpers import ONE_DEVICE_GPT_FLAGS, ORBAX_ABANDONED_READS
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [
-    pytest.mark.slow,
-    # Verifying the corrupted checkpoint below (in this process) leaves orbax reads in flight when
-    # the first one fails; they end as these unraisable errors when collected. Harmless.
-    pytest.mark.filterwarnings(
-        "ignore:(?s)Exception ignored in. <coroutine object _read_array_index_and_device_put"
-        ":pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings(
-        "ignore:(?s)Exception ignored in. None.*Event loop is closed"
-        ":pytest.PytestUnraisableExceptionWarning"
-    ),
-]
+# Verifying the corrupted checkpoint below (in this process) leaves orbax reads in flight.
+pytestmark = [pytest.mark.slow, *ORBAX_ABANDONED_READS]
 
 STEPS = 24
 EVERY = 2  # checkpoint cadence: saves are nearly always in flight, so kills land inside them
 TINY = (
-    "--config=configs/default.py",
-    "--config.runtime.cpu_devices=1",
-    "--config.mesh.data=1",
-    "--config.mesh.fsdp=1",
-    "--config.mesh.tensor=1",
-    "--config.model.num_layers=1",
-    "--config.model.d_model=32",
-    "--config.model.num_heads=4",
-    "--config.model.seq_len=16",
-    "--config.train.batch_size=16",
-    "--config.train.log_every=1",
-    "--config.train.eval_every=0",
+    *ONE_DEVICE_GPT_FLAGS,
     "--config.train.eval_batches=1",
     "--config.train.schedule=constant",
     "--config.train.warmup_steps=2",

@@ -36,12 +36,13 @@ def word_tokenizer(path) -> tokenizers.Tokenizer:
     return tok
 
 
-def hf_greedy(model, ids: list[int]) -> list[int]:
+def hf_greedy(model, ids: list[int], new: int = NEW) -> list[int]:
+    """transformers' greedy continuation of `ids` by `new` tokens (EOS 2, padding 0)."""
     with torch.no_grad():
         out = model.generate(
             torch.tensor([ids]),
             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=NEW,
+            max_new_tokens=new,
             do_sample=False,
             eos_token_id=2,
             pad_token_id=0,

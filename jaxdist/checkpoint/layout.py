@@ -17,7 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxdist.checkpoint import processes
+import jaxdist.checkpoint.processes as processes
 from jaxdist.errors import ConfigError
 
 STATE_ITEM = "state"

@@ -22,7 +22,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 import jaxdist
-from jaxdist.checkpoint import integrity, processes
+import jaxdist.checkpoint.integrity as integrity
+import jaxdist.checkpoint.processes as processes
 from jaxdist.checkpoint.layout import (
     FORMAT,
     META_ITEM,

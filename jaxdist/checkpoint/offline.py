@@ -21,7 +21,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxdist.checkpoint import integrity, processes
+import jaxdist.checkpoint.integrity as integrity
+import jaxdist.checkpoint.processes as processes
 from jaxdist.checkpoint.compat import check_matches
 from jaxdist.checkpoint.layout import META_ITEM, STATE_ITEM, committed_steps, resolve_step
 from jaxdist.checkpoint.trees import (

@@ -14,8 +14,9 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
+import jaxdist.checkpoint.compat as compat
+import jaxdist.checkpoint.integrity as integrity
 from jaxdist import orbax_reads
-from jaxdist.checkpoint import compat, integrity
 from jaxdist.checkpoint.layout import META_ITEM, STATE_ITEM, step_dir
 from jaxdist.checkpoint.offline import read_json_item, saved_arrays
 from jaxdist.checkpoint.trees import PyTree, one_line_error, shape_of

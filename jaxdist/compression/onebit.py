@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxdist.compression import replica, tensors
+import jaxdist.compression.replica as replica
+import jaxdist.compression.tensors as tensors
 from jaxdist.compression.replica import AxisName, num_replicas
 from jaxdist.compression.sign import QUANTIZERS, SIGN_CHUNK, sign_allreduce, sign_wire_bytes
 from jaxdist.compression.spec import CompressorSpec, TrainFields, field
@@ -256,35 +257,33 @@ def _adam_state(grad_bytes: float, replicas: int, cfg: Any) -> float:
     return 2 * grad_bytes + 4 * shard_layout(int(grad_bytes // 4), replicas, SIGN_CHUNK, 8)[0]
 
 
-ONEBIT_ADAM = CompressorSpec(
-    name="onebit_adam",
-    build=_adam_from(1, False),
-    summary="1-bit Adam: Adam warm-up, then sign-compressed momentum with a frozen variance",
-    wire_bytes=lambda grad_bytes, replicas, cfg, shape=None: sign_wire_bytes(grad_bytes, replicas),
-    fields=("warmup_steps",),
-    error_feedback=True,
-    residual_fields=("worker", "server"),
-    preconditioner=_frozen_adam_of,
-    state_bytes=_adam_state,
-    extra_flops=lambda grad_bytes, replicas, cfg: 2 * grad_bytes,
-    example={"warmup_steps": 2},
-    dense_estimate=False,
+def _sign_adam_spec(name: str, bits: int, summary: str) -> CompressorSpec:
+    """1-bit Adam's scheme with a `bits`-bit code of the momentum (1: its sign)."""
+    return CompressorSpec(
+        name=name,
+        build=_adam_from(bits, False),
+        summary=summary,
+        wire_bytes=lambda grad_bytes, replicas, cfg, shape=None: sign_wire_bytes(
+            grad_bytes, replicas, bits=bits
+        ),
+        fields=("warmup_steps",),
+        error_feedback=True,
+        residual_fields=("worker", "server"),
+        preconditioner=_frozen_adam_of,
+        state_bytes=_adam_state,
+        extra_flops=lambda grad_bytes, replicas, cfg: 2 * grad_bytes,
+        example={"warmup_steps": 2},
+        dense_estimate=False,
+    )
+
+
+ONEBIT_ADAM = _sign_adam_spec(
+    "onebit_adam",
+    1,
+    "1-bit Adam: Adam warm-up, then sign-compressed momentum with a frozen variance",
 )
-TWOBIT_ADAM = CompressorSpec(
-    name="twobit_adam",
-    build=_adam_from(2, False),
-    summary="1-bit Adam's scheme with a 2-bit Lloyd-Max code of the momentum",
-    wire_bytes=lambda grad_bytes, replicas, cfg, shape=None: sign_wire_bytes(
-        grad_bytes, replicas, bits=2
-    ),
-    fields=("warmup_steps",),
-    error_feedback=True,
-    residual_fields=("worker", "server"),
-    preconditioner=_frozen_adam_of,
-    state_bytes=_adam_state,
-    extra_flops=lambda grad_bytes, replicas, cfg: 2 * grad_bytes,
-    example={"warmup_steps": 2},
-    dense_estimate=False,
+TWOBIT_ADAM = _sign_adam_spec(
+    "twobit_adam", 2, "1-bit Adam's scheme with a 2-bit Lloyd-Max code of the momentum"
 )
 TOPK_ADAM = CompressorSpec(
     name="topk_adam",

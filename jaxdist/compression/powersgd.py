@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxdist.compression import replica, tensors
+import jaxdist.compression.replica as replica
+import jaxdist.compression.tensors as tensors
 from jaxdist.compression.replica import AxisName
 from jaxdist.compression.spec import CompressorSpec, TrainFields, field, ring
 

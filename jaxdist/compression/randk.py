@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxdist.compression import replica, tensors
+import jaxdist.compression.replica as replica
+import jaxdist.compression.tensors as tensors
 from jaxdist.compression.replica import AxisName
 from jaxdist.compression.spec import CompressorSpec, TrainFields, field, ring
 from jaxdist.compression.topk import topk_k

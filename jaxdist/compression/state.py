@@ -17,8 +17,8 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import jaxdist.compression.replica as replica
 from jaxdist import sharding
-from jaxdist.compression import replica
 from jaxdist.compression.replica import AxisName
 
 

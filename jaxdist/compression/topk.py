@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxdist.compression import replica, tensors
+import jaxdist.compression.replica as replica
+import jaxdist.compression.tensors as tensors
 from jaxdist.compression.replica import AxisName, num_replicas
 from jaxdist.compression.spec import Codec, CompressorSpec, TrainFields, field, ring
 from jaxdist.errors import ConfigError

@@ -179,6 +179,22 @@ def _buffers(slots: int, leaves: list) -> list:
     return [varying(jnp.zeros((slots, *a.shape), a.dtype)) for a in leaves]
 
 
+def _statistics_terms(example, acc, scale, aux_term):
+    """The blocks' statistics (MoE router statistics) in a tick loop's loss accumulator.
+
+    Returns the accumulator with zeroed statistics beside the loss, d loss / d statistics (a
+    constant: the aux term is linear in them), and `add(loss, stats)` that adds one microbatch's
+    statistics and their aux term to the loss.
+    """
+    stats0 = jax.tree.map(lambda a: varying(jnp.zeros_like(a, jnp.float32)), example)
+    d_stats = jax.tree.map(varying, jax.grad(lambda st: scale * aux_term(st))(stats0))
+
+    def add(loss, stats):
+        return loss[0] + scale * aux_term(stats), jax.tree.map(jnp.add, loss[1], stats)
+
+    return (acc[0], acc[1], (acc[2], stats0)), d_stats, add
+
+
 def one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, tables, aux_term):
     """The 1f1b ticks on one stage: loss, gradients and the gradient of the stage-0 input.
 
@@ -208,13 +224,7 @@ def one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, 
     # The stash's shapes come from tracing one forward on zeros, which compiles to nothing.
     (_, stats0), r0, c0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
     stash = {"r": _buffers(tables["slots"]["r"], r0), "c": _buffers(1, c0)}
-    stats0 = jax.tree.map(lambda a: varying(jnp.zeros_like(a, jnp.float32)), stats0)
-    # d loss / d statistics: constant, the aux term being linear in them.
-    d_stats = jax.tree.map(varying, jax.grad(lambda st: scale * aux_term(st))(stats0))
-    acc = (acc[0], acc[1], (acc[2], stats0))
-    add = lambda loss, stats: (
-        (loss[0] + scale * aux_term(stats), jax.tree.map(jnp.add, loss[1], stats))
-    )
+    acc, d_stats, add = _statistics_terms(stats0, acc, scale, aux_term)
 
     def idle(x, dy, tgt, reads, acc):
         return zero(), zero(), reads, acc
@@ -273,13 +283,7 @@ def zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, 
     n = {**tables["slots"], "c": 1, "hc": 1}
     stashes = dict(b=rb0, w=rw0, r=rr0, h=rh0, c=c0, hc=hc0)
     stash = {k: _buffers(n[k], r) for k, r in stashes.items()}
-    stats0 = jax.tree.map(lambda a: varying(jnp.zeros_like(a, jnp.float32)), out0[1])
-    # d loss / d statistics: constant, the aux term being linear in them.
-    d_stats = jax.tree.map(varying, jax.grad(lambda st: scale * aux_term(st))(stats0))
-    acc = (acc[0], acc[1], (acc[2], stats0))
-    add = lambda loss, stats: (
-        (loss[0] + scale * aux_term(stats), jax.tree.map(jnp.add, loss[1], stats))
-    )
+    acc, d_stats, add = _statistics_terms(out0[1], acc, scale, aux_term)
 
     def idle(x, dy, tgt, reads, acc):
         return zero(), zero(), reads, acc

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
+import jaxdist.pipeline.executors as executors
+import jaxdist.pipeline.tick_tables as tick_tables
 from jaxdist.errors import ConfigError
-from jaxdist.pipeline import executors, tick_tables
 from jaxdist.pipeline.schedules import (
     AXIS,
     BWD,
