@@ -18,11 +18,15 @@ class Bytes:
     vocab_size = 256
     eos_id: int | None = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_id(self, token: str) -> int | None:
+        """No special tokens: always None."""
+        return None
 
 
 class HFTokenizer:
@@ -44,11 +48,16 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens`: run the post-processor (a BOS, say)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of `token` (e.g. "</s>"), or None when the vocabulary lacks it."""
+        return self._tok.token_to_id(token)
 
 
 def load(path: str | None) -> Bytes | HFTokenizer:

@@ -1,7 +1,10 @@
-"""Loss and perplexity of a model on held-out data.
+"""Loss and perplexity of a model on held-out data, or its lm-eval-harness scores.
 
     python scripts/eval.py --checkpoint=PATH --data=SOURCE [--batches=N] [--batch_size=B]
         [--seq_len=T] [--seed=S] [--step=S] [--data_parallel=D] [--tensor=T] [--out=FILE.json]
+    python scripts/eval.py --checkpoint=PATH --lm_eval_tasks=TASK[,TASK] [--lm_eval_include=DIR]
+        [--lm_eval_builtin] [--lm_eval_limit=N] [--batch_size=B] [--step=S] [--data_parallel=D] [--tensor=T]
+        [--out=FILE.json]
 
 PATH is a jaxdist run folder, a checkpoints folder or a Hugging Face folder; SOURCE anything
 `data.source` accepts (token shards from scripts/tokenize.py, a uint16 `.bin`, text read as bytes,
@@ -10,7 +13,18 @@ validation split (the same windows for every checkpoint: they depend only on the
 of data_parallel × tensor devices (simulated on a CPU). By default the windows are those of the
 run's own final evaluation (`train.eval_batches` batches of `train.batch_size` rows of
 `model.seq_len` tokens, seed `train.seed`), so on the run's `data.source` the two agree; the line
-printed says what was evaluated. Bad input: one `error: ...` line, exit 2.
+printed says what was evaluated.
+
+With `--lm_eval_tasks`, lm-eval-harness (the `eval` extra) runs those tasks, groups or tags through
+jaxdist's own sharded forward (log-likelihoods) and key/value-cache generation
+(jaxdist/lm_eval_adapter.py); it prints one line per task and metric, `--out` writes them as JSON.
+`--lm_eval_include=DIR` (repeatable) names folders of task YAML, such as the shipped
+configs/lm_eval_tasks (`jaxdist_choice`, multiple choice; `jaxdist_copy`, generation; over local
+JSONL). lm-eval's own tasks are searched with `--lm_eval_builtin` or when no folder is given (a
+minute of indexing); nothing is downloaded, so those run when their datasets are already in the
+local cache.
+Task names and files are checked before the model is loaded or compiled.
+Bad input: one `error: ...` line, exit 2.
 """
 
 import argparse
@@ -104,6 +118,57 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def run_lm_eval(args: argparse.Namespace) -> dict:
+    """lm-eval's tasks through jaxdist's forward and generation: {task: {metric: value}}."""
+    names = [n.strip() for n in args.lm_eval_tasks.split(",")]
+    from jaxdist import weights
+
+    weights.resolve(args.checkpoint, args.step)  # a bad PATH fails before lm-eval loads
+    if args.lm_eval_limit is not None and args.lm_eval_limit < 1:
+        raise ConfigError(f"--lm_eval_limit={args.lm_eval_limit} must be >= 1")
+    from jaxdist import mesh as mesh_lib
+
+    if not mesh_lib.accelerator_present():
+        mesh_lib.configure_cpu_devices(args.data_parallel * args.tensor)
+    from jaxdist import lm_eval_adapter
+
+    tasks = lm_eval_adapter.load_tasks(
+        names, args.lm_eval_include, builtin=args.lm_eval_builtin
+    )  # before any compile
+    t0 = time.perf_counter()
+    lm = lm_eval_adapter.JaxdistLM(
+        args.checkpoint,
+        step=args.step,
+        data=args.data_parallel,
+        tensor=args.tensor,
+        batch_size=args.batch_size or 8,
+    )
+    out = lm_eval_adapter.evaluate(lm, tasks, limit=args.lm_eval_limit)
+    scores = {
+        task: {
+            k.split(",")[0]: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not k.endswith("stderr") and "," in k
+        }
+        for task, metrics in out["results"].items()
+    }
+    what = f"step {lm.src.step}" if lm.src.kind == "jaxdist" else "Hugging Face folder"
+    counts = {t: len(s) for t, s in out.get("samples", {}).items()}
+    for task, metrics in scores.items():
+        for metric, value in metrics.items():
+            print(f"{task}: {metric} {value:.4f} over {counts.get(task, '?')} items")
+    seconds = time.perf_counter() - t0
+    print(f"{args.checkpoint} ({what}), lm-eval {','.join(names)}: {seconds:.1f} s")
+    result = {"checkpoint": args.checkpoint, "step": lm.src.step, "lm_eval": scores,
+              "items": counts, "seconds": seconds}  # fmt: skip
+    if args.out:  # whole or not at all
+        tmp = f"{args.out}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(tmp, args.out)
+    return result
+
+
 def _defaults_from_run(args: argparse.Namespace, src) -> None:
     """Unset window flags take the run's own final evaluation's: `train.eval_batches` batches of
     `train.batch_size` rows, seed `train.seed` (a Hugging Face folder: jaxdist's defaults)."""
@@ -164,7 +229,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--checkpoint", required=True, help="run folder, checkpoints folder or HF folder"
     )
-    p.add_argument("--data", required=True, help="a data.source: token shards, .bin, text, stdlib")
+    p.add_argument("--data", default=None, help="a data.source: token shards, .bin, text, stdlib")
+    p.add_argument(
+        "--lm_eval_tasks",
+        default=None,
+        help="lm-eval task, group or tag names, comma-separated (instead of --data)",
+    )
+    p.add_argument(
+        "--lm_eval_include",
+        action="append",
+        default=[],
+        help="a folder of lm-eval task YAML files (repeatable), e.g. configs/lm_eval_tasks",
+    )
+    p.add_argument(
+        "--lm_eval_builtin",
+        action="store_true",
+        help="search lm-eval's own tasks too (their datasets must be in the local cache)",
+    )
+    p.add_argument("--lm_eval_limit", type=int, default=None, help="at most N items per task")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--batches", type=int, default=None, help="default: train.eval_batches")
     p.add_argument("--batch_size", type=int, default=None, help="default: train.batch_size")
@@ -176,10 +258,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor", type=int, default=1, help="devices the heads are split over")
     p.add_argument("--out", default=None, help="write the result as JSON here")
     args = p.parse_args(argv)
-    return run_command(_checked_run, args)
+    return run_command(_checked_run, args, extra="eval" if args.lm_eval_tasks else "")
 
 
 def _checked_run(args: argparse.Namespace) -> None:
+    if (args.data is None) == (args.lm_eval_tasks is None):
+        raise ConfigError(
+            "give one of --data=SOURCE (held-out loss) or --lm_eval_tasks=TASK[,TASK]"
+        )
+    if args.lm_eval_include and args.lm_eval_tasks is None:
+        raise ConfigError("--lm_eval_include needs --lm_eval_tasks")
+    if args.lm_eval_tasks is not None:
+        if args.batch_size is not None and args.batch_size < 1:
+            raise ConfigError("--batch_size must be >= 1")
+        run_lm_eval(args)
+        return
     if (args.batches is not None and args.batches < 1) or (
         args.batch_size is not None and args.batch_size < 1
     ):

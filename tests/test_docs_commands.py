@@ -259,7 +259,7 @@ NOT_RUN = {
     "python3 -m venv .venv": _SETUP,
     ". .venv/bin/activate": _SETUP,
     "pip install -e .": _SETUP,
-    "pip install -e '.[test,hf]'": _SETUP,
+    "pip install -e '.[test,hf,eval]'": _SETUP,
     'pip install -e . "jax[cuda13]"': _SETUP + " and a GPU",
     'pip install -e . "jax[cuda12]"': _SETUP + " and a GPU",
     'pip install -e . "jax[tpu]"': _SETUP + " and a TPU",

@@ -168,6 +168,7 @@ LAYERS = (
         "jaxdist.plan",  # the planner package, its modules beside it
         *(f"jaxdist.plan.{m}" for m in PLAN_MODULES),
         "jaxdist.weights",
+        "jaxdist.lm_eval_adapter",  # lm-eval's LM over the forward, generate and weights
     },
     {  # pipeline, gradient sync, checkpoint and their helpers
         "jaxdist.pipeline",
