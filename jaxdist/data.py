@@ -405,12 +405,34 @@ def packed_rows(
     }
 
 
-def packing_stats(row_used: np.ndarray, length: int) -> dict:
-    """Packing efficiency: the fraction of row slots that hold a token (not padding)."""
+def packing_stats(
+    n_tokens: int, starts: np.ndarray, row_start: np.ndarray, row_used: np.ndarray, length: int
+) -> dict:
+    """How well `pack_rows` filled its rows.
+
+    Returns:
+      rows; documents; `efficiency`: the fraction of row slots holding a token (not padding);
+      `target_fraction`: the fraction of slots with a loss target (a token followed by one of
+      its own document; `windows` has 1.0); `pieces_per_row`: segments per row; `cut_documents`:
+      the fraction of documents split over rows.
+    """
+    starts = np.asarray(starts, np.int64)
+    ends = np.append(starts[1:], n_tokens)
+    row_end = row_start + row_used
+    # A piece loses its last target when its document ends inside the row.
+    ends_inside = np.searchsorted(ends, row_end, "right") - np.searchsorted(ends, row_start, "right")
+    first = np.searchsorted(starts, row_start, "right") - 1
+    last = np.searchsorted(starts, row_end - 1, "right") - 1
+    slots = max(len(row_used) * length, 1)
+    cut = np.zeros(len(starts), bool)
+    cut[first[row_start != starts[first]]] = True  # a row starting inside a document
     return {
         "rows": int(len(row_used)),
-        "tokens": int(row_used.sum()),
-        "efficiency": float(row_used.sum() / max(len(row_used) * length, 1)),
+        "documents": int(len(starts)),
+        "efficiency": float(row_used.sum() / slots),
+        "target_fraction": float((row_used.sum() - ends_inside.sum()) / slots),
+        "pieces_per_row": float(np.mean(last - first + 1)) if len(row_used) else 0.0,
+        "cut_documents": float(cut.mean()) if len(starts) else 0.0,
     }
 
 

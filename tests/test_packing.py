@@ -201,7 +201,12 @@ def test_rows_keep_documents_and_mask_boundaries():
             [118, 119, -1, -1, -1, -1],
         ],
     )
-    assert data.packing_stats(used, 6)["efficiency"] == pytest.approx(20 / 24)
+    stats = data.packing_stats(20, starts, start, used, 6)
+    assert stats["efficiency"] == pytest.approx(20 / 24)
+    targets = int(np.sum(rows["targets"] >= 0))
+    assert targets == 15 and stats["target_fraction"] == pytest.approx(targets / 24)
+    assert stats["pieces_per_row"] == pytest.approx(7 / 4)  # 3, 1, 2, 1
+    assert stats["cut_documents"] == pytest.approx(1 / 5)
 
 
 def test_loss_skips_boundary_targets():
