@@ -420,7 +420,8 @@ def packing_stats(
     ends = np.append(starts[1:], n_tokens)
     row_end = row_start + row_used
     # A piece loses its last target when its document ends inside the row.
-    ends_inside = np.searchsorted(ends, row_end, "right") - np.searchsorted(ends, row_start, "right")
+    inside = lambda at: np.searchsorted(ends, at, "right")
+    ends_inside = inside(row_end) - inside(row_start)
     first = np.searchsorted(starts, row_start, "right") - 1
     last = np.searchsorted(starts, row_end - 1, "right") - 1
     slots = max(len(row_used) * length, 1)

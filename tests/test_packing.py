@@ -283,6 +283,7 @@ def test_training_with_packed_documents(tmp_path):
     c.data.packing = "documents"
     c.model.seq_len = T * 2
     c.train.steps, c.train.log_every, c.train.eval_every = 6, 1, 0
+    c.train.eval_batches, c.checkpoint.every = 1, 0
     c.train.optimizer, c.train.learning_rate = "adamw", 1e-2
     loop.run(c, str(tmp_path))
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
