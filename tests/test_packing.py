@@ -277,13 +277,13 @@ def test_bad_packing_is_one_line(tmp_path):
 
 
 def test_training_with_packed_documents(tmp_path):
-    """A short run with data.packing=documents and ring attention over context=2 (data=4): the
-    loss is finite and falls."""
+    """A short run with data.packing=documents, ring attention over context=2 (data=4) and two
+    accumulated microbatches: the loss is finite and falls."""
     c = llama_config(data=4, context=2)
     c.data.packing = "documents"
     c.model.seq_len = T * 2
     c.train.steps, c.train.log_every, c.train.eval_every = 6, 1, 0
-    c.train.eval_batches, c.checkpoint.every = 1, 0
+    c.train.eval_batches, c.checkpoint.every, c.train.grad_accum = 1, 0, 2
     c.train.optimizer, c.train.learning_rate = "adamw", 1e-2
     loop.run(c, str(tmp_path))
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
