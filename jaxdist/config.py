@@ -19,7 +19,7 @@ from typing import Any
 import ml_collections
 
 import models
-from jaxdist import allreduce, optim, pipeline, staleness, strategies
+from jaxdist import allreduce, data, optim, pipeline, staleness, strategies
 from jaxdist.errors import ConfigError
 from jaxdist.schema import (  # the schema's names, re-exported: `config.base_config()` etc.
     COMPUTE_DTYPES,
@@ -111,7 +111,31 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     allreduce.check(config, mesh)
     staleness.check(config, mesh)
     _check_sources(config.data)
+    _check_packing(config, mesh)
     return mesh
+
+
+def _check_packing(config, mesh: Mapping[str, int]) -> None:
+    """`data.packing`: a known mode; `documents` needs a family that takes packed batches, one
+    token source, and no pipeline (its stages carry no segment ids)."""
+    _choice(config, "data.packing", data.PACKINGS)
+    if config.data.packing != "documents":
+        return
+    name = config.model.name
+    _need(
+        models.get(name).packing,
+        f"data.packing='documents' needs a decoder that attends per document; model.name="
+        f"{name!r} does not (use data.packing=windows)",
+    )
+    _need(
+        not tuple(config.data.sources),
+        "data.packing='documents' takes one data.source, not a mixture (data.sources)",
+    )
+    _need(
+        mesh["pipeline"] == 1,
+        f"data.packing='documents' does not run through the pipeline (mesh.pipeline="
+        f"{mesh['pipeline']}): set mesh.pipeline=1 or data.packing=windows",
+    )
 
 
 def _check_sources(d) -> None:

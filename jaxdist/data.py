@@ -13,6 +13,14 @@ A mixture: `data.sources` (a tuple of token sources as above, replacing `data.so
 `data.weights` (one per source, default equal): each batch row comes from source k with
 probability weights[k] / sum(weights), drawn from (seed, step) like everything else.
 
+Packing (`data.packing`, `PACKINGS`): `windows` cuts each row as a random window of seq_len + 1
+tokens across documents (a token attends to the previous document's tail, positions run on);
+`documents` packs whole documents into rows (`pack_rows`) and yields, with `inputs` and
+`targets`, `segment_ids` (1, 2, ... per document piece in the row, 0 = padding) and `positions`
+(restarting at 0 in each piece); a target that would cross into the next document, and padding,
+is -1 (the loss skips it). It needs the document starts: file boundaries for `stdlib` and text
+sources, `train.docs.npy` / `val.docs.npy` beside token shards (scripts/tokenize.py).
+
 Order is a pure function of (seed, batch index): batch `i` is the same whatever the process count or
 restart history, so the iterator position is one integer saved with each checkpoint. Each process
 materialises only the rows its devices hold and builds the global array with
@@ -34,9 +42,15 @@ from jax.sharding import NamedSharding
 from jaxdist.errors import ConfigError
 
 _VAL_STREAM = 1_000_003  # separates validation RNG streams from training ones
+PACKINGS = ("windows", "documents")  # `data.packing`: the one registry of packing modes
+PACKED_KEYS = ("inputs", "targets", "segment_ids", "positions")  # a `documents` batch
+NO_TARGET = -1  # a target the loss skips (a document boundary, padding) under `documents`
 
 
-def _read_text_files(root: str, max_bytes: int, suffix: str | None) -> np.ndarray:
+def _read_text_files(
+    root: str, max_bytes: int, suffix: str | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(the bytes of the files under `root`, each file's start offset in them: its documents)."""
     if os.path.isfile(root):
         paths = [root]
     else:
@@ -46,13 +60,15 @@ def _read_text_files(root: str, max_bytes: int, suffix: str | None) -> np.ndarra
             paths += [
                 os.path.join(d, f) for f in sorted(files) if suffix is None or f.endswith(suffix)
             ]
-    chunks, total = [], 0
+    chunks, starts, total = [], [], 0
     for p in paths:
         try:
             with open(p, "rb") as f:
                 b = f.read(max_bytes - total)
         except OSError:
             continue  # unreadable file inside a tree: skip it, as a user's `cat` would
+        if b:
+            starts.append(total)
         chunks.append(b)
         total += len(b)
         if total >= max_bytes:
@@ -60,7 +76,7 @@ def _read_text_files(root: str, max_bytes: int, suffix: str | None) -> np.ndarra
     data = np.frombuffer(b"".join(chunks), dtype=np.uint8)
     if data.size == 0:
         raise ConfigError(f"data.source={root!r}: no readable text found")
-    return data
+    return data, np.asarray(starts, np.int64)
 
 
 @dataclass
@@ -78,6 +94,11 @@ class Dataset:
     # from each; `train`/`val` are then the first source's.
     parts: list[Dataset] | None = None
     weights: np.ndarray | None = None
+    # Document starts (token offsets, int64, ascending, the first 0) in `train` / `val`; None
+    # when the source has no document index (then only `data.packing=windows` reads it).
+    train_docs: np.ndarray | None = None
+    val_docs: np.ndarray | None = None
+    docs_hint: str = ""  # how to get a document index for this source, for the error
 
     @property
     def example_shape(self) -> tuple[int, ...]:
@@ -242,6 +263,40 @@ def _split(x: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     return x[:-n_val], x[-n_val:]
 
 
+def _split_docs(starts: np.ndarray, n_train: int) -> tuple[np.ndarray, np.ndarray]:
+    """Document starts of a stream cut at token `n_train` into (train, val): the val split
+    starts with the cut document's tail, a document of its own."""
+    val = starts[starts > n_train] - n_train
+    return starts[starts < n_train], np.concatenate([[0], val]).astype(np.int64)
+
+
+DOCS_SUFFIX = ".docs.npy"  # `train.bin` -> `train.docs.npy`: int64 document starts
+
+
+def docs_path(bin_path: str) -> str:
+    """The document index beside a token shard: `X.bin` -> `X.docs.npy`."""
+    return os.path.splitext(bin_path)[0] + DOCS_SUFFIX
+
+
+def _load_docs(src: str, bin_path: str, n_tokens: int) -> np.ndarray | None:
+    """The shard's document starts (memory-mapped), checked; None when it has no index."""
+    path = docs_path(bin_path)
+    if not os.path.isfile(path):
+        return None
+    try:
+        starts = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise ConfigError(f"data.source={src!r}: {path} is no readable .npy ({e})") from None
+    ok = starts.ndim == 1 and starts.dtype == np.int64 and len(starts) >= 1
+    ok = ok and int(starts[0]) == 0 and int(starts[-1]) < n_tokens
+    if not ok or (len(starts) > 1 and not bool(np.all(np.diff(starts) > 0))):
+        raise ConfigError(
+            f"data.source={src!r}: {path} must hold ascending int64 document starts from 0, "
+            f"each below the shard's {n_tokens} tokens; re-run scripts/tokenize.py"
+        )
+    return starts
+
+
 def load(data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
     """Reads `data.source` (or each of `data.sources`) into memory, or memory-maps it.
 
@@ -249,7 +304,10 @@ def load(data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
     """
     sources = tuple(data_cfg.get("sources", ()) or ())
     if not sources:
-        return _load_one(data_cfg.source, data_cfg, seq_len=seq_len, vocab_size=vocab_size)
+        ds = _load_one(data_cfg.source, data_cfg, seq_len=seq_len, vocab_size=vocab_size)
+        if data_cfg.get("packing", "windows") == "documents":
+            _check_documents(data_cfg.source, ds)
+        return ds
     weights = np.asarray(tuple(data_cfg.get("weights", ()) or (1.0,) * len(sources)), np.float64)
     parts = [_load_one(s, data_cfg, seq_len=seq_len, vocab_size=vocab_size) for s in sources]
     for s, part in zip(sources, parts):
@@ -268,13 +326,127 @@ def load(data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
     )
 
 
+def _check_documents(src: str, ds: Dataset) -> None:
+    """ConfigError unless `ds` can be packed by documents (tokens with a document index)."""
+    if ds.kind != "tokens":
+        raise ConfigError(
+            f"data.packing='documents' needs token data, but data.source={src!r} holds "
+            f"{ds.kind}; set data.packing=windows"
+        )
+    if ds.train_docs is None or ds.val_docs is None:
+        hint = ds.docs_hint or "it has no document index; set data.packing=windows"
+        raise ConfigError(f"data.packing='documents': data.source={src!r} cannot be packed: {hint}")
+
+
+def pack_rows(n_tokens: int, starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of `length` slots that whole documents fill, in order (greedy, first fit).
+
+    A document goes whole into the current row when it fits; one that does not fit but would
+    fit an empty row starts the next row and the current one is padded; one longer than a row
+    fills the row and its tail goes on in the next, as a new segment. Since documents keep their
+    order and padding only ends a row, each row is one contiguous slice of the token stream.
+
+    Args:
+      n_tokens: tokens in the stream.
+      starts: [D] ascending document starts, the first 0.
+      length: slots per row (model.seq_len).
+
+    Returns:
+      (start [R] int64: each row's first token in the stream, used [R] int32: its tokens, the rest
+      of its `length` slots padding).
+    """
+    ends = np.append(np.asarray(starts[1:], np.int64), n_tokens)
+    row_start, row_used = [], []
+    cur, used = 0, 0
+    for s, e in zip(np.asarray(starts, np.int64).tolist(), ends.tolist()):
+        if used and (used == length or length - used < e - s <= length):
+            row_start.append(cur), row_used.append(used)  # full, or padded: the doc fits whole next
+            used = 0
+        if not used:
+            cur = s
+        pos = s
+        while e - pos > length - used:  # a document longer than the room left: cut it
+            pos += length - used
+            row_start.append(cur), row_used.append(length)
+            cur, used = pos, 0
+        used += e - pos
+    if used:
+        row_start.append(cur), row_used.append(used)
+    return np.asarray(row_start, np.int64), np.asarray(row_used, np.int32)
+
+
+def packed_rows(
+    tokens: np.ndarray, starts: np.ndarray, row_start: np.ndarray, row_used: np.ndarray, T: int
+) -> dict[str, np.ndarray]:
+    """The batch entries of packed rows: `inputs`, `targets` (NO_TARGET across a document
+    boundary and on padding), `segment_ids` (1, 2, ... per document piece, 0 on padding) and
+    `positions` (0, 1, ... within each piece), each [R, T] int32."""
+    t = np.arange(T)
+    idx = row_start[:, None] + t[None, :]  # [R, T] stream offsets
+    real = t[None, :] < row_used[:, None]
+    n = len(tokens)
+    idx_c = np.minimum(idx, n - 1)
+    doc = np.searchsorted(starts, idx_c, side="right") - 1  # each slot's document
+    nxt = np.minimum(idx + 1, n - 1)
+    same_next = (np.searchsorted(starts, nxt, side="right") - 1 == doc) & (idx + 1 < n)
+    # A row's first piece is a segment even when it is the tail of a cut document.
+    seg_start = np.maximum(np.asarray(starts)[doc], row_start[:, None])  # [R, T]
+    segment_ids = np.where(real, doc - doc[:, :1] + 1, 0)
+    positions = np.where(real, idx - seg_start, 0)
+    inputs = np.where(real, np.asarray(tokens[idx_c.ravel()]).reshape(idx.shape), 0)
+    targets = np.asarray(tokens[nxt.ravel()]).reshape(idx.shape).astype(np.int64)
+    targets = np.where(real & same_next, targets, NO_TARGET)
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)
+    return {
+        "inputs": i32(inputs),
+        "targets": i32(targets),
+        "segment_ids": i32(segment_ids),
+        "positions": i32(positions),
+    }
+
+
+def packing_stats(
+    n_tokens: int, starts: np.ndarray, row_start: np.ndarray, row_used: np.ndarray, length: int
+) -> dict:
+    """How well `pack_rows` filled its rows.
+
+    Returns:
+      rows; documents; `efficiency`: the fraction of row slots holding a token (not padding);
+      `target_fraction`: the fraction of slots with a loss target (a token followed by one of
+      its own document; `windows` has 1.0); `pieces_per_row`: segments per row; `cut_documents`:
+      the fraction of documents split over rows.
+    """
+    starts = np.asarray(starts, np.int64)
+    ends = np.append(starts[1:], n_tokens)
+    row_end = row_start + row_used
+    # A piece loses its last target when its document ends inside the row.
+    inside = lambda at: np.searchsorted(ends, at, "right")
+    ends_inside = inside(row_end) - inside(row_start)
+    first = np.searchsorted(starts, row_start, "right") - 1
+    last = np.searchsorted(starts, row_end - 1, "right") - 1
+    slots = max(len(row_used) * length, 1)
+    cut = np.zeros(len(starts), bool)
+    cut[first[row_start != starts[first]]] = True  # a row starting inside a document
+    return {
+        "rows": int(len(row_used)),
+        "documents": int(len(starts)),
+        "efficiency": float(row_used.sum() / slots),
+        "target_fraction": float((row_used.sum() - ends_inside.sum()) / slots),
+        "pieces_per_row": float(np.mean(last - first + 1)) if len(row_used) else 0.0,
+        "cut_documents": float(cut.mean()) if len(starts) else 0.0,
+    }
+
+
 def _load_one(src: str, data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
     """One source: `stdlib`, `digits`, a text file or folder, a token `.bin` / folder, an `.npz`."""
     vf = data_cfg.val_fraction
     if src == "stdlib":
-        tokens = _read_text_files(sysconfig.get_paths()["stdlib"], data_cfg.max_bytes, ".py")
+        tokens, starts = _read_text_files(
+            sysconfig.get_paths()["stdlib"], data_cfg.max_bytes, ".py"
+        )
         train, val = _split(tokens, vf)
-        return Dataset("tokens", train, val, vocab_size=256)
+        tr_docs, va_docs = _split_docs(starts, len(train))
+        return Dataset("tokens", train, val, vocab_size=256, train_docs=tr_docs, val_docs=va_docs)
     if src == "digits":
         try:
             from sklearn.datasets import load_digits
@@ -313,12 +485,16 @@ def _load_one(src: str, data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
         tokens = np.memmap(bin_train, dtype=dtype, mode="r")
         val_path = os.path.join(os.path.dirname(bin_train), "val.bin")
         files = [bin_train]
+        starts = _load_docs(src, bin_train, len(tokens))
         if os.path.isfile(val_path) and val_path != bin_train:
             _check_token_file(src, val_path, dtype)
             train, val = tokens, np.memmap(val_path, dtype=dtype, mode="r")
             files.append(val_path)
+            val_docs = _load_docs(src, val_path, len(val))
+            docs = (starts, val_docs) if starts is not None and val_docs is not None else None
         else:
             train, val = _split(tokens, vf)
+            docs = None if starts is None else _split_docs(np.asarray(starts), len(train))
         for path in files:  # every token, not a sample: one bad id turns the loss into NaN
             _check_token_ids(src, path, dtype, vocab_size)
         for name, arr in (("train", train), ("validation", val)):
@@ -327,13 +503,32 @@ def _load_one(src: str, data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
                     f"data.source={src!r}: the {name} split has {len(arr)} tokens, fewer than "
                     f"model.seq_len+1={seq_len + 1}"
                 )
-        return Dataset("tokens", train, val, vocab_size=vocab_size)
-    tokens = _read_text_files(src, data_cfg.max_bytes, None)
+        return Dataset(
+            "tokens",
+            train,
+            val,
+            vocab_size=vocab_size,
+            train_docs=None if docs is None else docs[0],
+            val_docs=None if docs is None else docs[1],
+            docs_hint=f"it has no {docs_path(bin_train)} (the document index that "
+            "scripts/tokenize.py writes beside each shard); re-tokenize the text with "
+            "scripts/tokenize.py, or set data.packing=windows",
+        )
+    tokens, starts = _read_text_files(src, data_cfg.max_bytes, None)
     train, val = _split(tokens, vf)
     if len(val) <= seq_len + 1 or len(train) <= seq_len + 1:
         raise ConfigError(f"data.source={src!r} is too short for model.seq_len={seq_len}")
     warning = noise_warning(src, tokens)
-    return Dataset("tokens", train, val, vocab_size=256, warnings=[warning] if warning else [])
+    tr_docs, va_docs = _split_docs(starts, len(train))
+    return Dataset(
+        "tokens",
+        train,
+        val,
+        vocab_size=256,
+        warnings=[warning] if warning else [],
+        train_docs=tr_docs,
+        val_docs=va_docs,
+    )
 
 
 def process_row_range(sharding: NamedSharding, global_shape: tuple[int, ...]) -> tuple[int, int]:
@@ -352,9 +547,25 @@ def process_row_range(sharding: NamedSharding, global_shape: tuple[int, ...]) ->
 class Batches:
     """Deterministic batches of a Dataset, built as global jax.Arrays with the given sharding."""
 
-    def __init__(self, ds: Dataset, *, batch_size: int, seq_len: int, seed: int, shardings: dict):
+    def __init__(
+        self,
+        ds: Dataset,
+        *,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        shardings: dict,
+        packing: str = "windows",
+    ):
         self.ds, self.batch_size, self.seq_len, self.seed = ds, batch_size, seq_len, seed
-        self.shardings = shardings
+        self.shardings, self.packing = shardings, packing
+        self._plans: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        if packing not in PACKINGS:
+            raise ConfigError(f"data.packing={packing!r} is not valid; choose one of {PACKINGS}")
+        if packing == "documents":
+            if ds.parts is not None:
+                raise ConfigError("data.packing='documents' does not take data.sources (a mixture)")
+            _check_documents("the dataset", ds)
         if ds.kind == "tokens":
             for part in ds.parts or [ds]:
                 for name, arr in (("train", part.train), ("validation", part.val)):
@@ -364,12 +575,22 @@ class Batches:
                             f"model.seq_len+1={seq_len + 1}"
                         )
 
+    def plan(self, split: str = "train") -> tuple[np.ndarray, np.ndarray]:
+        """`data.packing=documents`: the split's packed rows (`pack_rows`), computed once."""
+        if split not in self._plans:
+            docs = self.ds.train_docs if split == "train" else self.ds.val_docs
+            arr = self._split_of(self.ds, split)
+            self._plans[split] = pack_rows(len(arr), docs, self.seq_len)
+        return self._plans[split]
+
     def _indices(self, step: int, split: str) -> np.ndarray:
-        """Window starts (tokens) or example indices (images) for global batch `step`."""
+        """Window starts or packed rows (tokens), example indices (images) for batch `step`."""
         B = self.batch_size
         if self.ds.kind == "tokens":
             stream = 0 if split == "train" else _VAL_STREAM
             rng = np.random.default_rng([self.seed, stream, step])
+            if self.packing == "documents":  # rows drawn with replacement, like windows
+                return rng.integers(0, len(self.plan(split)[0]), size=B)
             if self.ds.parts is not None:  # [B, 2]: (source, window start) per row
                 which = rng.choice(len(self.ds.parts), size=B, p=self.ds.weights)
                 sizes = np.array([len(self._split_of(p, split)) for p in self.ds.parts])
@@ -395,6 +616,10 @@ class Batches:
     def _rows(self, idx: np.ndarray, split: str) -> dict[str, np.ndarray]:
         if self.ds.kind == "tokens":
             T = self.seq_len
+            if self.packing == "documents":
+                docs = self.ds.train_docs if split == "train" else self.ds.val_docs
+                start, used = self.plan(split)
+                return packed_rows(self._split_of(self.ds, split), docs, start[idx], used[idx], T)
             if idx.ndim == 2:  # a mixture: (source, start)
                 arrs = [self._split_of(p, split) for p in self.ds.parts]
                 windows = [arrs[k][s : s + T + 1] for k, s in idx]
@@ -410,7 +635,8 @@ class Batches:
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
         B = self.batch_size
         if self.ds.kind == "tokens":
-            return {"inputs": (B, self.seq_len), "targets": (B, self.seq_len)}
+            keys = PACKED_KEYS if self.packing == "documents" else ("inputs", "targets")
+            return {k: (B, self.seq_len) for k in keys}
         return {"inputs": (B, *self.ds.example_shape), "targets": (B,)}
 
     def get(self, step: int, split: str = "train") -> dict[str, jax.Array]:

@@ -364,6 +364,7 @@ def _build(config, workdir: str, checks) -> _Setup:
         seq_len=config.model.seq_len,
         seed=t.seed,
         shardings=engine.batch_shardings,
+        packing=config.data.packing,
     )
     os.makedirs(workdir, exist_ok=True)
     lock = workdir_lock.acquire(workdir)  # before the first write into the workdir
@@ -436,11 +437,10 @@ def _train(
     """The steps from `start` to `train.steps`, with the hooks on their cadence."""
     engine, batches, ckpt, t = setup.engine, setup.batches, setup.ckpt, config.train
     main = jax.process_index() == 0
-    dtypes = {
-        "inputs": jnp.int32 if batches.ds.kind == "tokens" else jnp.float32,
-        "targets": jnp.int32,
-    }
-    abstract_batch = engine.abstract_batch(batches.global_shapes(), dtypes)
+    shapes = batches.global_shapes()
+    dtypes = {k: jnp.int32 for k in shapes}  # token ids, labels, segment ids, positions
+    dtypes["inputs"] = jnp.int32 if batches.ds.kind == "tokens" else jnp.float32
+    abstract_batch = engine.abstract_batch(shapes, dtypes)
     if main:
         print("compiling the train step ...", flush=True)
     t0 = time.perf_counter()

@@ -122,6 +122,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.max_bytes = 16_000_000  # cap on the text corpus read into memory
     c.data.sources = ()  # a mixture of token sources (replaces data.source when given)
     c.data.weights = ()  # one per data.sources entry; default equal
+    c.data.packing = "windows"  # or "documents": whole documents per row (jaxdist/data.py)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0

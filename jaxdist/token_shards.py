@@ -5,9 +5,11 @@ Each `--input` is a file, a folder (every file under it) or a glob. A `.jsonl` f
 document per line (`--text_key` of each object); any other file is one document. Documents are
 tokenized in `--workers` processes, in order, and joined with the EOS token between them; the last
 `--val_fraction` of them (at least one) form the validation split. The output folder gets
-`train.bin`, `val.bin` (uint16 when the vocabulary fits, else uint32), `tokenizer.json` and
-`index.json` (dtype, token and document counts, vocabulary size, EOS id, the tokenizer's SHA-256),
-written under a temporary name and renamed; `jaxdist.data` checks the shards against the index.
+`train.bin`, `val.bin` (uint16 when the vocabulary fits, else uint32), beside each its document
+index `train.docs.npy`, `val.docs.npy` (int64: the token offset where each document starts, for
+`data.packing=documents`), `tokenizer.json` and `index.json` (dtype, token and document counts,
+vocabulary size, EOS id, the tokenizer's SHA-256), written under a temporary name and renamed;
+`jaxdist.data` checks the shards against the index.
 """
 
 from __future__ import annotations
@@ -157,16 +159,19 @@ def run(args) -> dict:
         ) as pool:
             for split, split_docs in splits.items():
                 batches = [split_docs[i : i + 64] for i in range(0, len(split_docs), 64)]
-                counts[split] = 0
+                counts[split], starts = 0, []
                 with open(os.path.join(tmp, f"{split}.bin"), "wb") as f:
                     bar = tqdm(total=len(split_docs), desc=split, unit="doc", file=sys.stderr)
                     for encoded in pool.imap(_encode, batches):
                         for ids in encoded:
                             a = np.asarray([*ids, eos], dtype=dtype)
                             f.write(a.tobytes())
+                            starts.append(counts[split])
                             counts[split] += a.size
                         bar.update(len(encoded))
                     bar.close()
+                # The document index (jaxdist/data.py `docs_path`): where each document starts.
+                np.save(os.path.join(tmp, f"{split}.docs.npy"), np.asarray(starts, np.int64))
         with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
             f.write(tok_json)
         index = {

@@ -153,6 +153,8 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
     family.check_data(config, ds)
     make_model = family.make(config.model, ds)
     batch_axes = family.batch_axes(config.model, ds)
+    if config.data.get("packing", "windows") == "documents":  # packed rows' extra entries
+        batch_axes = batch_axes | {k: ("batch", "length") for k in ("segment_ids", "positions")}
     model = abstract_model(make_model)
     mesh_shape = {k: int(v) for k, v in mesh.shape.items()}
     tx, lr_schedule = optim.build(strategies.optimizer_config(config, mesh_shape), model.axes, mesh)

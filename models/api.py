@@ -152,6 +152,35 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - label)
 
 
+def masked_token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy over the [B, T] tokens whose target is >= 0, gather-free, in float32.
+
+    `data.packing=documents` marks a target that would cross a document boundary, and padding,
+    with -1 (`jaxdist.data.NO_TARGET`): its one-hot row is zero and it is left out of the mean.
+    """
+    logits = logits.astype(jnp.float32)
+    valid = targets >= 0
+    label = jnp.sum(jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype) * logits, -1)
+    per_token = jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - label, 0.0)
+    return jnp.sum(per_token) / jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+
+
+Segments = tuple[jax.Array, jax.Array]  # (segment_ids [B, T], positions [B, T]) of packed rows
+
+
+def segments_of(batch: Batch) -> Segments | None:
+    """A packed batch's (segment_ids, positions) (`data.packing=documents`), else None."""
+    if "segment_ids" not in batch:
+        return None
+    return batch["segment_ids"], batch["positions"]
+
+
+def segment_mask(q_seg: jax.Array, k_seg: jax.Array) -> jax.Array:
+    """[B, 1, Tq, Tk] bool: query and key in the same segment (document), for
+    `jax.nn.dot_product_attention(mask=...)`; combined there with the causal mask."""
+    return (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
+
+
 def decoder_flops_per_token(n_params: int, num_layers: int, d_model: int, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward) of a decoder transformer: 6N + 12·L·d·T.
 
@@ -392,6 +421,8 @@ class ModelFamily:
       hf: its Hugging Face form (`HFFormat`), or None.
       plan_cost: (config.model, params or their shapes) -> `PlanCost`, or None for a family the
         planner does not model (it then says so, and predicts and guards nothing).
+      packing: whether its `loss` takes packed batches (`data.packing=documents`): attention
+        within each `segment_ids` document, rotary `positions`, -1 targets skipped.
     """
 
     name: str
@@ -406,6 +437,7 @@ class ModelFamily:
     decoder: Callable[[Any], Decoder] | None = None
     hf: HFFormat | None = None
     plan_cost: Callable[[Any, Params], PlanCost] | None = None
+    packing: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,11 @@ arrays hold the device's T/c slots and `local_positions` gives their rotary posi
 backward is autodiff (the transpose of a `ppermute` is the reverse `ppermute`). Masks come from
 positions, never from block indices, so the same code serves any storage order.
 
+Packed documents (`data.packing=documents`): with `segment_ids` [B, T] a query also needs its
+key in the same segment. The key's segment ids travel with its K/V block (one more `ppermute`
+per hop, or one more all-gather), and the mask is causal-by-position AND same-segment. A query
+always sees itself in its own block (the first fold), so no row is fully masked.
+
 Shapes: B batch, T length, K key/value heads, G query heads per K/V head, H head dim.
 """
 
@@ -50,10 +55,14 @@ def sequence_order(length: int, context: int, mode: str) -> np.ndarray | None:
     return np.concatenate([np.concatenate([chunks[i], chunks[-1 - i]]) for i in range(context)])
 
 
-def _fold(carry, q, k, v, q_pos, k_pos, scale):
-    """Online-softmax update of (o [B,Tq,K,G,H], m, l [B,K,G,Tq]) with one K/V block [B,Tk,K,H]."""
+def _fold(carry, q, k, v, q_pos, k_pos, scale, q_seg=None, k_seg=None):
+    """Online-softmax update of (o [B,Tq,K,G,H], m, l [B,K,G,Tq]) with one K/V block [B,Tk,K,H];
+    `q_seg` [B,Tq], `k_seg` [B,Tk]: segment ids, a query sees keys of its own segment only."""
     s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(q_pos[:, None] >= k_pos[None, :], s, _MASKED)
+    mask = q_pos[:, None] >= k_pos[None, :]  # [Tq, Tk]
+    if q_seg is not None:
+        mask = (mask[None] & (q_seg[:, :, None] == k_seg[:, None, :]))[:, None, None]
+    s = jnp.where(mask, s, _MASKED)
     m_blk = jnp.max(s, axis=-1)
     if carry is None:
         m = m_blk
@@ -75,9 +84,10 @@ def _finish(carry, shape, dtype):
     return (o / jnp.moveaxis(l_sum, -1, 1)[..., None]).reshape(shape).astype(dtype)
 
 
-def _local_ring(q, k, v, *, table: np.ndarray, c: int):
+def _local_ring(q, k, v, seg=None, *, table: np.ndarray, c: int):
     """One device's causal attention: its q [B,T/c,N,H] against every device's k, v [B,T/c,K,H],
-    which arrive one ring hop at a time. `table` [c, T/c]: the positions each device holds."""
+    which arrive one ring hop at a time. `table` [c, T/c]: the positions each device holds;
+    `seg` [B,T/c]: segment ids (None: one sequence per row), passed around with K/V."""
     B, Tl, N, H = q.shape
     K = k.shape[2]
     me = jax.lax.axis_index(AXIS)
@@ -86,29 +96,37 @@ def _local_ring(q, k, v, *, table: np.ndarray, c: int):
     kv = jnp.stack([k, v])  # [2, B, T/c, K, H]: one permute per hop
     ring = [(j, (j + 1) % c) for j in range(c)]
     scale = 1 / math.sqrt(H)
-    carry = _fold(None, qg, k, v, table[me], table[me], scale)  # own block: the diagonal
+    carry = _fold(None, qg, k, v, table[me], table[me], scale, seg, seg)  # own block: diagonal
+    k_seg = seg
     for step in range(1, c):
         kv = jax.lax.ppermute(kv, AXIS, ring)  # issued before this hop's block runs
+        if seg is not None:
+            k_seg = jax.lax.ppermute(k_seg, AXIS, ring)
         src = (me - step) % c  # the device this K/V block started on
-        carry = _zigzag_hop(carry, qg, kv, table[me], table[src], src < me, scale)
+        carry = _zigzag_hop(carry, qg, kv, table[me], table[src], src < me, scale, seg, k_seg)
     return _finish(carry, q.shape, q.dtype)
 
 
-def _zigzag_hop(carry, qg, kv, q_pos, k_pos, earlier, scale):
+def _zigzag_hop(carry, qg, kv, q_pos, k_pos, earlier, scale, q_seg=None, k_seg=None):
     """One ring hop under the zig-zag layout, half the block's work. Device i holds chunks
     (i, 2c−1−i); the block from device j holds (j, 2c−1−j). j < i: every local query sees chunk j
     and none sees chunk 2c−1−j, so all queries × the first half of the keys. j > i: the early
     local chunk sees nothing and the late one sees both, so the second half of the queries × all
     keys. Masks still come from positions."""
     half = qg.shape[1] // 2
+    segs = q_seg is not None
 
     def early_keys(carry):
-        return _fold(carry, qg, kv[0, :, :half], kv[1, :, :half], q_pos, k_pos[:half], scale)
+        ks = k_seg[:, :half] if segs else None
+        return _fold(
+            carry, qg, kv[0, :, :half], kv[1, :, :half], q_pos, k_pos[:half], scale, q_seg, ks
+        )
 
     def late_queries(carry):
         o, m, l_sum = carry
         part = (o[:, half:], m[..., half:], l_sum[..., half:])
-        o2, m2, l2 = _fold(part, qg[:, half:], kv[0], kv[1], q_pos[half:], k_pos, scale)
+        qs = q_seg[:, half:] if segs else None
+        o2, m2, l2 = _fold(part, qg[:, half:], kv[0], kv[1], q_pos[half:], k_pos, scale, qs, k_seg)
         return (
             jnp.concatenate([o[:, :half], o2], axis=1),
             jnp.concatenate([m[..., :half], m2], axis=-1),
@@ -118,15 +136,24 @@ def _zigzag_hop(carry, qg, kv, q_pos, k_pos, earlier, scale):
     return jax.lax.cond(earlier, early_keys, late_queries, carry)
 
 
-def _local_gathered(q, k, v, *, table: np.ndarray, c: int):
-    """One device's causal attention with K/V all-gathered over `context`."""
+def _local_gathered(q, k, v, seg=None, *, table: np.ndarray, c: int):
+    """One device's causal attention with K/V (and segment ids) all-gathered over `context`."""
     B, Tl, N, H = q.shape
     K = k.shape[2]
     me = jax.lax.axis_index(AXIS)
     kv = jax.lax.all_gather(jnp.stack([k, v]), AXIS, axis=2, tiled=True)  # [2, B, T, K, H]
+    k_seg = None if seg is None else jax.lax.all_gather(seg, AXIS, axis=1, tiled=True)
     qg = q.reshape(B, Tl, K, N // K, H)
     carry = _fold(
-        None, qg, kv[0], kv[1], jnp.asarray(table)[me], table.reshape(-1), 1 / math.sqrt(H)
+        None,
+        qg,
+        kv[0],
+        kv[1],
+        jnp.asarray(table)[me],
+        table.reshape(-1),
+        1 / math.sqrt(H),
+        seg,
+        k_seg,
     )
     return _finish(carry, q.shape, q.dtype)
 
@@ -147,20 +174,25 @@ def local_positions(local_length: int, mode: str) -> tuple[np.ndarray, jax.Array
     return positions, jnp.asarray(positions.reshape(c, -1))[jax.lax.axis_index(AXIS)]
 
 
-def context_attention(q, k, v, positions: np.ndarray, mode: str) -> jax.Array:
+def context_attention(
+    q, k, v, positions: np.ndarray, mode: str, segment_ids: jax.Array | None = None
+) -> jax.Array:
     """Causal grouped-query attention of q [B,T,N,H] over k, v [B,T,K,H], T split over `context`.
 
     Args:
       positions: [T] the position of each storage slot (`sequence_order`, or arange), of the
         whole sequence also where `context` is manual and q holds T/c slots.
       mode: "ring" or "all_gather".
+      segment_ids: [B, T] in the same storage order, or None: packed documents, attention
+        within each segment only.
 
     Returns: [B, T, N, H] in q's dtype, sharded like q.
     """
     local = _local_ring if mode == "ring" else _local_gathered
+    args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
     if is_manual():  # no nested shard_map: Shardy rejects its residuals under autodiff
         c = sharding.axis_size(AXIS)
-        return local(q, k, v, table=np.asarray(positions).reshape(c, -1), c=c)
+        return local(*args, table=np.asarray(positions).reshape(c, -1), c=c)
     # Manual over the batch axes too: left automatic, XLA gathers the batch around all_gather.
     # Inside per-replica gradients (compressors, local SGD) the replica axes are already split.
     mesh, batch, mapped = sharding.nested_mesh(BATCH_AXES)
@@ -168,11 +200,11 @@ def context_attention(q, k, v, positions: np.ndarray, mode: str) -> jax.Array:
     table = np.asarray(positions).reshape(c, -1)
     spec = P(batch, AXIS)
     fn = jax.shard_map(
-        lambda q, k, v: local(q, k, v, table=table, c=c),
+        lambda *a: local(*a, table=table, c=c),
         mesh=mesh,
-        in_specs=(spec, spec, spec),
+        in_specs=(spec,) * len(args),
         out_specs=spec,
         axis_names={AXIS, *batch, *mapped},
         check_vma=not mapped,  # vmap's batched values vary over `mapped`, unbatched ones not
     )
-    return fn(q, k, v)
+    return fn(*args)

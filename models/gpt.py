@@ -75,11 +75,12 @@ def _norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float = 1
 
 
 def _rope(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
-    """Rotary position embedding on [B, T, N, H]."""
+    """Rotary position embedding on [B, T, N, H] at positions [T] (or [B, T])."""
     h = x.shape[-1]
     freqs = base ** (-jnp.arange(0, h // 2, dtype=jnp.float32) * 2 / h)
-    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # [T, H/2]
-    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    angles = positions[..., None].astype(jnp.float32) * freqs  # [(B,) T, H/2]
+    angles = angles if angles.ndim == 3 else angles[None]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -90,11 +91,20 @@ def _rope(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Arra
 _gelu = jax.checkpoint(jax.nn.gelu)
 
 
-def block(lp: dict[str, jax.Array], x: jax.Array, *, attention: str = "xla") -> jax.Array:
-    """One pre-norm transformer layer. `lp` holds one layer's parameters; x is [B, T, D]."""
+def block(
+    lp: dict[str, jax.Array],
+    x: jax.Array,
+    *,
+    attention: str = "xla",
+    segments: api.Segments | None = None,
+) -> jax.Array:
+    """One pre-norm transformer layer. `lp` holds one layer's parameters; x is [B, T, D].
+    `segments`: a packed row's (segment_ids, positions) [B, T]: attention within each document,
+    rotary positions per document."""
     c = lambda name: constrain(lp[name], BLOCK_AXES[name])  # gathered over fsdp for compute
     T = x.shape[1]
-    positions = jnp.arange(T)
+    positions = jnp.arange(T) if segments is None else segments[1]
+    mask = None if segments is None else api.segment_mask(segments[0], segments[0])
     with jax.named_scope("attention"):
         h = _norm(x, c("attn_norm"), lp.get("attn_norm_bias"))
         qkv = jnp.einsum("btd,dcnh->cbtnh", h, c("wqkv"))  # [3, B, T, N, H]
@@ -103,7 +113,7 @@ def block(lp: dict[str, jax.Array], x: jax.Array, *, attention: str = "xla") -> 
         k = constrain(_rope(k, positions), ("batch", "length", "heads", "kv"))
         v = constrain(v, ("batch", "length", "heads", "kv"))
         impl = attention_implementation(attention, q.dtype, q.shape[-1])
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
         o = constrain(o, ("batch", "length", "heads", "kv"))
         x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ("batch", "length", "embed"))
     with jax.named_scope("mlp"):
@@ -201,17 +211,24 @@ class GPT(nnx.Module):
             head["final_norm_bias"] = self.final_norm_bias[...]
         return logits(head, x)
 
-    def __call__(self, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, *, remat: str = "none", segments: api.Segments | None = None
+    ) -> jax.Array:
+        """Logits [B, T, V]; `segments`: packed documents' (segment_ids, positions) [B, T]."""
         x = self.embed_tokens(tokens)
-        layer = functools.partial(block, attention=self.cfg.attention)
+        layer = functools.partial(block, attention=self.cfg.attention, segments=segments)
         x = api.scan_layers(
             layer, self.blocks.stacked(), x, remat=remat, unroll=self.cfg.scan_unroll
         )
         return self.logits(x)
 
     def loss(self, batch: dict[str, jax.Array], *, remat: str = "none") -> tuple[jax.Array, dict]:
-        """Mean next-token cross-entropy (computed in float32) over the batch."""
-        logits = self(batch["inputs"], remat=remat).astype(jnp.float32)
+        """Mean next-token cross-entropy (computed in float32) over the batch; a packed batch
+        (`segment_ids`, `positions`) attends per document and skips its -1 targets."""
+        segments = api.segments_of(batch)
+        logits = self(batch["inputs"], remat=remat, segments=segments).astype(jnp.float32)
+        if segments is not None:
+            return api.masked_token_cross_entropy(logits, batch["targets"]), {}
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
         return loss, {}
 
@@ -354,4 +371,5 @@ FAMILY = api.ModelFamily(
     tokens_per_example=lambda cfg: cfg.seq_len,
     stages=stages,
     plan_cost=plan_cost,
+    packing=True,
 )

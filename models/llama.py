@@ -186,25 +186,32 @@ def _mlp(lp, x, cfg, c, normed=None):
     return x + constrain(out, ACT)
 
 
-def _attend(q, k, v, positions: np.ndarray | None, cfg) -> jax.Array:
-    """Causal grouped-query attention [B, T, N, H]; over `mesh.context` when it is > 1."""
+def _attend(q, k, v, positions: np.ndarray | None, cfg, segment_ids=None) -> jax.Array:
+    """Causal grouped-query attention [B, T, N, H]; over `mesh.context` when it is > 1. With
+    `segment_ids` [B, T] (packed documents) a query sees only keys of its own segment."""
     if sharding.axis_size(attention.AXIS) > 1:
         pos = np.arange(q.shape[1]) if positions is None else positions
-        return attention.context_attention(q, k, v, pos, cfg.context_attention)
+        return attention.context_attention(q, k, v, pos, cfg.context_attention, segment_ids)
     impl = gpt.attention_implementation(cfg.attention, q.dtype, q.shape[-1])
     # Grouped-query attention: K < N key/value heads, query head n reads head n // (N / K).
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    # The segment mask is a [B, 1, T, T] mask for both implementations (cuDNN takes it as a bias).
+    mask = None if segment_ids is None else api.segment_mask(segment_ids, segment_ids)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
 
 
-def _attention_part(lp, x, cfg, positions, c, qkv=qkv) -> jax.Array:
-    """x + attention(RMSNorm(x)) on [B, T, D]."""
+def _attention_part(lp, x, cfg, positions, c, qkv=qkv, segments=None) -> jax.Array:
+    """x + attention(RMSNorm(x)) on [B, T, D]; `segments`: a packed row's (segment_ids,
+    positions) [B, T], in storage order: attention per segment, rotary per-document positions."""
     with jax.named_scope("attention"):
         if attention.is_manual():  # the pipeline's stages: x holds this device's T/c slots
             positions, pos = attention.local_positions(x.shape[1], cfg.context_attention)
         else:
             pos = jnp.arange(x.shape[1]) if positions is None else jnp.asarray(positions)
+        seg = None
+        if segments is not None:
+            seg, pos = segments
         q, k, v = qkv(lp, x, pos, cfg, c)
-        o = constrain(_attend(q, k, v, positions, cfg), HEADS)
+        o = constrain(_attend(q, k, v, positions, cfg, seg), HEADS)
         return x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ACT)
 
 
@@ -215,12 +222,14 @@ def block(
     cfg,
     positions: np.ndarray | None = None,
     qkv: Any = qkv,
+    segments: api.Segments | None = None,
 ) -> jax.Array:
     """One pre-norm Llama layer on x [B, T, D]; `lp` holds one layer's parameters. `positions`
     [T]: each storage slot's position (the zig-zag order of ring attention), default arange.
-    `qkv`: the attention's input projections (`qkv`'s signature)."""
+    `qkv`: the attention's input projections (`qkv`'s signature). `segments`: packed documents
+    (`_attention_part`)."""
     c = lambda name: constrain(lp[name], BLOCK_AXES[name])  # gathered over fsdp for compute
-    x = _attention_part(lp, x, cfg, positions, c, qkv)
+    x = _attention_part(lp, x, cfg, positions, c, qkv, segments)
     with jax.named_scope("mlp"):
         return _mlp(lp, x, cfg, c)
 
@@ -239,12 +248,18 @@ def _moe_mlp(lp, x, cfg, c) -> tuple[jax.Array, dict]:
 
 
 def moe_block(
-    lp: dict[str, jax.Array], carry, *, cfg, positions: np.ndarray | None = None, qkv: Any = qkv
+    lp: dict[str, jax.Array],
+    carry,
+    *,
+    cfg,
+    positions: np.ndarray | None = None,
+    qkv: Any = qkv,
+    segments: api.Segments | None = None,
 ):
     """One MoE layer on carry = (x [B, T, D], router stats summed over the layers so far)."""
     x, acc = carry
     c = lambda name: constrain(lp[name], {**BLOCK_AXES, **moe.AXES}[name])
-    x = _attention_part(lp, x, cfg, positions, c, qkv)
+    x = _attention_part(lp, x, cfg, positions, c, qkv, segments)
     with jax.named_scope("moe"):
         x, stats = _moe_mlp(lp, x, cfg, c)
     return x, jax.tree.map(jnp.add, acc, stats)
@@ -326,12 +341,16 @@ class Llama(nnx.Module):
             p["head"] = self.head[...]
         return p
 
-    def _hidden(self, tokens: jax.Array, positions, remat: str) -> tuple[jax.Array, dict]:
+    def _hidden(
+        self, tokens: jax.Array, positions, remat: str, segments: api.Segments | None = None
+    ) -> tuple[jax.Array, dict]:
         """Final hidden states [B, T, D] and the MoE router stats averaged over layers ({})."""
         x = embed_tokens({"embed": self.embed[...]}, tokens, embed_grad=self.cfg.embed_grad)
         moe_layers = bool(self.cfg.num_experts)
         fn = moe_block if moe_layers else block
-        layer = functools.partial(fn, cfg=self.cfg, positions=positions, qkv=self.qkv)
+        layer = functools.partial(
+            fn, cfg=self.cfg, positions=positions, qkv=self.qkv, segments=segments
+        )
         carry = (x, moe_stats_zero(self.cfg, x)) if moe_layers else x
         out = api.scan_layers(
             layer, self.layers.stacked(), carry, remat=remat, unroll=self.cfg.scan_unroll
@@ -344,28 +363,35 @@ class Llama(nnx.Module):
     def _order(self, length: int) -> np.ndarray | None:
         return sequence_order(self.cfg, length)
 
-    def __call__(self, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
-        """Logits [B, T, V] of tokens [B, T]."""
+    def __call__(
+        self, tokens: jax.Array, *, remat: str = "none", segments: api.Segments | None = None
+    ) -> jax.Array:
+        """Logits [B, T, V] of tokens [B, T]; `segments` (segment_ids, positions) [B, T] of
+        packed documents: each attends within its own segment, at its own positions."""
         order = self._order(tokens.shape[1])
         if order is None:
-            x, _ = self._hidden(tokens, None, remat)
+            x, _ = self._hidden(tokens, None, remat, segments)
             return logits(self.head_params(), x, eps=self.cfg.norm_eps)
-        x, _ = self._hidden(constrain(tokens[:, order], ("batch", "length")), order, remat)
+        put = lambda a: constrain(a[:, order], ("batch", "length"))
+        segs = None if segments is None else tuple(put(a) for a in segments)
+        x, _ = self._hidden(put(tokens), order, remat, segs)
         out = logits(self.head_params(), x, eps=self.cfg.norm_eps)
         return constrain(out[:, np.argsort(order)], ("batch", "length", "vocab"))
 
     def loss(self, batch: dict[str, jax.Array], *, remat: str = "none") -> tuple[jax.Array, dict]:
         """Mean next-token cross-entropy (float32) over the batch. Under ring context attention
-        the tokens and targets are stored zig-zag (a permutation: the mean is unchanged)."""
+        the tokens and targets are stored zig-zag (a permutation: the mean is unchanged). A
+        packed batch (`segment_ids`, `positions`) attends per document and skips -1 targets."""
         inputs, targets = batch["inputs"], batch["targets"]
+        segments = api.segments_of(batch)
         order = self._order(inputs.shape[1])
         if order is not None:
-            inputs = constrain(inputs[:, order], ("batch", "length"))
-            targets = constrain(targets[:, order], ("batch", "length"))
-        x, stats = self._hidden(inputs, order, remat)
-        loss = api.token_cross_entropy(
-            logits(self.head_params(), x, eps=self.cfg.norm_eps), targets
-        )
+            put = lambda a: constrain(a[:, order], ("batch", "length"))
+            inputs, targets = put(inputs), put(targets)
+            segments = None if segments is None else tuple(put(a) for a in segments)
+        x, stats = self._hidden(inputs, order, remat, segments)
+        xent = api.token_cross_entropy if segments is None else api.masked_token_cross_entropy
+        loss = xent(logits(self.head_params(), x, eps=self.cfg.norm_eps), targets)
         if not stats:
             return loss, {}
         return moe_loss(loss, stats, self.cfg)
@@ -812,4 +838,5 @@ FAMILY = api.ModelFamily(
     decoder=decoder,
     hf=HF,
     plan_cost=plan_cost,
+    packing=True,
 )

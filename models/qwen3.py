@@ -168,4 +168,5 @@ FAMILY = api.ModelFamily(
     decoder=decoder,
     hf=HF,
     plan_cost=plan_cost,
+    packing=True,
 )

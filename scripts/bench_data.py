@@ -3,6 +3,7 @@
     python scripts/bench_data.py --study=tokenize --corpus_mb=50
     python scripts/bench_data.py --study=loader
     python scripts/bench_data.py --study=decode --config=configs/llama_tiny.py
+    python scripts/bench_data.py --study=packing
 
 Studies:
   tokenize  tokens/s of scripts/tokenize.py (jaxdist/token_shards.py: worker processes, shards
@@ -17,6 +18,11 @@ Studies:
   decode    `jaxdist.generate` on one device with random weights of --config's model: prefill
             time and decode tokens/s for batch 1 and 8 (--prompt_len prompt tokens,
             --new_tokens new ones), compile excluded.
+  packing   `data.packing=documents` on --source (default the default job's `stdlib`, one document
+            per file) at each of --seq_lens: the packing efficiency (fraction of row slots that
+            hold a token, not padding), the fraction of slots with a loss target (`windows`:
+            all), segments per row, the fraction of documents cut over rows, and the host time
+            of the packing plan (`jaxdist.data.pack_rows`) and of one batch of --batch_size rows.
 
 Every figure is a median over --repeats runs (10th–90th percentile alongside), written to --out.
 """
@@ -237,9 +243,51 @@ def study_decode(args) -> dict:
     }
 
 
+def study_packing(args) -> dict:
+    from jaxdist import config as config_lib
+    from jaxdist import data
+
+    d = config_lib.base_config().data
+    d.source, d.packing = args.source, "documents"
+    seq_lens = [int(t) for t in args.seq_lens.split(",")]
+    ds = data.load(d, seq_len=max(seq_lens), vocab_size=args.vocab)
+    rows = {}
+    for T in seq_lens:
+        batches = data.Batches(
+            ds, batch_size=args.batch_size, seq_len=T, seed=0, shardings={}, packing="documents"
+        )
+        plan_times, batch_times = [], []
+        for _ in range(args.repeats):
+            batches._plans.clear()
+            t0 = time.perf_counter()
+            start, used = batches.plan("train")
+            plan_times.append(time.perf_counter() - t0)
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            batches.get_host(step)
+            batch_times.append(time.perf_counter() - t0)
+        row = data.packing_stats(len(ds.train), ds.train_docs, start, used, T)
+        row |= {"plan_s": _stats(plan_times), "host_s_per_batch": _stats(batch_times)}
+        rows[f"seq_len {T}"] = row
+        print(
+            f"seq_len {T:5d}: {row['rows']:7d} rows, efficiency {row['efficiency']:.4f}, "
+            f"targets {row['target_fraction']:.4f}, {row['pieces_per_row']:.2f} segments/row, "
+            f"{100 * row['cut_documents']:.1f}% of {row['documents']} documents cut, plan "
+            f"{row['plan_s']['median_s']:.2f} s, {row['host_s_per_batch']['median_s'] * 1e3:.2f} "
+            f"ms/batch of {args.batch_size}"
+        )
+    return {
+        "study": "packing",
+        "source": args.source,
+        "train_tokens": int(len(ds.train)),
+        "batch_size": args.batch_size,
+        "rows": rows,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--study", choices=["tokenize", "loader", "decode"], required=True)
+    p.add_argument("--study", choices=["tokenize", "loader", "decode", "packing"], required=True)
     p.add_argument("--corpus_mb", type=float, default=50.0, help="tokenize: corpus size")
     p.add_argument("--vocab", type=int, default=8192, help="tokenize: the BPE's vocabulary")
     p.add_argument("--steps", type=int, default=30, help="loader: batches timed")
@@ -247,9 +295,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt_len", type=int, default=16)
     p.add_argument("--new_tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--source", default="stdlib", help="packing: data.source")
+    p.add_argument("--seq_lens", default="64,256,1024,4096", help="packing: row lengths")
+    p.add_argument("--batch_size", type=int, default=16, help="packing: rows per batch")
     p.add_argument("--out", default="runs/bench/data.json")
     args = p.parse_args(argv)
-    studies = {"tokenize": study_tokenize, "loader": study_loader, "decode": study_decode}
+    studies = {
+        "tokenize": study_tokenize,
+        "loader": study_loader,
+        "decode": study_decode,
+        "packing": study_packing,
+    }
     try:
         result = studies[args.study](args)
     except ConfigError as err:

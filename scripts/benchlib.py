@@ -52,6 +52,7 @@ def build(config, m, ds):
         seq_len=config.model.seq_len,
         seed=0,
         shardings=engine.batch_shardings,
+        packing=config.data.packing,
     )
     return engine, batches
 

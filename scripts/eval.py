@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> dict:
     seq_len = _checked(args, src, jax.device_count())
     run_source = config.data.source
     config.data.source = args.data
+    if config.data.get("packing", "windows") == "documents":  # the held-out loss reads windows
+        config.data.packing = "windows"
     m.seq_len = seq_len
     ds = data.load(config.data, seq_len=seq_len, vocab_size=m.vocab_size)
     models.get(m.name).check_data(config, ds)

@@ -10,8 +10,10 @@ tokenized in `--workers` processes, in order, and joined with the EOS token betw
 `--val_fraction` of them (at least one) form the validation split. `--tokenizer` takes a Hugging
 Face `tokenizer.json` (or a folder with one, e.g. an imported model); `--train_vocab=N` trains a
 byte-level BPE of N tokens on the inputs instead. DIR gets `train.bin`, `val.bin` (uint16 when the
-vocabulary fits, else uint32), `tokenizer.json` and `index.json` (dtype, token and document counts,
-vocabulary size, EOS id, the tokenizer's SHA-256), written under a temporary name and renamed.
+vocabulary fits, else uint32), their document indexes `train.docs.npy`, `val.docs.npy` (int64
+document starts, read by `data.packing=documents`), `tokenizer.json` and `index.json` (dtype,
+token and document counts, vocabulary size, EOS id, the tokenizer's SHA-256), written under a
+temporary name and renamed.
 Train on it with `--config.data.source=DIR`. Bad input: one `error: ...` line, exit 2. The work
 is done by jaxdist/token_shards.py.
 

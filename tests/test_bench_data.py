@@ -44,3 +44,16 @@ def test_loader_study_sets_the_loader_beside_the_step(tmp_path):
     assert r["rows"]["default job train step"]["step_s"]["median_s"] > 0
     for name in ("stdlib (in memory)", "token shards (memory-mapped)"):
         assert r["rows"][name]["fraction_of_step"] > 0
+
+
+def test_packing_study_reports_the_efficiency(tmp_path):
+    r = run(
+        "--study=packing",
+        "--seq_lens=64,256",
+        "--repeats=1",
+        "--steps=2",
+        f"--out={tmp_path / 'p.json'}",
+    )
+    assert set(r["rows"]) == {"seq_len 64", "seq_len 256"}
+    for row in r["rows"].values():
+        assert 0.9 < row["efficiency"] <= 1 and row["target_fraction"] <= row["efficiency"]

@@ -229,6 +229,15 @@ SHORTENED = {
         "--corpus_mb=0.5 --vocab=512 --repeats=1",
         "50 MB tokenized three times takes minutes on 2 cores; 0.5 MB runs the same code",
     ),
+    "python scripts/bench_data.py --study=packing": (
+        "--seq_lens=64,256 --repeats=1 --steps=2",
+        "four row lengths, three plans each; two lengths once run the same code",
+    ),
+    "python scripts/train.py --config=configs/llama_tiny.py --workdir=runs/packed "
+    "--config.data.packing=documents --config.train.steps=20": (
+        "--config.train.steps=2",
+        "20 steps of the tiny Llama; 2 compile and run the same packed step",
+    ),
     "python scripts/bench_data.py --study=decode --config=configs/llama_tiny.py": (
         "--new_tokens=4 --repeats=1",
         "3 repeats of 32 decode steps at two batch sizes; one short repeat runs the same code",

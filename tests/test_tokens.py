@@ -102,3 +102,17 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, match):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_shards_carry_their_document_index(shards):
+    """train.docs.npy / val.docs.npy hold each document's first token (the token after each
+    EOS), which `data.packing=documents` packs whole; without them only windows read the shards."""
+    index = json.loads((shards / "index.json").read_text())
+    cfg = _source(shards)
+    cfg.packing = "documents"
+    ds = data.load(cfg, seq_len=16, vocab_size=300)
+    for split, docs in (("train", ds.train_docs), ("val", ds.val_docs)):
+        ids = np.fromfile(shards / f"{split}.bin", dtype=np.uint16)
+        eos = np.flatnonzero(ids == index["eos_id"])
+        np.testing.assert_array_equal(docs, np.concatenate([[0], eos[:-1] + 1]))
+        assert len(docs) == index["documents"][split]
