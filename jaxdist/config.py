@@ -87,6 +87,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     _need(config.train.warmup_steps >= 0, "train.warmup_steps must be >= 0")
     _need(config.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 = off)")
     _need(config.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
+    _need(
+        config.checkpoint.local_every >= 0,
+        "checkpoint.local_every must be >= 0 (steps between fast-tier saves; 0 = off)",
+    )
     _need(config.runtime.cpu_devices >= 0, "runtime.cpu_devices must be >= 0 (0 = JAX default)")
     _need(
         0.0 <= config.runtime.gpu_memory_fraction <= 1.0,

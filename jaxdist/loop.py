@@ -36,6 +36,8 @@ from jaxdist import (
 )
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
+from jaxdist.checkpoint import fast as fast_lib
+from jaxdist.checkpoint.fast import FastTier
 from jaxdist.console import (
     Console,
     done_line,
@@ -277,14 +279,67 @@ def _report_progress(at_step: int) -> None:
             pass  # the watchdog is a help, never a reason to stop training
 
 
-def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool, clock=None):
+def _restore_fast(engine, fast: FastTier, latest: int | None, main: bool, clock):
+    """(state, start) from the fast tier when it holds a newer step than `latest`, else None.
+
+    Every process calls it (the tiers' steps are agreed on); prints which tier is used.
+    """
+    step, listing = fast.newest_complete()
+    if step is None or (latest is not None and step <= latest):
+        if main:
+            newest = "none" if step is None else f"step {step}"
+            persistent = "none" if latest is None else f"step {latest}"
+            print(
+                f"checkpoint tier: persistent ({persistent}; fast tier newest complete: {newest})",
+                flush=True,
+            )
+        return None
+    with clock.charge("restart") if clock is not None else contextlib.nullcontext():
+        got = fast.restore(step, listing, engine.abstract_state)
+    if got is None:
+        if main:
+            print(
+                f"checkpoint tier: fast tier step {step} unreadable; falling back to the "
+                f"persistent tier ({'none' if latest is None else f'step {latest}'})",
+                flush=True,
+            )
+        return None
+    state, manifest, _ = got
+    if main:
+        n = len(listing)
+        peers = [q for q in range(n) if step not in listing[q]["own"]]
+        how = (
+            "; process(es) " + ", ".join(f"{q} from process {(q + 1) % n}'s copy" for q in peers)
+            if peers
+            else ""
+        )
+        print(
+            f"checkpoint tier: fast (step {step} from process-local copies in {fast.root}{how})",
+            flush=True,
+        )
+    return engine.to_storage(state), int(manifest["data_position"])
+
+
+def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool, clock=None, fast=None):
     """(state, start step): the newest checkpoint's, `train.init_from`'s weights, or fresh.
 
+    The newest checkpoint is the fast tier's when it holds a newer step than the persistent one.
     (None, start) when the checkpoint already reached `train.steps`. The read of a checkpoint is
     charged to `clock`'s `restart`.
     """
     t = config.train
     latest = ckpt.latest_step()
+    if fast is not None:
+        got = _restore_fast(engine, fast, latest, main, clock)
+        if got is not None:
+            state, start = got
+            if start >= t.steps:
+                if main:
+                    print(f"already finished: step {start} of {t.steps} (train.steps)", flush=True)
+                return None, start
+            if main:
+                print(f"resumed from the fast tier at step {start}", flush=True)
+            return state, start
     if latest is None:
         if init_from is None:
             return engine.init(), 0
@@ -335,6 +390,7 @@ class _Setup:
     cfg_json: dict[str, Any]
     preemption: Preemption
     lock: workdir_lock.WorkdirLock  # held by process 0 until `run` returns or raises
+    fast: FastTier | None = None  # checkpoint.local_every > 0: the fast tier
 
 
 def _build(config, workdir: str, checks) -> _Setup:
@@ -382,7 +438,11 @@ def _build(config, workdir: str, checks) -> _Setup:
     except BaseException:
         lock.release()
         raise
-    return _Setup(engine, batches, ckpt, cfg_json, preemption, lock)
+    fast = None
+    if config.checkpoint.local_every > 0:
+        local_dir = config.checkpoint.local_dir or fast_lib.default_dir(workdir)
+        fast = FastTier(local_dir, every=config.checkpoint.local_every, config_json=cfg_json)
+    return _Setup(engine, batches, ckpt, cfg_json, preemption, lock, fast)
 
 
 def run(
@@ -417,7 +477,7 @@ def run(
     engine, ckpt, main = setup.engine, setup.ckpt, jax.process_index() == 0
     try:
         state, start = _restore_or_init(
-            engine, ckpt, config, setup.cfg_json, init_from, main, clock
+            engine, ckpt, config, setup.cfg_json, init_from, main, clock, setup.fast
         )
         if state is None:
             return {}
@@ -479,6 +539,13 @@ def _train(
             lambda step, state, m: _checkpoint(engine, ckpt, guard, console, clock, step, state, m),
         ),
     ]
+    if setup.fast is not None:
+        hooks.append(
+            Hook(
+                setup.fast.every,
+                lambda step, state, m: _fast_save(engine, setup.fast, guard, clock, step, state, m),
+            )
+        )
     unit = "tok" if logger.rate_key == "tokens_per_s" else "ex"
     ends = _RunEnd(writer, clock, start, redone, (logger.per_step_items, unit))
     profiler = _Profiler(config.profile.steps, workdir)
@@ -541,6 +608,13 @@ def _checkpoint(engine, ckpt, guard, console, clock, step: int, state, m) -> Non
     raise stopped
 
 
+def _fast_save(engine, fast: FastTier, guard, clock, step: int, state, m) -> None:
+    """A fast-tier save (process-local, copied to the peer) of a step known to be finite."""
+    guard.check(m, step)
+    with clock.charge("checkpoint"):
+        fast.save(step, engine.to_user(state), data_position=step)
+
+
 def _finish(
     config, workdir, setup, logger, console, step, state, evaluate, ends
 ) -> dict[str, float]:
@@ -557,6 +631,8 @@ def _finish(
             ckpt.save(step, setup.engine.to_user(state), data_position=step, force=True)
         ckpt.wait()
         ckpt.close()  # orbax's threads stop inside the clock: the record covers the whole run
+    if setup.fast is not None and config.checkpoint.every > 0:
+        setup.fast.remove()  # the final persistent save supersedes the process-local copies
     _report_progress(step)
     console.close()  # first: `done:` gets its own line, not the bar's
     record = ends.write()

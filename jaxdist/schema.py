@@ -126,6 +126,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0
     c.checkpoint.keep = 3
+    c.checkpoint.local_every = 0  # the fast tier (checkpoint/fast.py): steps between saves, 0 = off
+    c.checkpoint.local_dir = ""  # its process-local folder; "" = /dev/shm/jaxdist-fast-<hash>
 
     c.pipeline = ml_collections.ConfigDict()
     c.pipeline.microbatches = 1
