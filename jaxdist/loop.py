@@ -27,6 +27,7 @@ from jaxdist import (
     data,
     goodput,
     hlo_cost,
+    job_goodput,
     metrics,
     optim,
     pipeline,
@@ -543,7 +544,9 @@ def _train(
         hooks.append(
             Hook(
                 setup.fast.every,
-                lambda step, state, m: _fast_save(engine, setup.fast, guard, clock, step, state, m),
+                lambda step, state, m: _fast_save(
+                    engine, setup.fast, guard, clock, writer, step, state, m
+                ),
             )
         )
     unit = "tok" if logger.rate_key == "tokens_per_s" else "ex"
@@ -608,11 +611,15 @@ def _checkpoint(engine, ckpt, guard, console, clock, step: int, state, m) -> Non
     raise stopped
 
 
-def _fast_save(engine, fast: FastTier, guard, clock, step: int, state, m) -> None:
-    """A fast-tier save (process-local, copied to the peer) of a step known to be finite."""
+def _fast_save(engine, fast: FastTier, guard, clock, writer, step: int, state, m) -> None:
+    """A fast-tier save (process-local, copied to the peer) of a step known to be finite; its
+    seconds and the bytes process 0 keeps (its shards and its peer's) as a `fast_tier` record."""
     guard.check(m, step)
     with clock.charge("checkpoint"):
         fast.save(step, engine.to_user(state), data_position=step)
+    writer.write_step(
+        step, {"kind": "fast_tier", "save_s": fast.last_save_s, "bytes": fast.last_bytes}
+    )
 
 
 def _finish(
@@ -664,6 +671,8 @@ class _RunEnd:
                 self.clock.move(min(self.redone, steps) * per_step, "productive", "recomputed")
             self.written = self.clock.record()
             self.writer.write_record(self.written)
+            if self.writer.enabled:
+                job_goodput.write_snapshot(self.written, self.writer.workdir, final=True)
         return self.written
 
 
@@ -760,6 +769,8 @@ class _Logger:
         self.pending_eval = {}
         self.last = last
         self.writer.write_step(step, last)
+        if self.writer.enabled:  # the launcher's job-level goodput (a killed attempt's last word)
+            job_goodput.write_snapshot(self.clock.record(), self.writer.workdir, final=False)
         net = self.net.take(steps) if self.net is not None else None
         if net is not None:
             self.writer.write_step(step, net)

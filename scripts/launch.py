@@ -48,6 +48,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxdist import job_goodput  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
 from jaxdist.network import counters, namespaces, profiles  # noqa: E402
 
@@ -477,6 +478,21 @@ def _cluster(args: argparse.Namespace) -> namespaces.Cluster:
     return cluster
 
 
+def _job_goodput(snapshots: list[str], wall_s: float) -> None:
+    """Sums the attempts' goodput records into the job's: one line, and a `goodput_job` record
+    in the run's metrics.jsonl (when the command was a training run that wrote one)."""
+    attempts = [job_goodput.read_snapshot(path) for path in snapshots]
+    workdirs = [a["workdir"] for a in attempts if a and a.get("workdir")]
+    if not workdirs:
+        return  # not a training run, or no attempt reached a logged step
+    record = job_goodput.job_record(attempts, wall_s)
+    print(f"{NAME}: {job_goodput.summary_line(record)}", file=sys.stderr, flush=True)
+    try:
+        job_goodput.append_to_metrics(record, workdirs[-1])
+    except OSError as err:
+        print(f"{NAME}: cannot append the job's goodput record: {err}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--network=list" in argv[: argv.index("--") if "--" in argv else len(argv)]:
@@ -499,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     # Progress files also let a failure be blamed on a process that had stalled before it.
     progress_dir = tempfile.mkdtemp(prefix="jaxdist-progress-")
+    snapshots: list[str] = []  # each attempt's goodput file (jaxdist/job_goodput.py)
+    t_start = time.monotonic()
     try:
         for attempt in range(args.max_restarts + 1):
             wrap, host = None, "127.0.0.1"
@@ -519,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+            snapshots.append(os.path.join(progress_dir, f"goodput-{attempt}.json"))
+            for env in envs:
+                env[job_goodput.ENV_GOODPUT_FILE] = snapshots[-1]
             launcher = Launcher(command, envs, args.grace_s, args.hang_s, progress_dir, wrap=wrap)
             code = launcher.run()
             if code == 0 or launcher.signalled is not None or attempt == args.max_restarts:
@@ -538,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         return code
     finally:
+        _job_goodput(snapshots, time.monotonic() - t_start)
         shutil.rmtree(progress_dir, ignore_errors=True)
         if cluster is not None:
             cluster.down()

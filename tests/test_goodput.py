@@ -68,3 +68,32 @@ def test_nested_spans_are_charged_once():
     with pytest.raises(ValueError, match="unknown goodput cause 'lunch'"):
         with clock.charge("lunch"):
             pass
+
+
+def test_job_record_sums_attempts_and_charges_the_uncovered_time_to_restart(tmp_path, monkeypatch):
+    from jaxdist import job_goodput
+
+    killed = {"kind": "goodput", "productive": 6.0, "compile": 2.0, "idle": 1.0, "total": 9.0}
+    finished = {
+        "kind": "goodput",
+        "productive": 5.0,
+        "compile": 2.0,
+        "restart": 0.5,
+        "recomputed": 1.5,
+        "idle": 1.0,
+        "total": 10.0,
+        "goodput": 0.5,
+    }
+    monkeypatch.setenv(job_goodput.ENV_GOODPUT_FILE, str(tmp_path / "attempt.json"))
+    job_goodput.write_snapshot(finished, str(tmp_path), final=True)
+    read = job_goodput.read_snapshot(str(tmp_path / "attempt.json"))
+    assert read == {**finished, "workdir": str(tmp_path), "final": True}
+    rec = job_goodput.job_record([killed, None, read], wall_s=23.0)
+    assert rec["productive"] == 11.0 and rec["recomputed"] == 1.5 and rec["compile"] == 4.0
+    assert rec["restart"] == pytest.approx(0.5 + (23.0 - 19.0))  # the launcher's gap
+    assert rec["total"] == pytest.approx(23.0)
+    assert rec["goodput"] == pytest.approx(11.0 / 23.0)
+    assert (rec["attempts"], rec["attempts_finished"]) == (3, 1)
+    line = job_goodput.summary_line(rec)
+    assert line.startswith("job goodput │ 47.8% of 23.0s productive over 3 attempt(s); "), line
+    assert "restart 4.5s" in line and "recomputed 1.5s" in line, line
