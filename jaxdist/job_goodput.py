@@ -4,15 +4,17 @@
 process 0 keeps its latest goodput record: rewritten at every logged step (`final: false`) and at
 the end of the run (`final: true`). An attempt killed by a failure leaves its last snapshot. The
 job's record adds the attempts' seconds cause by cause, and charges to `restart` the launcher's
-wall time that no attempt's record covers: detecting the failure, stopping the other processes,
-starting the next attempt, and a failed attempt's seconds after its last snapshot. Its `total` is
-the launcher's wall time from the first start to the last exit, so the causes add up to it.
+wall time that no attempt's record covers after a failure: a failed attempt's seconds after its
+last snapshot (detecting the failure, stopping the other processes), the gap to the next attempt
+and that attempt's start-up (`job_record` says which seconds go where). Its `total` is the
+launcher's wall time from the first start to the last exit, so the causes add up to it.
 
 Imports nothing heavy: the launcher reads it without JAX.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -37,36 +39,59 @@ def write_snapshot(record: dict[str, Any], workdir: str, final: bool) -> None:
 
 
 def read_snapshot(path: str) -> dict[str, Any] | None:
-    """The attempt's last record, or None when it wrote none (it died before its first step)."""
+    """The attempt's last record, with `written` (its file's modification time, seconds since the
+    epoch), or None when it wrote none (it died before its first logged step)."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            record = json.load(f)
+        return {**record, "written": os.path.getmtime(path)}
     except (OSError, ValueError):
         return None
 
 
-def job_record(attempts: Sequence[dict[str, Any] | None], wall_s: float) -> dict[str, Any]:
+@dataclasses.dataclass
+class Attempt:
+    """One start of the job: its last goodput snapshot and when it started and ended (epoch s)."""
+
+    record: dict[str, Any] | None
+    start: float
+    end: float
+
+
+def job_record(attempts: Sequence[Attempt]) -> dict[str, Any]:
     """`{"kind": "goodput_job", <cause>: seconds, "total", "goodput", "attempts", ...}`.
 
-    Args:
-      attempts: each attempt's last record (None for one that wrote none), in order.
-      wall_s: the launcher's wall seconds from the first start to the last exit.
+    Each attempt's record is added cause by cause. The attempt's seconds its record does not
+    cover are charged by when they fell: before its clock started (starting Python, importing,
+    joining the job) is `idle` for the first attempt and `restart` for later ones; after its last
+    snapshot is `restart` when the attempt failed (work lost with it, detecting the failure,
+    stopping the other processes) and `idle` when it finished. The gaps between attempts are
+    `restart`. `total` is the first start to the last end.
     """
-    seconds: dict[str, float] = {}
-    for rec in attempts:
-        for key, value in (rec or {}).items():
-            if key not in _NOT_CAUSES and isinstance(value, int | float):
+    seconds: dict[str, float] = {"idle": 0.0, "restart": 0.0}
+    for i, attempt in enumerate(attempts):
+        rec = attempt.record
+        if rec is None:
+            seconds["idle" if i == 0 else "restart"] += attempt.end - attempt.start
+            continue
+        for key, value in rec.items():
+            if key not in _NOT_CAUSES and key != "written" and isinstance(value, int | float):
                 seconds[key] = seconds.get(key, 0.0) + float(value)
-    covered = sum(seconds.values())
-    seconds["restart"] = seconds.get("restart", 0.0) + max(0.0, wall_s - covered)
+        clock_start = rec["written"] - rec["total"]
+        seconds["idle" if i == 0 else "restart"] += max(0.0, clock_start - attempt.start)
+        tail = max(0.0, attempt.end - rec["written"])
+        seconds["idle" if rec.get("final") else "restart"] += tail
+        if i > 0:
+            seconds["restart"] += max(0.0, attempt.start - attempts[i - 1].end)
     total = sum(seconds.values())
     return {
         "kind": "goodput_job",
         **{k: round(v, 6) for k, v in seconds.items()},
         "total": round(total, 6),
+        "wall_s": round(attempts[-1].end - attempts[0].start, 6) if attempts else 0.0,
         "goodput": seconds.get("productive", 0.0) / total if total > 0 else 0.0,
         "attempts": len(attempts),
-        "attempts_finished": sum(1 for r in attempts if r and r.get("final")),
+        "attempts_finished": sum(1 for a in attempts if a.record and a.record.get("final")),
     }
 
 
@@ -75,7 +100,7 @@ def summary_line(record: dict[str, Any]) -> str:
     rest = [
         f"{k} {record[k]:.1f}s"
         for k in record
-        if k not in (*_NOT_CAUSES, "productive", "attempts", "attempts_finished")
+        if k not in (*_NOT_CAUSES, "productive", "attempts", "attempts_finished", "wall_s")
         and record[k] >= 0.05
     ]
     line = (

@@ -221,8 +221,15 @@ class Hook:
 class _FiniteGuard:
     """Judges each step's finiteness once: stops (on_nonfinite=stop) or reports a skipped update."""
 
-    def __init__(self, train_cfg, ckpt: checkpoint.Checkpointer, say: Callable[[str], None], start):
-        self.t, self.ckpt, self.say = train_cfg, ckpt, say
+    def __init__(
+        self,
+        train_cfg,
+        ckpt: checkpoint.Checkpointer,
+        say: Callable[[str], None],
+        start,
+        record: Callable[[int, dict[str, Any]], None] = lambda step, rec: None,
+    ):
+        self.t, self.ckpt, self.say, self.record = train_cfg, ckpt, say, record
         self.through, self.in_a_row = start, 0  # last step judged; skips in a row
 
     def check(self, m, at_step: int) -> None:
@@ -230,7 +237,10 @@ class _FiniteGuard:
             return
         self.through = at_step
         if bool(m["finite"]):
-            self.in_a_row = 0
+            if "spike" in m and bool(m["spike"]):
+                self._spike(m, at_step)
+            else:
+                self.in_a_row = 0
             return
         good = self.ckpt.latest_step()
         last_good = f"step {good} in {self.ckpt.directory}" if good is not None else "none"
@@ -251,6 +261,46 @@ class _FiniteGuard:
                 f"skipped: stopped at train.max_skipped={self.t.max_skipped}; last good "
                 f"checkpoint: {last_good} (lower train.learning_rate, or raise train.max_skipped)"
             )
+
+    def _spike(self, m, at_step: int) -> None:
+        """One line and a `spike` record; `train.max_skipped` spikes in a row stop the run."""
+        self.in_a_row += 1
+        n = self.in_a_row
+        loss, limit = float(m["loss"]), float(m["spike_threshold"])
+        self.say(
+            f"step {at_step}: loss spike {loss:.4g} > {limit:.4g} (running mean + "
+            f"{self.t.spike_k:g} running std), update skipped ({n} in a row; stopping at "
+            f"train.max_skipped={self.t.max_skipped})"
+        )
+        self.record(
+            at_step,
+            {"kind": "spike", "loss": loss, "threshold": limit, "action": self.t.on_spike},
+        )
+        if n >= self.t.max_skipped:
+            raise NonFiniteError(
+                f"{n} loss spikes in a row ({at_step - n + 1} to {at_step}), each update "
+                f"skipped: stopped at train.max_skipped={self.t.max_skipped} (lower "
+                f"train.learning_rate, raise train.spike_k or train.max_skipped)"
+            )
+
+
+def _fault_batch(batch: dict[str, Any], step: int, vocab_size: int) -> dict[str, Any]:
+    """The fault hook of the spike tests: `JAXDIST_FAULT_NOISE_AT=7,9` trains steps 7 and 9
+    (1-based) on a batch of noise: uniformly random token ids from the upper half of the vocabulary
+    (bytes that text rarely holds; inputs and targets), random normal inputs for a model that reads
+    floats."""
+    at = os.environ.get("JAXDIST_FAULT_NOISE_AT", "")
+    if str(step + 1) not in at.split(","):
+        return batch
+    rng = np.random.default_rng(step)
+    out = dict(batch)
+    for key, x in batch.items():
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            noise = rng.integers(vocab_size // 2, vocab_size, size=x.shape).astype(x.dtype)
+        else:
+            noise = rng.standard_normal(x.shape).astype(x.dtype)
+        out[key] = jax.make_array_from_callback(x.shape, x.sharding, lambda i, n=noise: n[i])
+    return out
 
 
 class _Profiler:
@@ -509,7 +559,7 @@ def _train(
         compiled = engine.train_step.lower(engine.abstract_state, abstract_batch).compile()
     if main:
         print(f"compiled in {time.perf_counter() - t0:.1f}s", flush=True)
-    redone = _steps_logged_past(workdir, start) if start > 0 else 0
+    redone = _steps_logged_past(workdir, start)  # a restart from scratch redoes steps too
     record = layout_record(engine, compiled, config)
     for extra in layout_extras:
         record.update(extra(config, engine))
@@ -521,7 +571,7 @@ def _train(
             writer.write_layout(record)
         print(summary(record), flush=True)
     console = Console(main, t.steps, start)
-    guard = _FiniteGuard(t, ckpt, console.say, start)
+    guard = _FiniteGuard(t, ckpt, console.say, start, writer.write_step)
     logger = _Logger(config, record, writer, console, guard, start, clock)
     evaluate = _Evaluator(engine, batches, t.eval_batches)
     hooks = [
@@ -559,7 +609,7 @@ def _train(
             while step < t.steps:
                 profiler.before(step)
                 with clock.charge("data"):
-                    batch = batches.get(step)
+                    batch = _fault_batch(batches.get(step), step, config.model.vocab_size)
                 state, m = compiled(state, batch)
                 step += 1
                 ends.step = step  # before the hooks: a preemption's checkpoint hook stops the run
