@@ -231,6 +231,7 @@ class _FiniteGuard:
     ):
         self.t, self.ckpt, self.say, self.record = train_cfg, ckpt, say, record
         self.through, self.in_a_row = start, 0  # last step judged; skips in a row
+        self.rollbacks = 0  # train.on_spike=rollback: spikes rolled back in this run
 
     def check(self, m, at_step: int) -> None:
         if at_step <= self.through:
@@ -265,17 +266,28 @@ class _FiniteGuard:
     def _spike(self, m, at_step: int) -> None:
         """One line and a `spike` record; `train.max_skipped` spikes in a row stop the run."""
         self.in_a_row += 1
-        n = self.in_a_row
+        rollback = self.t.on_spike == "rollback"
+        self.rollbacks += rollback
+        n = self.rollbacks if rollback else self.in_a_row
         loss, limit = float(m["loss"]), float(m["spike_threshold"])
+        what = f"rolling back ({n} rollbacks" if rollback else f"update skipped ({n} in a row"
         self.say(
             f"step {at_step}: loss spike {loss:.4g} > {limit:.4g} (running mean + "
-            f"{self.t.spike_k:g} running std), update skipped ({n} in a row; stopping at "
+            f"{self.t.spike_k:g} running std), {what}; stopping at "
             f"train.max_skipped={self.t.max_skipped})"
         )
         self.record(
             at_step,
             {"kind": "spike", "loss": loss, "threshold": limit, "action": self.t.on_spike},
         )
+        if rollback and n >= self.t.max_skipped:
+            raise NonFiniteError(
+                f"{n} loss spikes, each rolled back: stopped at train.max_skipped="
+                f"{self.t.max_skipped} (lower train.learning_rate, raise train.spike_k or "
+                "train.max_skipped)"
+            )
+        if rollback:
+            raise _Rollback(at_step)
         if n >= self.t.max_skipped:
             raise NonFiniteError(
                 f"{n} loss spikes in a row ({at_step - n + 1} to {at_step}), each update "
@@ -284,15 +296,15 @@ class _FiniteGuard:
             )
 
 
-def _fault_batch(batch: dict[str, Any], step: int, vocab_size: int) -> dict[str, Any]:
-    """The fault hook of the spike tests: `JAXDIST_FAULT_NOISE_AT=7,9` trains steps 7 and 9
-    (1-based) on a batch of noise: uniformly random token ids from the upper half of the vocabulary
-    (bytes that text rarely holds; inputs and targets), random normal inputs for a model that reads
-    floats."""
+def _fault_batch(batch: dict[str, Any], index: int, vocab_size: int) -> dict[str, Any]:
+    """The fault hook of the spike tests: `JAXDIST_FAULT_NOISE_AT=7,9` makes batches 7 and 9 of
+    the data order noise (0-based; step s trains on batch s - 1 unless a rollback skipped some):
+    random token ids from the upper half of the vocabulary, bytes text rarely holds (inputs and
+    targets); random normal inputs for a model that reads floats."""
     at = os.environ.get("JAXDIST_FAULT_NOISE_AT", "")
-    if str(step + 1) not in at.split(","):
+    if str(index) not in at.split(","):
         return batch
-    rng = np.random.default_rng(step)
+    rng = np.random.default_rng(index)
     out = dict(batch)
     for key, x in batch.items():
         if jnp.issubdtype(x.dtype, jnp.integer):
@@ -368,10 +380,12 @@ def _restore_fast(engine, fast: FastTier, latest: int | None, main: bool, clock)
             f"checkpoint tier: fast (step {step} from process-local copies in {fast.root}{how})",
             flush=True,
         )
-    return engine.to_storage(state), int(manifest["data_position"])
+    return engine.to_storage(state), int(manifest["step"]), int(manifest["data_position"])
 
 
-def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool, clock=None, fast=None):
+def _restore_or_init(
+    engine, ckpt, config, cfg_json, init_from, main: bool, clock=None, fast=None, order=None
+):
     """(state, start step): the newest checkpoint's, `train.init_from`'s weights, or fresh.
 
     The newest checkpoint is the fast tier's when it holds a newer step than the persistent one.
@@ -383,7 +397,9 @@ def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool, cloc
     if fast is not None:
         got = _restore_fast(engine, fast, latest, main, clock)
         if got is not None:
-            state, start = got
+            state, start, position = got
+            if order is not None:
+                order.offset = position - start  # batches a rollback skipped
             if start >= t.steps:
                 if main:
                     print(f"already finished: step {start} of {t.steps} (train.steps)", flush=True)
@@ -412,7 +428,9 @@ def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool, cloc
     with clock.charge("restart") if clock is not None else contextlib.nullcontext():
         state, meta = ckpt.restore(engine.abstract_state)
     state = engine.to_storage(state)  # checkpoints hold the stacked layers in [L] order
-    start = int(meta["data_position"])
+    start = int(meta.get("step", meta["data_position"]))
+    if order is not None:
+        order.offset = int(meta["data_position"]) - start  # batches a rollback skipped
     if start >= t.steps:
         # Read back (a damaged newest step falls back and trains on), but nothing left to
         # train: no evaluation record is appended and the checkpoints stay as they are.
@@ -431,6 +449,36 @@ def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool, cloc
     return state, start
 
 
+class _DataOrder:
+    """Which batch of the data order (a pure function of its index) each step trains on.
+
+    Step j (0-based) trains on batch `j + offset`, moved past every batch a rollback skipped
+    (`train.on_spike=rollback`). Checkpoints save `index(step)` as their `data_position`, so a
+    resume carries the skipped batches as the offset `data_position - step`.
+    """
+
+    def __init__(self, offset: int = 0):
+        self.offset, self.skips = offset, []  # data indices skipped, ascending
+
+    def index(self, step: int) -> int:
+        i = step + self.offset
+        for skipped in self.skips:
+            if skipped <= i:
+                i += 1
+        return i
+
+    def skip(self, index: int) -> None:
+        self.skips = sorted({*self.skips, index})
+
+
+class _Rollback(Exception):
+    """A loss spike at `step` under `train.on_spike=rollback`: return to the fast tier."""
+
+    def __init__(self, step: int):
+        super().__init__(f"loss spike at step {step}")
+        self.step = step
+
+
 @dataclasses.dataclass
 class _Setup:
     """What `run` builds before the first step."""
@@ -442,6 +490,7 @@ class _Setup:
     preemption: Preemption
     lock: workdir_lock.WorkdirLock  # held by process 0 until `run` returns or raises
     fast: FastTier | None = None  # checkpoint.local_every > 0: the fast tier
+    order: _DataOrder = dataclasses.field(default_factory=_DataOrder)
 
 
 def _build(config, workdir: str, checks) -> _Setup:
@@ -528,7 +577,7 @@ def run(
     engine, ckpt, main = setup.engine, setup.ckpt, jax.process_index() == 0
     try:
         state, start = _restore_or_init(
-            engine, ckpt, config, setup.cfg_json, init_from, main, clock, setup.fast
+            engine, ckpt, config, setup.cfg_json, init_from, main, clock, setup.fast, setup.order
         )
         if state is None:
             return {}
@@ -587,7 +636,9 @@ def _train(
         # Saved only once known finite, so the "last good checkpoint" is never a non-finite one.
         Hook(
             1,
-            lambda step, state, m: _checkpoint(engine, ckpt, guard, console, clock, step, state, m),
+            lambda step, state, m: _checkpoint(
+                engine, ckpt, guard, console, clock, step, state, m, setup.order.index(step)
+            ),
         ),
     ]
     if setup.fast is not None:
@@ -595,7 +646,15 @@ def _train(
             Hook(
                 setup.fast.every,
                 lambda step, state, m: _fast_save(
-                    engine, setup.fast, guard, clock, writer, step, state, m
+                    engine,
+                    setup.fast,
+                    guard,
+                    clock,
+                    writer,
+                    step,
+                    state,
+                    m,
+                    setup.order.index(step),
                 ),
             )
         )
@@ -609,14 +668,20 @@ def _train(
             while step < t.steps:
                 profiler.before(step)
                 with clock.charge("data"):
-                    batch = _fault_batch(batches.get(step), step, config.model.vocab_size)
+                    index = setup.order.index(step)
+                    batch = _fault_batch(batches.get(index), index, config.model.vocab_size)
                 state, m = compiled(state, batch)
                 step += 1
                 ends.step = step  # before the hooks: a preemption's checkpoint hook stops the run
                 profiler.after(step, m)
-                for hook in hooks:
-                    if hook.due(step, t.steps):
-                        hook.fn(step, state, m)
+                try:
+                    for hook in hooks:
+                        if hook.due(step, t.steps):
+                            hook.fn(step, state, m)
+                except _Rollback as spike:
+                    state, step = _rollback(engine, setup, console, writer, clock, spike.step)
+                    ends.redone += spike.step - 1 - step  # trained again: recomputed
+                    guard.through, logger.prev = step, None
         return _finish(config, workdir, setup, logger, console, step, state, evaluate, ends)
     except Preempted:
         ends.write()
@@ -642,13 +707,13 @@ def _layout_changed(workdir: str, record: dict[str, Any]) -> bool:
     return last is None or any(last.get(k) != record.get(k) for k in keys)
 
 
-def _checkpoint(engine, ckpt, guard, console, clock, step: int, state, m) -> None:
+def _checkpoint(engine, ckpt, guard, console, clock, step: int, state, m, position: int) -> None:
     """Saves when orbax's policies say so (interval, preemption); a preemption then stops."""
     if not ckpt.should_save(step):  # asked once per step, on every process
         return
     guard.check(m, step)
     with clock.charge("checkpoint"):
-        ckpt.save(step, engine.to_user(state), data_position=step, force=True)
+        ckpt.save(step, engine.to_user(state), data_position=position, force=True)
     if not ckpt.preempted:
         return
     with clock.charge("checkpoint"):
@@ -661,15 +726,44 @@ def _checkpoint(engine, ckpt, guard, console, clock, step: int, state, m) -> Non
     raise stopped
 
 
-def _fast_save(engine, fast: FastTier, guard, clock, writer, step: int, state, m) -> None:
+def _fast_save(
+    engine, fast: FastTier, guard, clock, writer, step: int, state, m, position: int
+) -> None:
     """A fast-tier save (process-local, copied to the peer) of a step known to be finite; its
     seconds and the bytes process 0 keeps (its shards and its peer's) as a `fast_tier` record."""
     guard.check(m, step)
     with clock.charge("checkpoint"):
-        fast.save(step, engine.to_user(state), data_position=step)
+        fast.save(step, engine.to_user(state), data_position=position)
     writer.write_step(
         step, {"kind": "fast_tier", "save_s": fast.last_save_s, "bytes": fast.last_bytes}
     )
+
+
+def _rollback(engine, setup: _Setup, console, writer, clock, spike_step: int):
+    """(state, step) of the newest fast-tier step before `spike_step`; the spike's batch skipped.
+
+    Every process gets here at the same step (the loss is global) and restores together.
+    """
+    fast, order = setup.fast, setup.order
+    bad = order.index(spike_step - 1)  # the batch the spike step trained on
+    with clock.charge("restart"):
+        step, listing = fast.newest_complete()
+        got = None
+        if step is not None and step < spike_step:
+            got = fast.restore(step, listing, engine.abstract_state)
+    if got is None:
+        raise NonFiniteError(
+            f"loss spike at step {spike_step}: no readable fast-tier step before it to roll back "
+            f"to (checkpoint.local_every={fast.every}); use train.on_spike=skip"
+        )
+    state, manifest, _ = got
+    order.skip(bad)
+    console.say(
+        f"step {spike_step}: rolled back to fast-tier step {step}; data batch {bad} skipped "
+        f"(steps {step + 1} to {spike_step - 1} trained again)"
+    )
+    writer.write_step(spike_step, {"kind": "rollback", "to_step": step, "skipped_batch": bad})
+    return engine.to_storage(state), int(manifest["step"])
 
 
 def _finish(
@@ -677,7 +771,10 @@ def _finish(
 ) -> dict[str, float]:
     """The final evaluation and checkpoint, then the goodput record and where the outputs are."""
     ckpt, clock = setup.ckpt, ends.clock
-    logger.judge_previous(step + 1, None)
+    try:
+        logger.judge_previous(step + 1, None)
+    except _Rollback:  # no step is left to train after it: the last update is kept
+        console.say(f"step {step}: the last step spiked; nothing left to roll back into, kept")
     with clock.charge("eval"):
         final_eval = evaluate(state)
     _report_progress(step)
@@ -685,7 +782,8 @@ def _finish(
     logger.writer.write_step(step, {**final_eval, "kind": "eval"})
     with clock.charge("checkpoint"):
         if config.checkpoint.every > 0:
-            ckpt.save(step, setup.engine.to_user(state), data_position=step, force=True)
+            position = setup.order.index(step)
+            ckpt.save(step, setup.engine.to_user(state), data_position=position, force=True)
         ckpt.wait()
         ckpt.close()  # orbax's threads stop inside the clock: the record covers the whole run
     if setup.fast is not None and config.checkpoint.every > 0:

@@ -2,7 +2,8 @@
 run goes on to the clean run's final loss (within 1%); spikes in a row stop at `train.max_skipped`.
 
 In-process runs of the tiny GPT (40 steps, one compile shared through the compilation cache). The
-fault hook `JAXDIST_FAULT_NOISE_AT` (jaxdist/loop.py) trains the named steps on random tokens.
+fault hook `JAXDIST_FAULT_NOISE_AT` (jaxdist/loop.py) makes the named batches (0-based) noise, so
+step 32 trains on batch 31 of noise. `rollback` returns to the fast tier's step 30 and skips it.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def test_an_injected_spike_is_skipped_and_the_run_ends_at_the_clean_loss(
 ):
     clean_dir, clean_last = clean
     assert _records(clean_dir, "spike") == []  # no false alarm on the clean run's losses
-    monkeypatch.setenv("JAXDIST_FAULT_NOISE_AT", "32")
+    monkeypatch.setenv("JAXDIST_FAULT_NOISE_AT", "31")
     last = loop.run(_config(), str(tmp_path))
     out = capsys.readouterr().out
     (spike,) = _records(tmp_path, "spike")
@@ -61,9 +62,33 @@ def test_an_injected_spike_is_skipped_and_the_run_ends_at_the_clean_loss(
     assert last["eval_loss"] == pytest.approx(clean_last["eval_loss"], rel=0.01)
 
 
+def test_rollback_returns_to_the_fast_tier_and_skips_the_batch(
+    clean, tmp_path, monkeypatch, capsys
+):
+    _, clean_last = clean
+    monkeypatch.setenv("JAXDIST_FAULT_NOISE_AT", "31")
+    c = _config(on_spike="rollback")
+    c.checkpoint.local_every, c.checkpoint.local_dir = 5, str(tmp_path / "local")
+    last = loop.run(c, str(tmp_path / "w"))
+    out = capsys.readouterr().out
+    (spike,) = _records(tmp_path / "w", "spike")
+    assert spike["step"] == 32 and spike["action"] == "rollback", spike
+    (back,) = _records(tmp_path / "w", "rollback")
+    assert (back["step"], back["to_step"], back["skipped_batch"]) == (32, 30, 31), back
+    assert "step 32: rolled back to fast-tier step 30; data batch 31 skipped" in out, out
+    steps = _records(tmp_path / "w")
+    assert steps[-1]["step"] == 40 and steps[-1]["skipped"] == 0  # no update was dropped
+    assert max(r["loss"] for r in steps if r["step"] > 32) < spike["threshold"]
+    # Each step from 32 on trains on the batch after the clean run's (one was skipped), so the
+    # last training losses are of other batches: the held-out loss is the like-for-like figure.
+    assert last["eval_loss"] == pytest.approx(clean_last["eval_loss"], rel=0.01)
+    (rec,) = _records(tmp_path / "w", "goodput")
+    assert rec["recomputed"] > 0, rec  # step 31 trained twice
+
+
 def test_spikes_in_a_row_stop_at_max_skipped(clean, tmp_path, monkeypatch):
     del clean  # after it: the compile is cached
-    monkeypatch.setenv("JAXDIST_FAULT_NOISE_AT", "30,31,32")
+    monkeypatch.setenv("JAXDIST_FAULT_NOISE_AT", "29,30,31")
     with pytest.raises(NonFiniteError, match=r"2 loss spikes in a row \(30 to 31\).*max_skipped=2"):
         loop.run(_config(max_skipped=2), str(tmp_path))
 
