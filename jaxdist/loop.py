@@ -342,7 +342,7 @@ def _report_progress(at_step: int) -> None:
             pass  # the watchdog is a help, never a reason to stop training
 
 
-def _restore_fast(engine, fast: FastTier, latest: int | None, main: bool, clock):
+def _restore_fast(engine, fast: FastTier, latest: int | None, main: bool, clock, cfg_json):
     """(state, start) from the fast tier when it holds a newer step than `latest`, else None.
 
     Every process calls it (the tiers' steps are agreed on); prints which tier is used.
@@ -368,6 +368,9 @@ def _restore_fast(engine, fast: FastTier, latest: int | None, main: bool, clock)
             )
         return None
     state, manifest, _ = got
+    checkpoint.check_config_compatible(
+        manifest.get("config"), cfg_json, fields=tuple(RESUME_MUST_MATCH), why=RESUME_MUST_MATCH
+    )
     if main:
         n = len(listing)
         peers = [q for q in range(n) if step not in listing[q]["own"]]
@@ -395,7 +398,7 @@ def _restore_or_init(
     t = config.train
     latest = ckpt.latest_step()
     if fast is not None:
-        got = _restore_fast(engine, fast, latest, main, clock)
+        got = _restore_fast(engine, fast, latest, main, clock, cfg_json)
         if got is not None:
             state, start, position = got
             if order is not None:
