@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxdist import loop
+from jaxdist import goodput, loop
 from jaxdist.checkpoint import offline
 from tests.helpers import tiny_gpt_config
 
@@ -90,7 +90,7 @@ def test_local_every_must_not_be_negative(tmp_path):
 @pytest.mark.slow
 def test_kill_9_restores_the_lost_process_from_its_peer_bit_exact(tmp_path):
     from tests.test_faults import EXIT_DEADLINE_S, Job, last_step, worker
-    from tests.test_multihost import FSDP, train_cmd
+    from tests.test_multihost import FSDP, records, train_cmd
 
     steps = 14
     flags = (*FSDP, f"--config.train.steps={steps}", "--config.checkpoint.every=100")
@@ -133,3 +133,10 @@ def test_kill_9_restores_the_lost_process_from_its_peer_bit_exact(tmp_path):
     assert sorted(got) == sorted(want)
     for path in want:
         np.testing.assert_array_equal(got[path], want[path], err_msg=path)
+    # The launcher's job-level goodput: both attempts, the causes adding up to its wall time.
+    (job,) = [r for r in records(workdir) if r.get("kind") == "goodput_job"]
+    assert (job["attempts"], job["attempts_finished"]) == (2, 1), job
+    assert sum(job[c] for c in goodput.CAUSES) == pytest.approx(job["total"], rel=0.02), job
+    assert job["total"] == pytest.approx(job["wall_s"], rel=0.02), job
+    assert job["restart"] > 0 and job["productive"] > 0, job
+    assert "launch.py: job goodput │ " in text, text[-2000:]
