@@ -272,6 +272,10 @@ class FastTier:
     def remove(self) -> None:
         """Deletes this process's folders (a finished run's persistent save supersedes them)."""
         shutil.rmtree(self.mine, ignore_errors=True)
+        try:
+            os.rmdir(self.root)  # once every process's folder is gone
+        except OSError:
+            pass
 
 
 def _check_crc(blob: bytes, manifest: dict[str, Any]) -> None:
