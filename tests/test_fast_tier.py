@@ -128,7 +128,7 @@ def test_kill_9_restores_the_lost_process_from_its_peer_bit_exact(tmp_path):
     assert "restart 1 of 1" in text, text[-4000:]
     line = next(x for x in text.splitlines() if "checkpoint tier: fast" in x)
     assert "process(es) 1 from process 0's copy" in line, line
-    assert not (local / "p0").exists() and not (local / "p1").exists()  # the folder: a race
+    assert not (local / "p0").exists() and not (local / "p1").exists()
     got, want = _final_state(workdir, steps), _final_state(reference, steps)
     assert sorted(got) == sorted(want)
     for path in want:
