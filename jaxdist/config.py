@@ -19,7 +19,7 @@ from typing import Any
 import ml_collections
 
 import models
-from jaxdist import allreduce, data, optim, pipeline, staleness, strategies
+from jaxdist import allreduce, data, optim, pipeline, spikes, staleness, strategies
 from jaxdist.errors import ConfigError
 from jaxdist.schema import (  # the schema's names, re-exported: `config.base_config()` etc.
     COMPUTE_DTYPES,
@@ -68,6 +68,18 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     _choice(config, "train.compute_dtype", COMPUTE_DTYPES)
     _choice(config, "train.remat", api.remat_names())
     _choice(config, "train.on_nonfinite", NONFINITE)
+    _choice(config, "train.on_spike", spikes.MODES)
+    _need(config.train.spike_k > 0, "train.spike_k must be > 0 (standard deviations), e.g. 6")
+    _need(config.train.spike_warmup >= 2, "train.spike_warmup must be >= 2 (losses seen first)")
+    _need(
+        0 <= config.train.spike_decay < 1,
+        "train.spike_decay must be in [0, 1) (the past's weight in the running statistics)",
+    )
+    _need(
+        config.train.on_spike != "rollback" or config.checkpoint.local_every > 0,
+        "train.on_spike=rollback returns to the newest fast-tier step: set "
+        "checkpoint.local_every > 0 (or use train.on_spike=skip)",
+    )
     _choice(config, "model.norm", ("rmsnorm", "layernorm"))
     _choice(config, "model.attention", ("xla", "cudnn", "auto"))
     for path in (
@@ -87,6 +99,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     _need(config.train.warmup_steps >= 0, "train.warmup_steps must be >= 0")
     _need(config.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 = off)")
     _need(config.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
+    _need(
+        config.checkpoint.local_every >= 0,
+        "checkpoint.local_every must be >= 0 (steps between fast-tier saves; 0 = off)",
+    )
     _need(config.runtime.cpu_devices >= 0, "runtime.cpu_devices must be >= 0 (0 = JAX default)")
     _need(
         0.0 <= config.runtime.gpu_memory_fraction <= 1.0,

@@ -27,6 +27,7 @@ from jaxdist import (
     data,
     goodput,
     hlo_cost,
+    job_goodput,
     metrics,
     optim,
     pipeline,
@@ -36,6 +37,8 @@ from jaxdist import (
 )
 from jaxdist import config as config_lib
 from jaxdist import mesh as mesh_lib
+from jaxdist.checkpoint import fast as fast_lib
+from jaxdist.checkpoint.fast import FastTier
 from jaxdist.console import (
     Console,
     done_line,
@@ -218,16 +221,27 @@ class Hook:
 class _FiniteGuard:
     """Judges each step's finiteness once: stops (on_nonfinite=stop) or reports a skipped update."""
 
-    def __init__(self, train_cfg, ckpt: checkpoint.Checkpointer, say: Callable[[str], None], start):
-        self.t, self.ckpt, self.say = train_cfg, ckpt, say
+    def __init__(
+        self,
+        train_cfg,
+        ckpt: checkpoint.Checkpointer,
+        say: Callable[[str], None],
+        start,
+        record: Callable[[int, dict[str, Any]], None] = lambda step, rec: None,
+    ):
+        self.t, self.ckpt, self.say, self.record = train_cfg, ckpt, say, record
         self.through, self.in_a_row = start, 0  # last step judged; skips in a row
+        self.rollbacks = 0  # train.on_spike=rollback: spikes rolled back in this run
 
     def check(self, m, at_step: int) -> None:
         if at_step <= self.through:
             return
         self.through = at_step
         if bool(m["finite"]):
-            self.in_a_row = 0
+            if "spike" in m and bool(m["spike"]):
+                self._spike(m, at_step)
+            else:
+                self.in_a_row = 0
             return
         good = self.ckpt.latest_step()
         last_good = f"step {good} in {self.ckpt.directory}" if good is not None else "none"
@@ -248,6 +262,57 @@ class _FiniteGuard:
                 f"skipped: stopped at train.max_skipped={self.t.max_skipped}; last good "
                 f"checkpoint: {last_good} (lower train.learning_rate, or raise train.max_skipped)"
             )
+
+    def _spike(self, m, at_step: int) -> None:
+        """One line and a `spike` record; `train.max_skipped` spikes in a row stop the run."""
+        self.in_a_row += 1
+        rollback = self.t.on_spike == "rollback"
+        self.rollbacks += rollback
+        n = self.rollbacks if rollback else self.in_a_row
+        loss, limit = float(m["loss"]), float(m["spike_threshold"])
+        what = f"rolling back ({n} rollbacks" if rollback else f"update skipped ({n} in a row"
+        self.say(
+            f"step {at_step}: loss spike {loss:.4g} > {limit:.4g} (running mean + "
+            f"{self.t.spike_k:g} running std), {what}; stopping at "
+            f"train.max_skipped={self.t.max_skipped})"
+        )
+        self.record(
+            at_step,
+            {"kind": "spike", "loss": loss, "threshold": limit, "action": self.t.on_spike},
+        )
+        if rollback and n >= self.t.max_skipped:
+            raise NonFiniteError(
+                f"{n} loss spikes, each rolled back: stopped at train.max_skipped="
+                f"{self.t.max_skipped} (lower train.learning_rate, raise train.spike_k or "
+                "train.max_skipped)"
+            )
+        if rollback:
+            raise _Rollback(at_step)
+        if n >= self.t.max_skipped:
+            raise NonFiniteError(
+                f"{n} loss spikes in a row ({at_step - n + 1} to {at_step}), each update "
+                f"skipped: stopped at train.max_skipped={self.t.max_skipped} (lower "
+                f"train.learning_rate, raise train.spike_k or train.max_skipped)"
+            )
+
+
+def _fault_batch(batch: dict[str, Any], index: int, vocab_size: int) -> dict[str, Any]:
+    """The fault hook of the spike tests: `JAXDIST_FAULT_NOISE_AT=7,9` makes batches 7 and 9 of
+    the data order noise (0-based; step s trains on batch s - 1 unless a rollback skipped some):
+    random token ids from the upper half of the vocabulary, bytes text rarely holds (inputs and
+    targets); random normal inputs for a model that reads floats."""
+    at = os.environ.get("JAXDIST_FAULT_NOISE_AT", "")
+    if str(index) not in at.split(","):
+        return batch
+    rng = np.random.default_rng(index)
+    out = dict(batch)
+    for key, x in batch.items():
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            noise = rng.integers(vocab_size // 2, vocab_size, size=x.shape).astype(x.dtype)
+        else:
+            noise = rng.standard_normal(x.shape).astype(x.dtype)
+        out[key] = jax.make_array_from_callback(x.shape, x.sharding, lambda i, n=noise: n[i])
+    return out
 
 
 class _Profiler:
@@ -277,14 +342,74 @@ def _report_progress(at_step: int) -> None:
             pass  # the watchdog is a help, never a reason to stop training
 
 
-def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool, clock=None):
+def _restore_fast(engine, fast: FastTier, latest: int | None, main: bool, clock, cfg_json):
+    """(state, start) from the fast tier when it holds a newer step than `latest`, else None.
+
+    Every process calls it (the tiers' steps are agreed on); prints which tier is used.
+    """
+    step, listing = fast.newest_complete()
+    if step is None or (latest is not None and step <= latest):
+        if main:
+            newest = "none" if step is None else f"step {step}"
+            persistent = "none" if latest is None else f"step {latest}"
+            print(
+                f"checkpoint tier: persistent ({persistent}; fast tier newest complete: {newest})",
+                flush=True,
+            )
+        return None
+    with clock.charge("restart") if clock is not None else contextlib.nullcontext():
+        got = fast.restore(step, listing, engine.abstract_state)
+    if got is None:
+        if main:
+            print(
+                f"checkpoint tier: fast tier step {step} unreadable; falling back to the "
+                f"persistent tier ({'none' if latest is None else f'step {latest}'})",
+                flush=True,
+            )
+        return None
+    state, manifest, _ = got
+    checkpoint.check_config_compatible(
+        manifest.get("config"), cfg_json, fields=tuple(RESUME_MUST_MATCH), why=RESUME_MUST_MATCH
+    )
+    if main:
+        n = len(listing)
+        peers = [q for q in range(n) if step not in listing[q]["own"]]
+        how = (
+            "; process(es) " + ", ".join(f"{q} from process {(q + 1) % n}'s copy" for q in peers)
+            if peers
+            else ""
+        )
+        print(
+            f"checkpoint tier: fast (step {step} from process-local copies in {fast.root}{how})",
+            flush=True,
+        )
+    return engine.to_storage(state), int(manifest["step"]), int(manifest["data_position"])
+
+
+def _restore_or_init(
+    engine, ckpt, config, cfg_json, init_from, main: bool, clock=None, fast=None, order=None
+):
     """(state, start step): the newest checkpoint's, `train.init_from`'s weights, or fresh.
 
+    The newest checkpoint is the fast tier's when it holds a newer step than the persistent one.
     (None, start) when the checkpoint already reached `train.steps`. The read of a checkpoint is
     charged to `clock`'s `restart`.
     """
     t = config.train
     latest = ckpt.latest_step()
+    if fast is not None:
+        got = _restore_fast(engine, fast, latest, main, clock, cfg_json)
+        if got is not None:
+            state, start, position = got
+            if order is not None:
+                order.offset = position - start  # batches a rollback skipped
+            if start >= t.steps:
+                if main:
+                    print(f"already finished: step {start} of {t.steps} (train.steps)", flush=True)
+                return None, start
+            if main:
+                print(f"resumed from the fast tier at step {start}", flush=True)
+            return state, start
     if latest is None:
         if init_from is None:
             return engine.init(), 0
@@ -306,7 +431,9 @@ def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool, cloc
     with clock.charge("restart") if clock is not None else contextlib.nullcontext():
         state, meta = ckpt.restore(engine.abstract_state)
     state = engine.to_storage(state)  # checkpoints hold the stacked layers in [L] order
-    start = int(meta["data_position"])
+    start = int(meta.get("step", meta["data_position"]))
+    if order is not None:
+        order.offset = int(meta["data_position"]) - start  # batches a rollback skipped
     if start >= t.steps:
         # Read back (a damaged newest step falls back and trains on), but nothing left to
         # train: no evaluation record is appended and the checkpoints stay as they are.
@@ -325,6 +452,36 @@ def _restore_or_init(engine, ckpt, config, cfg_json, init_from, main: bool, cloc
     return state, start
 
 
+class _DataOrder:
+    """Which batch of the data order (a pure function of its index) each step trains on.
+
+    Step j (0-based) trains on batch `j + offset`, moved past every batch a rollback skipped
+    (`train.on_spike=rollback`). Checkpoints save `index(step)` as their `data_position`, so a
+    resume carries the skipped batches as the offset `data_position - step`.
+    """
+
+    def __init__(self, offset: int = 0):
+        self.offset, self.skips = offset, []  # data indices skipped, ascending
+
+    def index(self, step: int) -> int:
+        i = step + self.offset
+        for skipped in self.skips:
+            if skipped <= i:
+                i += 1
+        return i
+
+    def skip(self, index: int) -> None:
+        self.skips = sorted({*self.skips, index})
+
+
+class _Rollback(Exception):
+    """A loss spike at `step` under `train.on_spike=rollback`: return to the fast tier."""
+
+    def __init__(self, step: int):
+        super().__init__(f"loss spike at step {step}")
+        self.step = step
+
+
 @dataclasses.dataclass
 class _Setup:
     """What `run` builds before the first step."""
@@ -335,6 +492,8 @@ class _Setup:
     cfg_json: dict[str, Any]
     preemption: Preemption
     lock: workdir_lock.WorkdirLock  # held by process 0 until `run` returns or raises
+    fast: FastTier | None = None  # checkpoint.local_every > 0: the fast tier
+    order: _DataOrder = dataclasses.field(default_factory=_DataOrder)
 
 
 def _build(config, workdir: str, checks) -> _Setup:
@@ -383,7 +542,11 @@ def _build(config, workdir: str, checks) -> _Setup:
     except BaseException:
         lock.release()
         raise
-    return _Setup(engine, batches, ckpt, cfg_json, preemption, lock)
+    fast = None
+    if config.checkpoint.local_every > 0:
+        local_dir = config.checkpoint.local_dir or fast_lib.default_dir(workdir)
+        fast = FastTier(local_dir, every=config.checkpoint.local_every, config_json=cfg_json)
+    return _Setup(engine, batches, ckpt, cfg_json, preemption, lock, fast)
 
 
 def run(
@@ -418,7 +581,7 @@ def run(
     engine, ckpt, main = setup.engine, setup.ckpt, jax.process_index() == 0
     try:
         state, start = _restore_or_init(
-            engine, ckpt, config, setup.cfg_json, init_from, main, clock
+            engine, ckpt, config, setup.cfg_json, init_from, main, clock, setup.fast, setup.order
         )
         if state is None:
             return {}
@@ -448,7 +611,7 @@ def _train(
         compiled = engine.train_step.lower(engine.abstract_state, abstract_batch).compile()
     if main:
         print(f"compiled in {time.perf_counter() - t0:.1f}s", flush=True)
-    redone = _steps_logged_past(workdir, start) if start > 0 else 0
+    redone = _steps_logged_past(workdir, start)  # a restart from scratch redoes steps too
     record = layout_record(engine, compiled, config)
     for extra in layout_extras:
         record.update(extra(config, engine))
@@ -460,7 +623,7 @@ def _train(
             writer.write_layout(record)
         print(summary(record), flush=True)
     console = Console(main, t.steps, start)
-    guard = _FiniteGuard(t, ckpt, console.say, start)
+    guard = _FiniteGuard(t, ckpt, console.say, start, writer.write_step)
     logger = _Logger(config, record, writer, console, guard, start, clock)
     evaluate = _Evaluator(engine, batches, t.eval_batches)
     hooks = [
@@ -476,9 +639,28 @@ def _train(
         # Saved only once known finite, so the "last good checkpoint" is never a non-finite one.
         Hook(
             1,
-            lambda step, state, m: _checkpoint(engine, ckpt, guard, console, clock, step, state, m),
+            lambda step, state, m: _checkpoint(
+                engine, ckpt, guard, console, clock, step, state, m, setup.order.index(step)
+            ),
         ),
     ]
+    if setup.fast is not None:
+        hooks.append(
+            Hook(
+                setup.fast.every,
+                lambda step, state, m: _fast_save(
+                    engine,
+                    setup.fast,
+                    guard,
+                    clock,
+                    writer,
+                    step,
+                    state,
+                    m,
+                    setup.order.index(step),
+                ),
+            )
+        )
     unit = "tok" if logger.rate_key == "tokens_per_s" else "ex"
     ends = _RunEnd(writer, clock, start, redone, (logger.per_step_items, unit))
     profiler = _Profiler(config.profile.steps, workdir)
@@ -489,14 +671,20 @@ def _train(
             while step < t.steps:
                 profiler.before(step)
                 with clock.charge("data"):
-                    batch = batches.get(step)
+                    index = setup.order.index(step)
+                    batch = _fault_batch(batches.get(index), index, config.model.vocab_size)
                 state, m = compiled(state, batch)
                 step += 1
                 ends.step = step  # before the hooks: a preemption's checkpoint hook stops the run
                 profiler.after(step, m)
-                for hook in hooks:
-                    if hook.due(step, t.steps):
-                        hook.fn(step, state, m)
+                try:
+                    for hook in hooks:
+                        if hook.due(step, t.steps):
+                            hook.fn(step, state, m)
+                except _Rollback as spike:
+                    state, step = _rollback(engine, setup, console, writer, clock, spike.step)
+                    ends.redone += spike.step - 1 - step  # trained again: recomputed
+                    guard.through, logger.prev = step, None
         return _finish(config, workdir, setup, logger, console, step, state, evaluate, ends)
     except Preempted:
         ends.write()
@@ -522,13 +710,13 @@ def _layout_changed(workdir: str, record: dict[str, Any]) -> bool:
     return last is None or any(last.get(k) != record.get(k) for k in keys)
 
 
-def _checkpoint(engine, ckpt, guard, console, clock, step: int, state, m) -> None:
+def _checkpoint(engine, ckpt, guard, console, clock, step: int, state, m, position: int) -> None:
     """Saves when orbax's policies say so (interval, preemption); a preemption then stops."""
     if not ckpt.should_save(step):  # asked once per step, on every process
         return
     guard.check(m, step)
     with clock.charge("checkpoint"):
-        ckpt.save(step, engine.to_user(state), data_position=step, force=True)
+        ckpt.save(step, engine.to_user(state), data_position=position, force=True)
     if not ckpt.preempted:
         return
     with clock.charge("checkpoint"):
@@ -541,12 +729,55 @@ def _checkpoint(engine, ckpt, guard, console, clock, step: int, state, m) -> Non
     raise stopped
 
 
+def _fast_save(
+    engine, fast: FastTier, guard, clock, writer, step: int, state, m, position: int
+) -> None:
+    """A fast-tier save (process-local, copied to the peer) of a step known to be finite; its
+    seconds and the bytes process 0 keeps (its shards and its peer's) as a `fast_tier` record."""
+    guard.check(m, step)
+    with clock.charge("checkpoint"):
+        fast.save(step, engine.to_user(state), data_position=position)
+    writer.write_step(
+        step, {"kind": "fast_tier", "save_s": fast.last_save_s, "bytes": fast.last_bytes}
+    )
+
+
+def _rollback(engine, setup: _Setup, console, writer, clock, spike_step: int):
+    """(state, step) of the newest fast-tier step before `spike_step`; the spike's batch skipped.
+
+    Every process gets here at the same step (the loss is global) and restores together.
+    """
+    fast, order = setup.fast, setup.order
+    bad = order.index(spike_step - 1)  # the batch the spike step trained on
+    with clock.charge("restart"):
+        step, listing = fast.newest_complete()
+        got = None
+        if step is not None and step < spike_step:
+            got = fast.restore(step, listing, engine.abstract_state)
+    if got is None:
+        raise NonFiniteError(
+            f"loss spike at step {spike_step}: no readable fast-tier step before it to roll back "
+            f"to (checkpoint.local_every={fast.every}); use train.on_spike=skip"
+        )
+    state, manifest, _ = got
+    order.skip(bad)
+    console.say(
+        f"step {spike_step}: rolled back to fast-tier step {step}; data batch {bad} skipped "
+        f"(steps {step + 1} to {spike_step - 1} trained again)"
+    )
+    writer.write_step(spike_step, {"kind": "rollback", "to_step": step, "skipped_batch": bad})
+    return engine.to_storage(state), int(manifest["step"])
+
+
 def _finish(
     config, workdir, setup, logger, console, step, state, evaluate, ends
 ) -> dict[str, float]:
     """The final evaluation and checkpoint, then the goodput record and where the outputs are."""
     ckpt, clock = setup.ckpt, ends.clock
-    logger.judge_previous(step + 1, None)
+    try:
+        logger.judge_previous(step + 1, None)
+    except _Rollback:  # no step is left to train after it: the last update is kept
+        console.say(f"step {step}: the last step spiked; nothing left to roll back into, kept")
     with clock.charge("eval"):
         final_eval = evaluate(state)
     _report_progress(step)
@@ -554,9 +785,12 @@ def _finish(
     logger.writer.write_step(step, {**final_eval, "kind": "eval"})
     with clock.charge("checkpoint"):
         if config.checkpoint.every > 0:
-            ckpt.save(step, setup.engine.to_user(state), data_position=step, force=True)
+            position = setup.order.index(step)
+            ckpt.save(step, setup.engine.to_user(state), data_position=position, force=True)
         ckpt.wait()
         ckpt.close()  # orbax's threads stop inside the clock: the record covers the whole run
+    if setup.fast is not None and config.checkpoint.every > 0:
+        setup.fast.remove()  # the final persistent save supersedes the process-local copies
     _report_progress(step)
     console.close()  # first: `done:` gets its own line, not the bar's
     record = ends.write()
@@ -588,6 +822,8 @@ class _RunEnd:
                 self.clock.move(min(self.redone, steps) * per_step, "productive", "recomputed")
             self.written = self.clock.record()
             self.writer.write_record(self.written)
+            if self.writer.enabled:
+                job_goodput.write_snapshot(self.written, self.writer.workdir, final=True)
         return self.written
 
 
@@ -684,6 +920,8 @@ class _Logger:
         self.pending_eval = {}
         self.last = last
         self.writer.write_step(step, last)
+        if self.writer.enabled:  # the launcher's job-level goodput (a killed attempt's last word)
+            job_goodput.write_snapshot(self.clock.record(), self.writer.workdir, final=False)
         net = self.net.take(steps) if self.net is not None else None
         if net is not None:
             self.writer.write_step(step, net)

@@ -112,6 +112,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.remat = "none"
     c.train.on_nonfinite = "stop"  # or "skip": drop a non-finite step's update and go on
     c.train.max_skipped = 10  # on_nonfinite=skip: stop after this many skipped updates in a row
+    c.train.on_spike = "none"  # or "skip": drop the update of a loss spike (jaxdist/spikes.py)
+    c.train.spike_k = 6.0  # a spike: loss > running mean + spike_k * running std
+    c.train.spike_warmup = 20  # losses seen before the detector judges
+    c.train.spike_decay = 0.99  # weight of the past in the running mean and variance
     c.train.lr_scaling = "none"
     c.train.base_batch_size = 0  # 0 = batch_size: lr_scaling is relative to this
     c.train.init_from = ""  # start from these weights: an HF folder or a jaxdist run/checkpoint
@@ -127,6 +131,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0
     c.checkpoint.keep = 3
+    c.checkpoint.local_every = 0  # the fast tier (checkpoint/fast.py): steps between saves, 0 = off
+    c.checkpoint.local_dir = ""  # its process-local folder; "" = /dev/shm/jaxdist-fast-<hash>
 
     c.pipeline = ml_collections.ConfigDict()
     c.pipeline.microbatches = 1

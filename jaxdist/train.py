@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import models
-from jaxdist import microbatch, optim, pipeline, sharding, strategies
+from jaxdist import microbatch, optim, pipeline, sharding, spikes, strategies
 from jaxdist import state as state_lib
 from jaxdist.data import Dataset
 from jaxdist.state import TrainState
@@ -123,19 +123,31 @@ def apply_update(
     *,
     skip_nonfinite: bool,
     lr_schedule: optax.Schedule,
+    train_cfg=None,
 ) -> tuple[TrainState, dict]:
     """The next state and the step's metrics, for every strategy.
 
     A non-finite loss or gradient norm is reported as `finite=False`; with `train.on_nonfinite=
     "skip"` the whole proposal (parameters, optimizer and strategy state) is dropped and the step
-    still counts, with `skipped` incremented.
+    still counts, with `skipped` incremented. With `train.on_spike` on (`train_cfg`), the loss is
+    judged by the spike detector (jaxdist/spikes.py): `spike` and `spike_threshold` join the
+    metrics, and `skip` drops a spike's update the same way.
     """
     finite = jnp.isfinite(proposal.loss) & jnp.isfinite(proposal.grad_norm)
     new, skipped = proposal.new, state["skipped"]
+    keep, extra = finite, {}
+    if train_cfg is not None and spikes.KEY in state:
+        spike, threshold, stats = spikes.judge(state[spikes.KEY], proposal.loss, finite, train_cfg)
+        extra = {spikes.KEY: stats}
+        if train_cfg.on_spike == "skip":
+            keep = finite & ~spike
+            skip_nonfinite = True
     if skip_nonfinite:
         old = {k: state[k] for k in new}
-        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        skipped = skipped + (~finite).astype(jnp.int32)
+        new = jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
+        skipped = skipped + (~keep).astype(jnp.int32)
+    if extra:
+        new = {**new, **extra}
     metrics = {
         "loss": proposal.loss,
         "grad_norm": proposal.grad_norm,
@@ -144,6 +156,8 @@ def apply_update(
         "skipped": skipped,
         **proposal.aux,
     }
+    if extra:
+        metrics["spike"], metrics["spike_threshold"] = spike, threshold
     return {**state, **new, "step": state["step"] + 1, "skipped": skipped}, metrics
 
 
@@ -172,8 +186,11 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
         stages=models.stages_for(config.model, mesh_shape["pipeline"]),
     )
     strategy = strategies.STRATEGIES[strategies.choose(config, mesh_shape)](setup)
+    entries = dict(strategy.entries)
+    if config.train.on_spike != "none":  # the loss-spike detector's running statistics
+        entries[spikes.KEY] = spikes.entry(mesh)
     spec = state_lib.build_spec(
-        make_model, model.params, param_shardings, strategy.state_tx, mesh, strategy.entries
+        make_model, model.params, param_shardings, strategy.state_tx, mesh, entries
     )
     batch_shardings = {
         k: NamedSharding(mesh, sharding.logical_to_spec(v, sharding.COMPUTE_RULES, mesh))
@@ -183,7 +200,9 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         proposal = strategy.step(state, batch)
-        return apply_update(state, proposal, skip_nonfinite=skip, lr_schedule=lr_schedule)
+        return apply_update(
+            state, proposal, skip_nonfinite=skip, lr_schedule=lr_schedule, train_cfg=config.train
+        )
 
     eval_step = _eval_step(setup, model, loss_fn)
     init, order = _init(setup, spec, mesh_shape)

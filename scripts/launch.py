@@ -48,6 +48,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxdist import job_goodput  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
 from jaxdist.network import counters, namespaces, profiles  # noqa: E402
 
@@ -477,6 +478,27 @@ def _cluster(args: argparse.Namespace) -> namespaces.Cluster:
     return cluster
 
 
+def _job_goodput(snapshots: list[tuple[str, float, float]]) -> None:
+    """Sums the attempts' goodput records into the job's: one line, and a `goodput_job` record
+    in the run's metrics.jsonl (when the command was a training run that wrote one).
+
+    `snapshots`: each attempt's (goodput file, start, end), times in seconds since the epoch.
+    """
+    attempts = [
+        job_goodput.Attempt(job_goodput.read_snapshot(path), start, end)
+        for path, start, end in snapshots
+    ]
+    workdirs = [a.record["workdir"] for a in attempts if a.record and a.record.get("workdir")]
+    if not workdirs:
+        return  # not a training run, or no attempt reached a logged step
+    record = job_goodput.job_record(attempts)
+    print(f"{NAME}: {job_goodput.summary_line(record)}", file=sys.stderr, flush=True)
+    try:
+        job_goodput.append_to_metrics(record, workdirs[-1])
+    except OSError as err:
+        print(f"{NAME}: cannot append the job's goodput record: {err}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--network=list" in argv[: argv.index("--") if "--" in argv else len(argv)]:
@@ -499,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     # Progress files also let a failure be blamed on a process that had stalled before it.
     progress_dir = tempfile.mkdtemp(prefix="jaxdist-progress-")
+    snapshots: list[tuple[str, float, float]] = []  # goodput file, start, end (job_goodput.py)
     try:
         for attempt in range(args.max_restarts + 1):
             wrap, host = None, "127.0.0.1"
@@ -519,8 +542,15 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+            snapshot = os.path.join(progress_dir, f"goodput-{attempt}.json")
+            for env in envs:
+                env[job_goodput.ENV_GOODPUT_FILE] = snapshot
             launcher = Launcher(command, envs, args.grace_s, args.hang_s, progress_dir, wrap=wrap)
-            code = launcher.run()
+            started = time.time()
+            try:
+                code = launcher.run()
+            finally:
+                snapshots.append((snapshot, started, time.time()))
             if code == 0 or launcher.signalled is not None or attempt == args.max_restarts:
                 return code
             if args.elastic:
@@ -538,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         return code
     finally:
+        _job_goodput(snapshots)
         shutil.rmtree(progress_dir, ignore_errors=True)
         if cluster is not None:
             cluster.down()

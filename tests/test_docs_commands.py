@@ -108,6 +108,11 @@ SHORTENED = {
         "--max_steps=2 --methods=none,int8",
         "every compressor for 200 steps takes many minutes; two rows for 2 steps run the study",
     ),
+    "python scripts/train.py --workdir=runs/fast --config.checkpoint.local_every=5 "
+    "--config.train.on_spike=rollback": (
+        "--config.train.steps=6 --config.train.log_every=2",
+        "the default job's 300 steps",
+    ),
     "python scripts/train.py --config=configs/default.py --config.mesh.data=2 "
     "--config.mesh.fsdp=1 --config.mesh.tensor=2 --config.mesh.pipeline=2 "
     "--config.model.num_layers=4 --config.pipeline.schedule=1f1b --config.pipeline.microbatches=4 "
@@ -265,6 +270,11 @@ _NETEM = (
     "and skips where namespaces cannot be made"
 )
 NOT_RUN = {
+    "python scripts/restart_bench.py --num_processes=4 --devices_per_process=1 "
+    "--out=runs/restart4.json": (
+        "a benchmark: two 4-process jobs, each killed and restarted (minutes); "
+        "tests/test_fast_tier.py runs the same kill -9 and fast-tier restore with 2 processes"
+    ),
     "python3 -m venv .venv": _SETUP,
     ". .venv/bin/activate": _SETUP,
     "pip install -e .": _SETUP,

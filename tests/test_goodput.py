@@ -68,3 +68,41 @@ def test_nested_spans_are_charged_once():
     with pytest.raises(ValueError, match="unknown goodput cause 'lunch'"):
         with clock.charge("lunch"):
             pass
+
+
+def test_job_record_sums_attempts_and_charges_the_rest_by_when_it_fell(tmp_path, monkeypatch):
+    from jaxdist import job_goodput
+
+    # Attempt 1: started at t=100, clock from 102, last snapshot at 111 (9 s), killed; ended 113.
+    killed = {"productive": 6.0, "compile": 2.0, "idle": 1.0, "total": 9.0, "written": 111.0}
+    finished = {
+        "kind": "goodput",
+        "productive": 5.0,
+        "compile": 2.0,
+        "restart": 0.5,
+        "recomputed": 1.5,
+        "idle": 1.0,
+        "total": 10.0,
+        "goodput": 0.5,
+    }
+    monkeypatch.setenv(job_goodput.ENV_GOODPUT_FILE, str(tmp_path / "attempt.json"))
+    job_goodput.write_snapshot(finished, str(tmp_path), final=True)
+    read = job_goodput.read_snapshot(str(tmp_path / "attempt.json"))
+    assert read["final"] is True and read["workdir"] == str(tmp_path)
+    assert read["written"] == pytest.approx(time.time(), abs=60)
+    # Attempt 2: started at 114 (1 s after), clock from 117, finished record at 127, ended 128.
+    read["written"] = 127.0
+    rec = job_goodput.job_record(
+        [job_goodput.Attempt(killed, 100.0, 113.0), job_goodput.Attempt(read, 114.0, 128.0)]
+    )
+    assert rec["productive"] == 11.0 and rec["recomputed"] == 1.5 and rec["compile"] == 4.0
+    # restart: attempt 2's 0.5 s restore, attempt 1's 2 s after its snapshot, the 1 s gap and
+    # attempt 2's 3 s start-up; idle: 2 s of attempt 1's start-up, 1 + 1 s in records, 1 s end.
+    assert rec["restart"] == pytest.approx(0.5 + 2 + 1 + 3)
+    assert rec["idle"] == pytest.approx(2 + 1 + 1 + 1)
+    assert rec["total"] == pytest.approx(28.0) and rec["wall_s"] == pytest.approx(28.0)
+    assert rec["goodput"] == pytest.approx(11.0 / 28.0)
+    assert (rec["attempts"], rec["attempts_finished"]) == (2, 1)
+    line = job_goodput.summary_line(rec)
+    assert line.startswith("job goodput │ 39.3% of 28.0s productive over 2 attempt(s); "), line
+    assert "restart 6.5s" in line and "recomputed 1.5s" in line, line

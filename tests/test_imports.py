@@ -163,6 +163,7 @@ LAYERS = (
         "jaxdist.config",  # validate: reads every registry (models, optim, pipeline, strategies)
         "jaxdist.strategies",
         "jaxdist.state",
+        "jaxdist.spikes",  # train.on_spike: the loss-spike detector, a state entry
         "jaxdist.staleness",  # grad_sync.staleness: a state entry around a strategy's gradients
         "jaxdist.streaming",  # streaming DiLoCo: a local SGD step built on collectives
         "jaxdist.plan",  # the planner package, its modules beside it
@@ -188,8 +189,10 @@ LAYERS = (
         "jaxdist.checkpoint.trees",
         "jaxdist.checkpoint.processes",
         "jaxdist.checkpoint.write_errors",
+        "jaxdist.checkpoint.fast",  # checkpoint.local_every: the fast tier
         "jaxdist.workdir_lock",  # one training run per --workdir
         "jaxdist.goodput",  # the run's wall time by cause
+        "jaxdist.job_goodput",  # a launched job's attempts summed (read by scripts/launch.py)
         "jaxdist.console",  # the run's printed lines
         "jaxdist.preemption",  # SIGTERM / SIGINT to a checkpointed stop
         "jaxdist.network",  # the emulated cluster: its modules below

@@ -1,0 +1,142 @@
+"""The fast checkpoint tier (`checkpoint.local_every`): restored when newer, bit-exact, and a
+corrupt or absent fast tier falls back to the persistent one.
+
+In one process (`loop.run` in-process, the tiny GPT): a persistent checkpoint at step 3 and a
+fast-tier step 5 of the same trajectory; the resume takes the fast step and ends with the very
+parameters of the resume that fell back to step 3 (its fast tier corrupted) and trained 3 to 5
+again. Across processes (`launch.py`, 2 processes, kill -9 of process 1 whose own copy is then
+deleted): the restart reads process 1's shards from process 0's copy and finishes with the
+parameters of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from jaxdist import goodput, loop
+from jaxdist.checkpoint import offline
+from tests.helpers import tiny_gpt_config
+
+
+def _config(steps: int, every: int, local_every: int, local_dir: pathlib.Path):
+    c = tiny_gpt_config(data=2, fsdp=2, tensor=2)
+    c.train.steps, c.train.log_every, c.train.eval_batches = steps, 1, 1
+    c.train.schedule, c.train.warmup_steps = "constant", 2  # steps changes nothing else
+    c.checkpoint.every = every
+    c.checkpoint.local_every = local_every
+    c.checkpoint.local_dir = str(local_dir)
+    return c
+
+
+def _final_state(workdir: pathlib.Path, step: int) -> dict[str, np.ndarray]:
+    return offline.read_arrays(workdir / "checkpoints", step)
+
+
+def test_newer_fast_step_restores_bit_exact_and_corrupt_falls_back(tmp_path, capsys):
+    persistent, ahead, local = tmp_path / "p", tmp_path / "ahead", tmp_path / "local"
+    loop.run(_config(3, 3, 0, local), str(persistent))  # persistent step 3
+    loop.run(_config(5, 0, 5, local), str(ahead))  # the same trajectory, fast step 5 in `local`
+    assert sorted(os.listdir(local / "p0" / "own")) == ["5"]
+    capsys.readouterr()
+
+    # Corrupted: one byte of the shards flipped -> the CRC refuses it, step 3 is restored.
+    broken_dir, broken_local = tmp_path / "broken", tmp_path / "broken_local"
+    shutil.copytree(persistent, broken_dir)
+    shutil.copytree(local, broken_local)
+    shards = broken_local / "p0" / "own" / "5" / "shards.npz"
+    raw = bytearray(shards.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    shards.write_bytes(bytes(raw))
+    loop.run(_config(6, 3, 5, broken_local), str(broken_dir))
+    out = capsys.readouterr().out
+    assert (
+        "checkpoint tier: fast tier step 5 unreadable; falling back to the persistent tier "
+        "(step 3)" in out
+    ), out
+    assert f"resumed from {broken_dir}/checkpoints at step 3" in out, out
+
+    # Intact: the fast step 5 is newer than the persistent step 3 and is used.
+    loop.run(_config(6, 3, 5, local), str(persistent))
+    out = capsys.readouterr().out
+    assert f"checkpoint tier: fast (step 5 from process-local copies in {local})" in out, out
+    assert "resumed from the fast tier at step 5" in out, out
+    assert not local.exists()  # the final persistent save superseded it
+
+    got, want = _final_state(persistent, 6), _final_state(broken_dir, 6)
+    assert sorted(got) == sorted(want)
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=path)
+
+
+def test_local_every_must_not_be_negative(tmp_path):
+    from jaxdist.errors import ConfigError
+
+    c = _config(2, 0, -1, tmp_path)
+    with pytest.raises(ConfigError, match=r"checkpoint.local_every must be >= 0"):
+        loop.run(c, str(tmp_path / "w"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes, kill -9 of one; its own copy deleted, so its shards come from the peer's copy.
+
+
+@pytest.mark.slow
+def test_kill_9_restores_the_lost_process_from_its_peer_bit_exact(tmp_path):
+    from tests.test_faults import EXIT_DEADLINE_S, Job, last_step, worker
+    from tests.test_multihost import FSDP, records, train_cmd
+
+    steps = 14
+    flags = (*FSDP, f"--config.train.steps={steps}", "--config.checkpoint.every=100")
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"  # unique in /proc
+    reference = tmp_path / f"ref-{tag}"
+    job = Job(train_cmd(reference, *flags, processes=2), tmp_path, "reference")
+    try:
+        assert job.wait(300) == 0, job.text()[-3000:]
+    finally:
+        job.kill()
+
+    workdir, local = tmp_path / f"w-{tag}", tmp_path / "local"
+    cmd = train_cmd(
+        workdir,
+        *flags,
+        "--config.checkpoint.local_every=3",
+        f"--config.checkpoint.local_dir={local}",
+        processes=2,
+    )
+    cut = cmd.index("--")
+    job = Job([*cmd[:cut], "--max_restarts=1", *cmd[cut:]], tmp_path, "killed")
+    try:
+        job.wait_until(
+            "a fast-tier save", lambda: last_step(workdir) >= 7 and (local / "p0" / "held").is_dir()
+        )
+        victim = worker(workdir, 1)
+        os.kill(victim, signal.SIGSTOP)  # nothing more is written while its copy is deleted
+        shutil.rmtree(local / "p1" / "own")  # its process-local storage lost with it
+        os.kill(victim, signal.SIGKILL)
+        rc = job.wait(300 + EXIT_DEADLINE_S)
+    finally:
+        job.kill()
+    text = job.text()
+    assert rc == 0, text[-4000:]
+    assert "restart 1 of 1" in text, text[-4000:]
+    line = next(x for x in text.splitlines() if "checkpoint tier: fast" in x)
+    assert "process(es) 1 from process 0's copy" in line, line
+    assert not (local / "p0").exists() and not (local / "p1").exists()
+    got, want = _final_state(workdir, steps), _final_state(reference, steps)
+    assert sorted(got) == sorted(want)
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=path)
+    # The launcher's job-level goodput: both attempts, the causes adding up to its wall time.
+    (job,) = [r for r in records(workdir) if r.get("kind") == "goodput_job"]
+    assert (job["attempts"], job["attempts_finished"]) == (2, 1), job
+    assert sum(job[c] for c in goodput.CAUSES) == pytest.approx(job["total"], rel=0.02), job
+    assert job["total"] == pytest.approx(job["wall_s"], rel=0.02), job
+    assert job["restart"] > 0 and job["productive"] > 0, job
+    assert "launch.py: job goodput │ " in text, text[-2000:]
