@@ -338,6 +338,9 @@ class HFTensor:
       to_jax: HF array -> the parameter's array (one layer's).
       to_hf: the parameter's array (one layer's) -> HF array.
       stacked: whether the parameter has a leading [L] axis.
+      experts: E > 0 when each expert is its own tensor (Mixtral's `experts.{e}.w1`): the
+        parameter's axis after [L] (its first, unstacked) is [E], `hf_name` has "{e}" for the
+        expert index, and `to_jax`/`to_hf` convert one expert's array.
     """
 
     path: tuple[str, ...]
@@ -346,6 +349,7 @@ class HFTensor:
     to_jax: Callable[[Any], Any]
     to_hf: Callable[[Any], Any]
     stacked: bool = False
+    experts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +396,8 @@ class ModelFamily:
       hf: its Hugging Face form (`HFFormat`), or None.
       plan_cost: (config.model, params or their shapes) -> `PlanCost`, or None for a family the
         planner does not model (it then says so, and predicts and guards nothing).
+      mesh_axes: the optional mesh axes ("context", "expert") its layers run over; config
+        validation refuses `mesh.context`/`mesh.expert` > 1 for a family without them.
     """
 
     name: str
@@ -406,6 +412,7 @@ class ModelFamily:
     decoder: Callable[[Any], Decoder] | None = None
     hf: HFFormat | None = None
     plan_cost: Callable[[Any, Params], PlanCost] | None = None
+    mesh_axes: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
