@@ -16,7 +16,7 @@ from jaxdist.errors import ConfigError
 from models.api import ModelFamily, Stages
 
 # Modules of this package that define FAMILY.
-BUILTIN = ("gpt", "llama", "mixtral", "mlp", "qwen3", "resnet")
+BUILTIN = ("gpt", "llama", "mixtral", "mlp", "qwen3", "qwen3_moe", "resnet")
 _REGISTRY: dict[str, ModelFamily] = {}
 
 

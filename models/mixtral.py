@@ -44,13 +44,14 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def block(lp: dict[str, jax.Array], carry, *, cfg, positions=None):
+def block(lp: dict[str, jax.Array], carry, *, cfg, positions=None, qkv: Any = llama.qkv):
     """One Mixtral layer on carry = (x [B, T, D], router stats summed over the layers so far):
     Llama's MoE layer (`llama.moe_block`), whose stats also sum `moe_prob` [E], the layer's mean
-    router probability per expert (what Hugging Face pools over the layers)."""
+    router probability per expert (what Hugging Face pools over the layers). `qkv`: the
+    attention's input projections (`llama.qkv`'s signature)."""
     x, acc = carry
     c = lambda name: constrain(lp[name], AXES[name])
-    x = llama.attention_part(lp, x, cfg, positions, c)
+    x = llama.attention_part(lp, x, cfg, positions, c, qkv)
     with jax.named_scope("moe"):
         h = llama.rms_norm(x, c("mlp_norm"), cfg.norm_eps)  # the MoE's input, again (CSE'd)
         logits = jnp.einsum("btd,de->bte", h.astype(jnp.float32), c("router").astype(jnp.float32))
@@ -82,7 +83,7 @@ class Mixtral(llama.Llama):
 
     def _hidden(self, tokens: jax.Array, positions, remat: str) -> tuple[jax.Array, dict]:
         x = llama.embed_tokens({"embed": self.embed[...]}, tokens, embed_grad=self.cfg.embed_grad)
-        layer = functools.partial(block, cfg=self.cfg, positions=positions)
+        layer = functools.partial(block, cfg=self.cfg, positions=positions, qkv=self.qkv)
         x, stats = api.scan_layers(
             layer,
             self.layers.stacked(),
@@ -98,25 +99,25 @@ def check(m, mesh: Mapping[str, int]) -> None:
     `model.moe_aux_loss_weight=0` (the pooled loss is not linear in each stage's statistics)."""
     _need(
         isinstance(m.num_experts, int) and m.num_experts >= 2,
-        f"model.num_experts={m.num_experts!r}: model.name='mixtral' needs >= 2 experts "
-        "(Mixtral-8x7B: 8); use model.name='llama' for a dense model",
+        f"model.num_experts={m.num_experts!r}: model.name={m.name!r} needs >= 2 experts; "
+        "use model.name='llama' for a dense model",
     )
     k = m.experts_per_token
     _need(
         isinstance(k, int) and 2 <= k <= m.num_experts,
         f"model.experts_per_token={k!r} must be an integer in [2, model.num_experts="
-        f"{m.num_experts}] (Mixtral renormalises its top-k weights: with k = 1 the weight is 1 "
-        "and the router learns nothing from the loss)",
+        f"{m.num_experts}] (the router renormalises its top-k weights: with k = 1 the weight is "
+        "1 and the router learns nothing from the loss)",
     )
     _need(
         not m.moe_shared_expert,
-        "model.moe_shared_expert=True: Mixtral has no shared expert; set it to False, or use "
-        "model.name='llama' for jaxdist's MoE with one",
+        f"model.moe_shared_expert=True: model.name={m.name!r} has no shared expert; set it to "
+        "False, or use model.name='llama' for jaxdist's MoE with one",
     )
     p = mesh.get("pipeline", 1)
     _need(
         p == 1 or not m.moe_aux_loss_weight,
-        f"mesh.pipeline={p} with model.moe_aux_loss_weight={m.moe_aux_loss_weight}: Mixtral's "
+        f"mesh.pipeline={p} with model.moe_aux_loss_weight={m.moe_aux_loss_weight}: the "
         "load-balancing loss pools every layer's router statistics before their product, which "
         "pipeline stages cannot; set model.moe_aux_loss_weight=0 or mesh.pipeline=1",
     )
@@ -165,49 +166,86 @@ def config_from_hf(hf: Mapping[str, Any], m, where: str) -> None:
     )
     # transformers writes head_dim: null for the default d_model / num_heads
     llama.config_from_hf({k: v for k, v in hf.items() if v is not None}, m, where)
-    m.num_experts = llama.hf_field(hf, "num_local_experts", where, int)
+    experts_from_hf(hf, m, where, "num_local_experts")
+
+
+def experts_from_hf(hf: Mapping[str, Any], m, where: str, num_key: str) -> None:
+    """The MoE fields of config.model `m` from an HF MoE config.json (the experts' count under
+    `num_key`): k, HF's load-balancing coefficient when `output_router_logits` (else 0), no
+    z-loss, dropless, no shared expert."""
+    m.num_experts = llama.hf_field(hf, num_key, where, int)
     m.experts_per_token = llama.hf_field(hf, "num_experts_per_tok", where, int)
     coef = llama.hf_field(hf, "router_aux_loss_coef", where, float, 0.0)
     m.moe_aux_loss_weight = coef if hf.get("output_router_logits") else 0.0
-    m.moe_z_loss_weight = 0.0  # Mixtral has no router z-loss
+    m.moe_z_loss_weight = 0.0  # HF's Mixtral and Qwen3-MoE have no router z-loss
     m.moe_capacity_factor = 0.0  # dropless, as HF
     m.moe_shared_expert = False
 
 
-def config_to_hf(m, dtype: str) -> dict[str, Any]:
-    """A `MixtralForCausalLM` config.json for config.model `m`: Llama's fields (read from `m`
-    with the experts hidden: llama.config_to_hf exports dense models only), then the experts'."""
+def dense_view(m) -> ml_collections.ConfigDict:
+    """A copy of config.model `m` without experts, for the dense families' `config_to_hf`."""
     dense = ml_collections.ConfigDict(m.to_dict())
     dense.num_experts = 0
-    out = llama.config_to_hf(dense, dtype)
-    for key in ("mlp_bias", "attention_bias"):
-        out.pop(key)
-    return out | {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "num_local_experts": int(m.num_experts),
+    return dense
+
+
+def experts_to_hf(m) -> dict[str, Any]:
+    """The router loss's fields of an HF MoE config.json."""
+    return {
         "num_experts_per_tok": int(m.experts_per_token),
         "router_aux_loss_coef": float(m.moe_aux_loss_weight),
         "output_router_logits": bool(m.moe_aux_loss_weight),
-        "router_jitter_noise": 0.0,
-        "sliding_window": None,
     }
+
+
+def config_to_hf(m, dtype: str) -> dict[str, Any]:
+    """A `MixtralForCausalLM` config.json for config.model `m`: Llama's fields (read from
+    `dense_view(m)`: llama.config_to_hf exports dense models only), then the experts'."""
+    out = llama.config_to_hf(dense_view(m), dtype)
+    for key in ("mlp_bias", "attention_bias"):
+        out.pop(key)
+    return (
+        out
+        | experts_to_hf(m)
+        | {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": int(m.num_experts),
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
+    )
+
+
+def expert_tensors(m, router: str, gate: str, up: str, down: str) -> list[api.HFTensor]:
+    """The router's and the experts' `HFTensor`s: HF names with {i} (layer) and {e} (expert),
+    each an `nn.Linear` weight [out, in]."""
+    d = llama.dims(m)
+    D, E, F = d["D"], m.num_experts, d["F"]
+    T = lambda a: a.T
+    return [
+        api.HFTensor(("layers", "router"), router, (E, D), T, T, True),
+        api.HFTensor(("layers", "e_gate"), gate, (F, D), T, T, True, E),
+        api.HFTensor(("layers", "e_up"), up, (F, D), T, T, True, E),
+        api.HFTensor(("layers", "e_down"), down, (D, F), T, T, True, E),
+    ]
+
+
+def without_dense_mlp(tensors: list[api.HFTensor]) -> list[api.HFTensor]:
+    """A dense family's `HFTensor`s less its MLP's (`llama.MLP_NAMES`)."""
+    return [t for t in tensors if t.path[-1] not in llama.MLP_NAMES]
 
 
 def hf_tensors(m) -> list[api.HFTensor]:
     """Llama's tensors but the dense MLP, then the router and the experts (the table above)."""
-    d = llama.dims(m)
-    D, E, F = d["D"], m.num_experts, d["F"]
-    T = lambda a: a.T
     at = "model.layers.{i}.block_sparse_moe."
-    moe_rows = [
-        api.HFTensor(("layers", "router"), at + "gate.weight", (E, D), T, T, True),
-        api.HFTensor(("layers", "e_gate"), at + "experts.{e}.w1.weight", (F, D), T, T, True, E),
-        api.HFTensor(("layers", "e_up"), at + "experts.{e}.w3.weight", (F, D), T, T, True, E),
-        api.HFTensor(("layers", "e_down"), at + "experts.{e}.w2.weight", (D, F), T, T, True, E),
-    ]
-    dense = [t for t in llama.hf_tensors(m) if t.path[-1] not in llama.MLP_NAMES]
-    return dense + moe_rows
+    return without_dense_mlp(llama.hf_tensors(m)) + expert_tensors(
+        m,
+        at + "gate.weight",
+        at + "experts.{e}.w1.weight",
+        at + "experts.{e}.w3.weight",
+        at + "experts.{e}.w2.weight",
+    )
 
 
 HF = api.HFFormat(
