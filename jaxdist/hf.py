@@ -182,7 +182,7 @@ def tensor_map(m) -> list[Any]:
 
 def each_tensor(t: Any, m) -> Iterator[tuple[tuple[int, ...], str]]:
     """(index into the parameter, HF name) of every tensor one `HFTensor` stands for: one per
-    layer of a stacked parameter, times one per expert of one stored expert by expert."""
+    layer of a stacked parameter, times one per expert for one stored expert by expert."""
     layers = range(m.num_layers) if t.stacked else [None]
     experts = range(t.experts) if t.experts else [None]
     for i in layers:

@@ -98,9 +98,14 @@ def test_import_logits_and_greedy_generation_equal_transformers(hf_model, tmp_pa
     """Imported logits within 1e-4 of transformers' (fp32); `sample.py --prompt_ids` on data=2 ×
     tensor=2 continues each prompt as `generate(do_sample=False)` does, token for token."""
     model, _, run = hf_model
+    check_import_and_greedy(model, run, tmp_path, "mixtral")
+
+
+def check_import_and_greedy(model, run, tmp_path, label: str) -> None:
+    """`model`'s logits and greedy continuations of `PROMPTS` against the imported `run`'s."""
     ref = hf_logits(model, TOKENS)
     ours = jaxdist_logits(run, TOKENS)
-    print(f"mixtral imported logits max |Δ| = {np.abs(ours - ref).max():.3g}")
+    print(f"{label} imported logits max |Δ| = {np.abs(ours - ref).max():.3g}")
     assert np.abs(ours - ref).max() <= 1e-4, np.abs(ours - ref).max()
     assert np.abs(ref).max() > 1  # logits of a few units, so 1e-4 is a tight bound
 
@@ -114,7 +119,7 @@ def test_import_logits_and_greedy_generation_equal_transformers(hf_model, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in out.read_text().splitlines()]
     agree = sum(r["tokens"] == e for r, e in zip(records, expected, strict=True))
-    print(f"mixtral greedy generation: {agree} of {len(PROMPTS)} prompts equal token for token")
+    print(f"{label} greedy generation: {agree} of {len(PROMPTS)} prompts equal token for token")
     assert [r["tokens"] for r in records] == expected
 
 
@@ -124,8 +129,14 @@ def test_router_aux_loss_and_its_gradient_equal_transformers(hf_model):
     routers' and, through them, the attention's) within 1e-6; the per-layer mean the Llama
     family's MoE uses would differ."""
     model, _, run = hf_model
+    check_aux_loss(model, run, "mixtral")
+
+
+def check_aux_loss(model, run, label: str) -> None:
+    """The imported `run`'s `moe_lb_loss` and its gradient against `model`'s `aux_loss`."""
     src = weights.resolve(str(run))
-    abstract_model = api.abstract_model(models.get("mixtral").make(src.config.model, None))
+    m = src.config.model
+    abstract_model = api.abstract_model(models.get(m.name).make(m, None))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params = weights.load_params(
         src,
@@ -142,23 +153,22 @@ def test_router_aux_loss_and_its_gradient_equal_transformers(hf_model):
     out = model(torch.from_numpy(TOKENS.astype(np.int64)), output_router_logits=True)
     out.aux_loss.backward()
     delta = abs(float(value) - out.aux_loss.item())
-    print(f"mixtral router aux loss |Δ| = {delta:.3g} (HF {out.aux_loss.item():.6f})")
+    print(f"{label} router aux loss |Δ| = {delta:.3g} (HF {out.aux_loss.item():.6f})")
     assert delta <= 1e-6, (float(value), out.aux_loss.item())
     for i, layer in enumerate(model.model.layers):
         want = layer.mlp.gate.weight.grad.numpy().T  # [D, E]
         np.testing.assert_allclose(grads["layers"]["router"][i], want, rtol=0, atol=1e-6)
         assert np.abs(want).max() > 1e-3
-    want_wq = model.model.layers[0].self_attn.q_proj.weight.grad.numpy().T.reshape(32, 4, 8)
+    shape = grads["layers"]["wq"].shape[1:]  # [D, N, H]
+    want_wq = model.model.layers[0].self_attn.q_proj.weight.grad.numpy().T.reshape(shape)
     np.testing.assert_allclose(grads["layers"]["wq"][0], want_wq, rtol=0, atol=1e-7)
     assert np.abs(want_wq).max() > 1e-4
 
     # What pooling changes: the mean over layers of each layer's E · Σ_e k·f_e·P_e differs.
     with torch.no_grad():
         logits = model(torch.from_numpy(TOKENS.astype(np.int64)), output_router_logits=True)
-    per_layer = [
-        float(transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func((g,), E, K))
-        for g in logits.router_logits
-    ]
+    pooled_loss = sys.modules[type(model).__module__].load_balancing_loss_func
+    per_layer = [float(pooled_loss((g,), E, K)) for g in logits.router_logits]
     assert abs(np.mean(per_layer) - out.aux_loss.item()) > 1e-4
 
 
@@ -167,9 +177,15 @@ def test_init_from_trains_sharded_then_exports_to_transformers(hf_model, tmp_pat
     fsdp=2 × tensor=2 × expert=2 (4 experts per device) → export → transformers loads it with no
     missing or unexpected keys, and its logits are jaxdist's within 1e-4."""
     _, _, run = hf_model
+    check_train_export(run, tmp_path, "configs/mixtral_tiny.py", "MixtralForCausalLM", "mixtral")
+
+
+def check_train_export(run, tmp_path, config: str, arch: str, label: str) -> None:
+    """2 steps of `config` (fsdp × tensor × expert) from `run`, exported, loaded by transformers
+    as `arch` with no missing or unexpected keys and jaxdist's logits."""
     np.random.default_rng(1).integers(0, VOCAB, 20_000).astype(np.uint16).tofile(tmp_path / "t.bin")
     work = tmp_path / "ft"
-    cmd = [sys.executable, "scripts/train.py", "--config=configs/mixtral_tiny.py"]
+    cmd = [sys.executable, "scripts/train.py", f"--config={config}"]
     cmd += [f"--workdir={work}", f"--config.train.init_from={run}"]
     cmd += [f"--config.data.source={tmp_path / 't.bin'}", "--config.model.seq_len=32"]
     cmd += ["--config.train.steps=2", "--config.checkpoint.every=2", "--config.train.batch_size=8"]
@@ -182,26 +198,24 @@ def test_init_from_trains_sharded_then_exports_to_transformers(hf_model, tmp_pat
     mesh = {k: v for k, v in records[0]["mesh"].items() if v > 1}
     assert mesh == {"fsdp": 2, "tensor": 2, "expert": 2}, records[0]["mesh"]
     lb = [r["moe_lb_loss"] for r in records if "moe_lb_loss" in r]
-    assert lb and all(v > 1 for v in lb), records  # HF's loss: k = 2 when balanced
+    assert lb and all(v > 1 for v in lb), records  # HF's loss: k when balanced
     run_script("export", work, "--out", tmp_path / "out")
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", output_loading_info=True
     )
-    assert type(loaded).__name__ == "MixtralForCausalLM"
+    assert type(loaded).__name__ == arch
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     ours = jaxdist_logits(work, TOKENS)
     delta = np.abs(hf_logits(loaded.float().eval(), TOKENS) - ours).max()
-    print(f"mixtral trained, exported, reloaded logits max |Δ| = {delta:.3g}")
+    print(f"{label} trained, exported, reloaded logits max |Δ| = {delta:.3g}")
     assert delta <= 1e-4, delta
     assert np.abs(ours - jaxdist_logits(run, TOKENS)).max() > 1e-3  # it trained
 
 
-def _tiny(**mesh_sizes):
-    """configs/mixtral_tiny.py on a subset of the 8 devices, SGD (as tests/test_llama.py, why),
+def tiny(config_module, **mesh_sizes):
+    """A tiny MoE config on a subset of the 8 devices, SGD (as tests/test_llama.py, why),
     without the load-balancing loss (a pipeline refuses it: `mixtral.check`)."""
-    import configs.mixtral_tiny
-
-    c = configs.mixtral_tiny.get_config()
+    c = config_module.get_config()
     c.unlock()
     for axis in config_lib.MESH_AXES:
         c.mesh[axis] = mesh_sizes.get(axis, 1)
@@ -212,11 +226,17 @@ def _tiny(**mesh_sizes):
     return c
 
 
-def test_pipeline_1f1b_matches_single_device():
+def _tiny(**mesh_sizes):
+    import configs.mixtral_tiny
+
+    return tiny(configs.mixtral_tiny, **mesh_sizes)
+
+
+def check_pipeline(config_module) -> None:
     """1F1B over 2 stages × expert=2 × data=2, 2 microbatches: 3 float32 steps' losses (rtol
     1e-5) and parameters (router and experts included, atol 1e-5) equal one device's."""
-    ref_losses, ref_params = train_steps(_tiny(), 3)
-    c = _tiny(pipeline=2, expert=2, data=2)
+    ref_losses, ref_params = train_steps(tiny(config_module), 3)
+    c = tiny(config_module, pipeline=2, expert=2, data=2)
     c.pipeline.schedule, c.pipeline.microbatches = "1f1b", 2
     losses, params = train_steps(c, 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -225,6 +245,13 @@ def test_pipeline_1f1b_matches_single_device():
     flat = jax.tree_util.tree_leaves_with_path(params)
     for (path, a), b in zip(flat, jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_pipeline_1f1b_matches_single_device():
+    """`check_pipeline` on configs/mixtral_tiny.py."""
+    import configs.mixtral_tiny
+
+    check_pipeline(configs.mixtral_tiny)
 
 
 def test_mixtral_8x7b_is_validated_and_planned():
