@@ -183,9 +183,11 @@ def _check_context_expert(config, mesh: Mapping[str, int]) -> None:
     _choice(config, "model.context_attention", CONTEXT_ATTENTIONS)
     for axis in ("context", "expert"):
         if mesh[axis] > 1:
+            able = [n for n in models.names() if axis in models.get(n).mesh_axes]
             _need(
-                config.model.name == "llama",
-                f"mesh.{axis}={mesh[axis]} needs model.name='llama' (got {config.model.name!r})",
+                axis in models.get(config.model.name).mesh_axes,
+                f"mesh.{axis}={mesh[axis]} needs a model that runs over it: model.name="
+                f"{' or '.join(repr(n) for n in able)} (got {config.model.name!r})",
             )
 
 

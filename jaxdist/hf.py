@@ -180,13 +180,19 @@ def tensor_map(m) -> list[Any]:
     return _format(m).tensors(m)
 
 
+def each_tensor(t: Any, m) -> Iterator[tuple[tuple[int, ...], str]]:
+    """(index into the parameter, HF name) of every tensor one `HFTensor` stands for: one per
+    layer of a stacked parameter, times one per expert for one stored expert by expert."""
+    layers = range(m.num_layers) if t.stacked else [None]
+    experts = range(t.experts) if t.experts else [None]
+    for i in layers:
+        for e in experts:
+            yield tuple(j for j in (i, e) if j is not None), t.hf_name.format(i=i, e=e)
+
+
 def hf_names(m) -> list[str]:
-    """Every HF tensor name the model has, layers expanded."""
-    names = []
-    for t in tensor_map(m):
-        layers = range(m.num_layers) if t.stacked else [None]
-        names += [t.hf_name.format(i=i) for i in layers]
-    return names
+    """Every HF tensor name the model has, layers (and experts) expanded."""
+    return [name for t in tensor_map(m) for _, name in each_tensor(t, m)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -280,7 +286,7 @@ def check_against_headers(weights: Weights, m, where: str) -> None:
     layers: set[int] = set()
     for t in tensor_map(m):
         if t.stacked:
-            head, _, tail = t.hf_name.partition("{i}")
+            head, _, tail = t.hf_name.format(i="{i}", e=0).partition("{i}")
             pattern = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))
             layers.update(int(g[1]) for n in weights.names() if (g := pattern.fullmatch(n)))
     _need(
@@ -290,8 +296,7 @@ def check_against_headers(weights: Weights, m, where: str) -> None:
     )
     check_names(weights, m, where)
     for t in tensor_map(m):
-        for i in range(m.num_layers) if t.stacked else [None]:
-            name = t.hf_name.format(i=i)
+        for _, name in each_tensor(t, m):
             shape = weights.shape_of[name]
             _need(
                 shape == tuple(t.hf_shape),
@@ -327,13 +332,12 @@ def read_params(
     weights: Weights, m, where: str, dtype=np.float32
 ) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:
     """(path, jaxdist array) for every parameter, one at a time; stacked ones gather their L
-    layers. Shapes are checked against config.json before each is converted."""
+    layers (and experts their E tensors). Shapes are checked against config.json before each is
+    converted."""
     check_against_headers(weights, m, where)
     for t in tensor_map(m):
-        layers = range(m.num_layers) if t.stacked else [None]
         out = None
-        for j, i in enumerate(layers):
-            name = t.hf_name.format(i=i)
+        for index, name in each_tensor(t, m):
             a = weights.get(name)
             _need(
                 tuple(a.shape) == t.hf_shape,
@@ -341,12 +345,13 @@ def read_params(
                 f"implies {list(t.hf_shape)}",
             )
             value = t.to_jax(a.astype(dtype))
-            if not t.stacked:
+            if not index:
                 out = np.ascontiguousarray(value)
                 break
             if out is None:
-                out = np.empty((m.num_layers, *value.shape), dtype)
-            out[j] = value
+                lead = (m.num_layers,) * t.stacked + (t.experts,) * bool(t.experts)
+                out = np.empty((*lead, *value.shape), dtype)
+            out[index] = value
         yield t.path, out
 
 
@@ -386,23 +391,26 @@ def write_hf(
             value = np.asarray(get_path(params, t.path))
         except (KeyError, TypeError):
             raise ConfigError(f"the checkpoint has no params/{'/'.join(t.path)}") from None
-        layers = range(m.num_layers) if t.stacked else [None]
         _need(
             not t.stacked or value.shape[0] == m.num_layers,
             f"params/{'/'.join(t.path)} has {value.shape[0]} layers, model.num_layers="
             f"{m.num_layers}",
         )
-        for i in layers:
-            a = np.ascontiguousarray(t.to_hf(value[i] if t.stacked else value).astype(np_dtype))
+        _need(
+            not t.experts or value.shape[int(t.stacked)] == t.experts,
+            f"params/{'/'.join(t.path)} is {list(value.shape)}: not {t.experts} experts",
+        )
+        for index, name in each_tensor(t, m):
+            a = np.ascontiguousarray(t.to_hf(value[index]).astype(np_dtype))
             _need(
                 a.shape == t.hf_shape,
                 f"params/{'/'.join(t.path)} is {list(value.shape)}, which does not fit the "
-                f"config's {t.hf_name.format(i=i)} {list(t.hf_shape)}",
+                f"config's {name} {list(t.hf_shape)}",
             )
             if size and size + a.nbytes > max_shard_bytes:
                 shards.append({})
                 size = 0
-            shards[-1][t.hf_name.format(i=i)] = a
+            shards[-1][name] = a
             size += a.nbytes
             total += a.nbytes
     n = len(shards)

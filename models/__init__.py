@@ -15,7 +15,8 @@ from typing import Any
 from jaxdist.errors import ConfigError
 from models.api import ModelFamily, Stages
 
-BUILTIN = ("gpt", "llama", "mlp", "qwen3", "resnet")  # modules of this package that define FAMILY
+# Modules of this package that define FAMILY.
+BUILTIN = ("gpt", "llama", "mixtral", "mlp", "qwen3", "qwen3_moe", "resnet")
 _REGISTRY: dict[str, ModelFamily] = {}
 
 

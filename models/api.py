@@ -367,6 +367,9 @@ class HFTensor:
       to_jax: HF array -> the parameter's array (one layer's).
       to_hf: the parameter's array (one layer's) -> HF array.
       stacked: whether the parameter has a leading [L] axis.
+      experts: E > 0 when each expert is its own tensor (Mixtral's `experts.{e}.w1`): the
+        parameter's axis after [L] (its first, unstacked) is [E], `hf_name` has "{e}" for the
+        expert index, and `to_jax`/`to_hf` convert one expert's array.
     """
 
     path: tuple[str, ...]
@@ -375,6 +378,7 @@ class HFTensor:
     to_jax: Callable[[Any], Any]
     to_hf: Callable[[Any], Any]
     stacked: bool = False
+    experts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,6 +427,8 @@ class ModelFamily:
         planner does not model (it then says so, and predicts and guards nothing).
       packing: whether its `loss` takes packed batches (`data.packing=documents`): attention
         within each `segment_ids` document, rotary `positions`, -1 targets skipped.
+      mesh_axes: the optional mesh axes ("context", "expert") its layers run over; config
+        validation refuses `mesh.context`/`mesh.expert` > 1 for a family without them.
     """
 
     name: str
@@ -438,6 +444,7 @@ class ModelFamily:
     hf: HFFormat | None = None
     plan_cost: Callable[[Any, Params], PlanCost] | None = None
     packing: bool = False
+    mesh_axes: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)

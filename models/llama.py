@@ -199,7 +199,7 @@ def _attend(q, k, v, positions: np.ndarray | None, cfg, segment_ids=None) -> jax
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
 
 
-def _attention_part(lp, x, cfg, positions, c, qkv=qkv, segments=None) -> jax.Array:
+def attention_part(lp, x, cfg, positions, c, qkv=qkv, segments=None) -> jax.Array:
     """x + attention(RMSNorm(x)) on [B, T, D]; `segments`: a packed row's (segment_ids,
     positions) [B, T], in storage order: attention per segment, rotary per-document positions."""
     with jax.named_scope("attention"):
@@ -227,14 +227,14 @@ def block(
     """One pre-norm Llama layer on x [B, T, D]; `lp` holds one layer's parameters. `positions`
     [T]: each storage slot's position (the zig-zag order of ring attention), default arange.
     `qkv`: the attention's input projections (`qkv`'s signature). `segments`: packed documents
-    (`_attention_part`)."""
+    (`attention_part`)."""
     c = lambda name: constrain(lp[name], BLOCK_AXES[name])  # gathered over fsdp for compute
-    x = _attention_part(lp, x, cfg, positions, c, qkv, segments)
+    x = attention_part(lp, x, cfg, positions, c, qkv, segments)
     with jax.named_scope("mlp"):
         return _mlp(lp, x, cfg, c)
 
 
-def _moe_mlp(lp, x, cfg, c) -> tuple[jax.Array, dict]:
+def moe_mlp(lp, x, cfg, c) -> tuple[jax.Array, dict]:
     """x + experts(RMSNorm(x)) (+ the shared expert) on [B, T, D], and the layer's router stats."""
     h = rms_norm(x, c("mlp_norm"), cfg.norm_eps)
     w, idx, stats = moe.route(h, c("router"), cfg.experts_per_token)
@@ -259,9 +259,9 @@ def moe_block(
     """One MoE layer on carry = (x [B, T, D], router stats summed over the layers so far)."""
     x, acc = carry
     c = lambda name: constrain(lp[name], {**BLOCK_AXES, **moe.AXES}[name])
-    x = _attention_part(lp, x, cfg, positions, c, qkv, segments)
+    x = attention_part(lp, x, cfg, positions, c, qkv, segments)
     with jax.named_scope("moe"):
-        x, stats = _moe_mlp(lp, x, cfg, c)
+        x, stats = moe_mlp(lp, x, cfg, c)
     return x, jax.tree.map(jnp.add, acc, stats)
 
 
@@ -463,7 +463,7 @@ def forward_cached(
         o = jnp.einsum("bkgts,bskh->btkgh", w, cv.astype(jnp.float32))
         o = o.reshape(B, T, d["N"], d["H"]).astype(x.dtype)
         x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ACT)
-        x = _moe_mlp(lp, x, cfg, c)[0] if cfg.num_experts else _mlp(lp, x, cfg, c)
+        x = moe_mlp(lp, x, cfg, c)[0] if cfg.num_experts else _mlp(lp, x, cfg, c)
         return x, (ck, cv)
 
     x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache["k"], cache["v"]))
@@ -687,7 +687,7 @@ def stages(cfg, qkv: Any = qkv) -> api.Stages:
 # converter permutes q/k once, and HF checkpoints are already in this layout).
 
 
-def _hf_field(hf: Mapping[str, Any], key: str, where: str, kind: type, default: Any = None):
+def hf_field(hf: Mapping[str, Any], key: str, where: str, kind: type, default: Any = None):
     """hf[key] (or `default`), checked to be an integer, or a number when `kind` is float."""
     value = hf.get(key, default)
     _need(value is not None, f"{where}: missing field {key!r}")
@@ -704,19 +704,19 @@ def config_from_hf(hf: Mapping[str, Any], m, where: str) -> None:
         _need(not hf.get(key, False), f"{where}: {key}=true is not supported (bias-free only)")
     act = hf.get("hidden_act", "silu")
     _need(act == "silu", f"{where}: hidden_act={act!r} is not supported; Llama uses 'silu'")
-    m.vocab_size = _hf_field(hf, "vocab_size", where, int)
-    m.d_model = _hf_field(hf, "hidden_size", where, int)
-    m.mlp_dim = _hf_field(hf, "intermediate_size", where, int)
-    m.num_layers = _hf_field(hf, "num_hidden_layers", where, int)
-    m.num_heads = _hf_field(hf, "num_attention_heads", where, int)
-    m.num_kv_heads = _hf_field(hf, "num_key_value_heads", where, int, m.num_heads)
-    m.head_dim = _hf_field(hf, "head_dim", where, int, m.d_model // max(m.num_heads, 1))
-    m.seq_len = _hf_field(hf, "max_position_embeddings", where, int)
-    m.norm_eps = _hf_field(hf, "rms_norm_eps", where, float, 1e-6)
+    m.vocab_size = hf_field(hf, "vocab_size", where, int)
+    m.d_model = hf_field(hf, "hidden_size", where, int)
+    m.mlp_dim = hf_field(hf, "intermediate_size", where, int)
+    m.num_layers = hf_field(hf, "num_hidden_layers", where, int)
+    m.num_heads = hf_field(hf, "num_attention_heads", where, int)
+    m.num_kv_heads = hf_field(hf, "num_key_value_heads", where, int, m.num_heads)
+    m.head_dim = hf_field(hf, "head_dim", where, int, m.d_model // max(m.num_heads, 1))
+    m.seq_len = hf_field(hf, "max_position_embeddings", where, int)
+    m.norm_eps = hf_field(hf, "rms_norm_eps", where, float, 1e-6)
     m.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     _need(isinstance(rope, dict), f"{where}: rope_parameters/rope_scaling must be an object")
-    m.rope_theta = _hf_field(rope, "rope_theta", where, float, hf.get("rope_theta", 10000.0))
+    m.rope_theta = hf_field(rope, "rope_theta", where, float, hf.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
     _need(
         kind in ("default", "llama3"),
@@ -726,8 +726,8 @@ def config_from_hf(hf: Mapping[str, Any], m, where: str) -> None:
         rs, at = m.rope_scaling, f"{where} rope_scaling"
         rs.type = "llama3"
         for key in ("factor", "low_freq_factor", "high_freq_factor"):
-            rs[key] = _hf_field(rope, key, at, float)
-        rs.original_max_len = _hf_field(rope, "original_max_position_embeddings", at, int)
+            rs[key] = hf_field(rope, key, at, float)
+        rs.original_max_len = hf_field(rope, "original_max_position_embeddings", at, int)
     eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
     m.eos_token_id = eos if isinstance(eos, int) and not isinstance(eos, bool) else -1
@@ -839,4 +839,5 @@ FAMILY = api.ModelFamily(
     hf=HF,
     plan_cost=plan_cost,
     packing=True,
+    mesh_axes=frozenset({"context", "expert"}),
 )

@@ -64,9 +64,8 @@ def check(m, mesh: Mapping[str, int]) -> None:
     """Llama's shape rules; Qwen3 here is the dense model (no `model.num_experts`)."""
     _need(
         not m.num_experts,
-        f"model.num_experts={m.num_experts}: model.name='qwen3' is the dense Qwen3 "
-        "(Qwen3-MoE is not implemented); set model.num_experts=0, or use model.name='llama' for "
-        "jaxdist's MoE layers",
+        f"model.num_experts={m.num_experts}: model.name='qwen3' is the dense Qwen3"
+        "; set model.num_experts=0, or use model.name='qwen3_moe' for Qwen3-MoE",
     )
     llama.check(m, mesh)
 
