@@ -31,13 +31,29 @@ NONFINITE = ("stop", "skip")
 def base_config() -> ml_collections.ConfigDict:
     """Every field jaxdist reads, with its default. Experiments override a handful."""
     c = ml_collections.ConfigDict()
+    _mesh_fields(c)
+    _model_fields(c)
+    _runtime_fields(c)
+    _train_fields(c)
+    _data_fields(c)
+    _checkpoint_fields(c)
+    _pipeline_fields(c)
+    _grad_sync_fields(c)
+    _profile_fields(c)
+    return c
 
+
+def _mesh_fields(c: ml_collections.ConfigDict) -> None:
+    """`mesh`: the mesh axes' sizes (-1: every device left)."""
     c.mesh = ml_collections.ConfigDict()
     for axis in MESH_AXES:
         c.mesh[axis] = 1
         c.mesh[f"dcn_{axis}"] = 1
     c.mesh.data = -1
 
+
+def _model_fields(c: ml_collections.ConfigDict) -> None:
+    """`model`: the model family and its shape."""
     c.model = ml_collections.ConfigDict()
     c.model.name = "gpt"
     c.model.num_layers = 2
@@ -76,11 +92,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.widths = (16, 32, 64)  # resnet stage widths
     c.model.num_classes = 10  # mlp / resnet
 
+
+def _runtime_fields(c: ml_collections.ConfigDict) -> None:
+    """`runtime`: the devices and the GPU runtime."""
     c.runtime = ml_collections.ConfigDict()
     c.runtime.cpu_devices = 0
     c.runtime.gpu_xla_flags = False  # jaxdist.xla_flags.GPU_PERFORMANCE_FLAGS into XLA_FLAGS
     c.runtime.gpu_memory_fraction = 0.0  # XLA_PYTHON_CLIENT_MEM_FRACTION; 0 = JAX's default (0.75)
 
+
+def _train_fields(c: ml_collections.ConfigDict) -> None:
+    """`train`: the optimizer, schedule, precision and step options."""
     c.train = ml_collections.ConfigDict()
     c.train.steps = 100
     c.train.batch_size = 16
@@ -120,6 +142,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.base_batch_size = 0  # 0 = batch_size: lr_scaling is relative to this
     c.train.init_from = ""  # start from these weights: an HF folder or a jaxdist run/checkpoint
 
+
+def _data_fields(c: ml_collections.ConfigDict) -> None:
+    """`data`: the training data."""
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"
     c.data.val_fraction = 0.1
@@ -128,12 +153,18 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.weights = ()  # one per data.sources entry; default equal
     c.data.packing = "windows"  # or "documents": whole documents per row (jaxdist/data.py)
 
+
+def _checkpoint_fields(c: ml_collections.ConfigDict) -> None:
+    """`checkpoint`: saves: when, how many, where."""
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0
     c.checkpoint.keep = 3
     c.checkpoint.local_every = 0  # the fast tier (checkpoint/fast.py): steps between saves, 0 = off
     c.checkpoint.local_dir = ""  # its process-local folder; "" = /dev/shm/jaxdist-fast-<hash>
 
+
+def _pipeline_fields(c: ml_collections.ConfigDict) -> None:
+    """`pipeline`: pipeline parallelism."""
     c.pipeline = ml_collections.ConfigDict()
     c.pipeline.microbatches = 1
     c.pipeline.schedule = "gpipe"
@@ -142,6 +173,9 @@ def base_config() -> ml_collections.ConfigDict:
     # their gradients once): more memory (a stage's whole weights), fewer collectives.
     c.pipeline.fsdp_gather_once = False
 
+
+def _grad_sync_fields(c: ml_collections.ConfigDict) -> None:
+    """`grad_sync`: data-parallel gradient synchronisation: algorithm, compression, local SGD."""
     c.grad_sync = ml_collections.ConfigDict()
     # The compressors' fields: defaults and meanings in jaxdist/compression_fields.py
     for name, f in COMPRESSION_FIELDS.items():
@@ -158,9 +192,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_sync.staleness = 0  # tau: step t applies the reduced gradient of step t - tau
     c.grad_sync.compress_over = "all"  # "dcn": hierarchical compresses only across hosts
 
+
+def _profile_fields(c: ml_collections.ConfigDict) -> None:
+    """`profile`: profiler traces."""
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = ()  # steps to trace with jax.profiler, e.g. (10, 11)
-    return c
 
 
 def locked(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
