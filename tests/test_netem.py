@@ -378,3 +378,30 @@ def test_planner_predicts_the_committed_50mbit_rows_within_20_percent():
     for method in ("xla", "hierarchical"):
         r = rows[method]
         assert abs(r["predicted_step_time_s"] - r["step_time_s"]) <= 0.2 * r["step_time_s"], r
+
+
+def _net_dev(path, sent_received: dict[int, tuple[int, int]]) -> None:
+    """A switch's /proc/net/dev: port h<i> received what host i sent, transmitted what it got."""
+    lines = ["Inter-|   Receive |  Transmit", " face |bytes packets ... |bytes packets ..."]
+    for h, (sent, got) in sent_received.items():
+        lines.append(f"  h{h}: {sent} 10 0 0 0 0 0 0 {got} 10 0 0 0 0 0 0")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_straggler_record_names_the_host_with_the_slow_link(tmp_path):
+    """Every host sends and receives 1 MB in the window; host 2's link runs at a tenth of the
+    rate, so its link is busy 10x longer: the `straggler` record names it, and with equal rates
+    it names none."""
+    dev = tmp_path / "dev"
+    _net_dev(dev, {h: (0, 0) for h in range(4)})
+    window = counters.Window(str(dev), [50e6, 50e6, 5e6, 50e6])
+    _net_dev(dev, {h: (1_000_000, 1_000_000) for h in range(4)})
+    net = window.take(steps=2)
+    late = window.straggler(net)
+    assert late["kind"] == "straggler" and late["straggler"] == "host2"
+    assert late["hosts"]["host2"]["link_busy_s"] == pytest.approx(1.6)
+    assert late["hosts"]["host0"]["link_busy_s"] == pytest.approx(0.16)
+    even = counters.Window(str(dev), [50e6] * 4)
+    _net_dev(dev, {h: (2_000_000, 2_000_000) for h in range(4)})
+    assert even.straggler(even.take(steps=2))["straggler"] is None
+    assert counters.Window(str(dev)).straggler(net) is None  # no rates, no record
