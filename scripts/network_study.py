@@ -61,7 +61,10 @@ METHODS: dict[str, tuple[str, ...]] = {
     "powersgd": ("--config.grad_sync.compression=powersgd", "--config.grad_sync.rank=4"),
     "ef_sign": ("--config.grad_sync.compression=ef_sign",),
     "topk": ("--config.grad_sync.compression=topk", "--config.grad_sync.topk_ratio=0.01"),
-    "onebit_adam": ("--config.grad_sync.compression=onebit_adam",),
+    "onebit_adam": (
+        "--config.grad_sync.compression=onebit_adam",
+        "--config.grad_sync.warmup_steps=2",
+    ),
     "stale1": ("--config.grad_sync.staleness=1",),
     "diloco_h8": (
         "--config.grad_sync.local_steps=8",
