@@ -925,5 +925,8 @@ class _Logger:
         net = self.net.take(steps) if self.net is not None else None
         if net is not None:
             self.writer.write_step(step, net)
+            late = self.net.straggler(net)
+            if late is not None:
+                self.writer.write_step(step, late)
         eta = (now - self.t_start) / (step - self.start) * (self.t.steps - step)
         self.console.step(step, self.t.steps, last, eta)

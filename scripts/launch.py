@@ -537,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
                 for env in envs:
                     env[counters.ENV_COUNTERS] = cluster.counters_path
                     env[counters.ENV_PROCESSES_PER_HOST] = str(args.processes_per_host)
+                    env[counters.ENV_RATES] = ",".join(
+                        f"{h.link.rate_bps:g}" for h in cluster.hosts
+                    )
             print(
                 f"{NAME}: {args.num_processes} process(es) x {what}, coordinator {host}:{port}",
                 file=sys.stderr,

@@ -31,7 +31,6 @@ as that).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -54,9 +53,27 @@ METHODS: dict[str, tuple[str, ...]] = {
     "ring": ("--config.grad_sync.algorithm=ring",),
     "hierarchical": ("--config.grad_sync.algorithm=hierarchical",),
     "ps": ("--config.grad_sync.algorithm=ps",),
+    "sharded_ps": ("--config.grad_sync.algorithm=sharded_ps",),
+    "halving_doubling": ("--config.grad_sync.algorithm=halving_doubling",),
+    "tree": ("--config.grad_sync.algorithm=tree",),
     "bf16": ("--config.grad_sync.compression=bf16",),
     "int8": ("--config.grad_sync.compression=int8",),
     "powersgd": ("--config.grad_sync.compression=powersgd", "--config.grad_sync.rank=4"),
+    "ef_sign": ("--config.grad_sync.compression=ef_sign",),
+    "topk": ("--config.grad_sync.compression=topk", "--config.grad_sync.topk_ratio=0.01"),
+    "onebit_adam": (
+        "--config.grad_sync.compression=onebit_adam",
+        "--config.grad_sync.warmup_steps=2",
+    ),
+    "stale1": ("--config.grad_sync.staleness=1",),
+    "diloco_h8": (
+        "--config.grad_sync.local_steps=8",
+        "--config.grad_sync.outer_optimizer=nesterov",
+    ),
+    "diloco_h32": (
+        "--config.grad_sync.local_steps=32",
+        "--config.grad_sync.outer_optimizer=nesterov",
+    ),
 }
 # label -> scripts/ddp_gpt.py flags (PyTorch DDP; `framework: "ddp"` rows)
 DDP_METHODS: dict[str, tuple[str, ...]] = {
@@ -183,37 +200,82 @@ def _time_to(row: dict, target: float) -> float | None:
     return None
 
 
-def planner_hardware(link: str, devices_per_host: int = DEVICES) -> plan.Hardware:
-    """The planner's `Hardware` for an emulated link: this machine's CPU profile (`cpu_here`) with
-    the link as the inter-host tier, each device's share of its host's link as
-    `inter_bandwidth`, the link's one-way delay as `inter_latency` (floor 50 us: a TCP message
-    through gloo on loopback, the unshaped runs' order of magnitude)."""
+# One message's latency across the emulated link, unshaped part: gloo over TCP through two veths
+# and the bridge, on this shared 2-core machine. Measured: a 4-byte all-reduce over 2 hosts x 2
+# devices at 50 Mbit/s took 5.7 ms (median of 20, load average 17; tests/netem_job.py
+# `allreduce`, `small_times_s`), 2 messages across; tests/test_netem.py measures it each run.
+MESSAGE_LATENCY_S = 2.9e-3
+EXACT = ("xla", "ring", "halving_doubling", "tree", "hierarchical", "ps", "sharded_ps")
+
+
+def planner_hardware(
+    link: str, devices_per_host: int = DEVICES, latency_s: float = MESSAGE_LATENCY_S
+) -> plan.Hardware:
+    """The planner's `Hardware` for an emulated link (`plan.emulated_link`): this machine's CPU
+    profile (`cpu_here`: gloo's flat ring for XLA's all-reduce), each host's link of the link's
+    rate shared by its devices, TCP's framing at its MTU, and per message the link's one-way delay
+    plus the measured unshaped latency."""
     spec = profiles.link(link)
-    return dataclasses.replace(
-        plan.PROFILES["cpu_here"],
-        name=f"emulated {link}",
-        inter_bandwidth=spec.bytes_per_s / devices_per_host,
-        inter_latency=max(spec.delay_s, 50e-6),
-        devices_per_host=devices_per_host,
+    return plan.emulated_link(
+        spec.rate_bps, spec.delay_s + latency_s, devices_per_host, mtu=spec.mtu
     )
 
 
-def add_predictions(result: dict) -> dict:
-    """Each row of an exact algorithm gets `predicted_comm_s`: `plan.algorithm_cost` of its
-    float32 gradient (4 bytes per parameter) over the emulated link's `Hardware`, to set against
-    the measured `exposed_comm_s` (null for the compressors: no per-link model here)."""
+def add_predictions(result: dict, latency_s: float = MESSAGE_LATENCY_S) -> dict:
+    """Each row gets `predicted_comm_s`, what the link adds to a step by the planner, and
+    `predicted_step_time_s`, that plus the row's measured compute-only (loopback) step.
+
+    Exact algorithms (`EXACT`; DDP's default is gloo's ring): `plan.algorithm_cost` of the float32
+    gradient (4 bytes per parameter) over `planner_hardware`. Compressors and the other methods:
+    the bytes one host sends per step as the compiled HLO says (`hlo_bytes_per_step`, the layout
+    record; DDP's hooks: the hook's own ratio of the ring's) at the host link's payload rate, plus
+    one all-reduce's 2(N-1) message latencies. Their compute (compressing, sorting, error
+    feedback) is in the compute-only step: the same program on loopback."""
     for row in result["runs"]:
-        hw = planner_hardware(row["link"], row["devices_per_host"])
-        n = row["hosts"] * row["devices_per_host"]
-        algorithm = "ring" if row["method"] == "ddp" else row["method"]  # gloo's ring, fp32
-        if algorithm in ("xla", "ring", "hierarchical", "ps", "sharded_ps", "tree"):
-            cost = plan.algorithm_cost(
-                algorithm, 4.0 * row["params_total"], n, hw, row["devices_per_host"]
-            )
-            row["predicted_comm_s"] = cost.time_s
+        dev = row["devices_per_host"]
+        hw = planner_hardware(row["link"], dev, latency_s)
+        n = row["hosts"] * dev
+        algorithm = "ring" if row["method"] == "ddp" else row["method"]
+        if algorithm in EXACT:
+            comm = plan.algorithm_cost(algorithm, 4.0 * row["params_total"], n, hw, dev).time_s
         else:
-            row["predicted_comm_s"] = None
+            sent = max(row["hlo_bytes_per_step"])
+            if row["method"] == "ddp_fp16":
+                sent /= 2
+            elif row["method"] == "ddp_powersgd":
+                sent = None  # no HLO, and the hook's factors are not modelled here
+            comm = None if sent is None else sent / hw.host_bandwidth
+            if comm is not None:
+                comm += 2 * (n - 1) * hw.inter_latency
+        row["predicted_comm_s"] = comm
+        row["predicted_step_time_s"] = (
+            None if comm is None else row["compute_only_step_time_s"] + comm
+        )
     return result
+
+
+def planner_table(result: dict) -> str:
+    """Predicted against measured per row (Markdown): step time and what the link adds."""
+    head = (
+        "| hosts x devices | link | method | measured step s (p10-p90) | loopback s "
+        "| predicted step s | step error | measured exposed s | predicted comm s | load avg |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    )
+    rows = []
+    for r in result["runs"]:
+        pred = r.get("predicted_step_time_s")
+        if pred is None:
+            continue
+        err = (pred - r["step_time_s"]) / r["step_time_s"]
+        load = r.get("load_avg")
+        rows.append(
+            f"| {r['hosts']} x {r['devices_per_host']} | {r['link']} | {r['method']} | "
+            f"{r['step_time_s']:.3f} ({r['step_time_p10_s']:.3f}-{r['step_time_p90_s']:.3f}) | "
+            f"{r['compute_only_step_time_s']:.3f} | {pred:.3f} | {100 * err:+.0f}% | "
+            f"{r['exposed_comm_s']:.3f} | {r['predicted_comm_s']:.3f} | "
+            f"{'-' if not load else f'{min(load):.0f}-{max(load):.0f}'} |"
+        )
+    return head + "\n".join(rows)
 
 
 def table(result: dict) -> str:
@@ -367,3 +429,22 @@ def run(
     if any(r["framework"] == "ddp" for r in runs):
         print(side_by_side(result), flush=True)
     return result
+
+
+def main(argv: list[str]) -> None:
+    """`python scripts/network_study.py planner FILE.json...`: the planner against the measured
+    rows of saved studies (predictions recomputed with this checkout's model), as a table."""
+    if len(argv) < 2 or argv[0] != "planner":
+        raise SystemExit("usage: python scripts/network_study.py planner STUDY.json...")
+    runs = []
+    for path in argv[1:]:
+        with open(path, encoding="utf-8") as f:
+            study = json.load(f)
+        for r in study["runs"]:
+            r.setdefault("devices_per_host", study.get("devices_per_host", DEVICES))
+        runs += add_predictions(study)["runs"]
+    print(planner_table({"runs": runs}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -3,7 +3,8 @@
     python tests/netem_job.py allreduce BYTES REPS OUT.json   # psum of BYTES per device, REPS times
     python tests/netem_job.py idle SECONDS OUT.json            # joined, no collective: heartbeats only
 
-Process 0 writes OUT.json: the wall time of each all-reduce (after one warm-up), the HLO's bytes
+Process 0 writes OUT.json: the wall time of each all-reduce (after one warm-up) and of 20 4-byte
+ones (`small_times_s`: one message's latency, 2(N-1) per ring all-reduce), the HLO's bytes
 per device per all-reduce (jaxdist.hlo_cost, as the layout record counts them) and every host's
 link bytes and frames (sent, received, frames sent, frames received) over each timed all-reduce (or over the idle seconds) from `jaxdist.network.counters`.
 """
@@ -19,6 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from jaxdist import distributed  # noqa: E402
+
+SMALL_REPS = 20
 
 
 def _counters():
@@ -64,11 +67,23 @@ def allreduce(nbytes: int, reps: int, out: str) -> None:
         times.append(time.perf_counter() - t0)
         per_rep.append(_delta(before, _counters()))
     assert float(np.asarray(y.addressable_shards[0].data)[0, 0]) == jax.device_count()
+    # One message's latency: a 4-byte all-reduce (gloo's ring: 2(N-1) messages of ~nothing)
+    tiny = jax.make_array_from_process_local_data(
+        sharding, np.ones((jax.local_device_count(), 1), np.float32)
+    )
+    small = f.lower(tiny).compile()
+    jax.block_until_ready(small(tiny))
+    small_times = []
+    for _ in range(SMALL_REPS):
+        t0 = time.perf_counter()
+        jax.block_until_ready(small(tiny))
+        small_times.append(time.perf_counter() - t0)
     if jax.process_index() == 0:
         with open(out, "w", encoding="utf-8") as f:
             json.dump(
                 {
                     "times_s": times,
+                    "small_times_s": small_times,
                     "hlo_bytes_per_device": hlo,
                     "devices": jax.device_count(),
                     "processes": jax.process_count(),

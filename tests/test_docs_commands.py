@@ -340,6 +340,20 @@ NOT_RUN = {
     "--methods=xla,ring,bf16,powersgd,ddp,ddp_fp16,ddp_powersgd --links=rate=50mbit "
     "--network_steps=10 --network_devices=1": _NETEM
     + "; the DDP rows need torch (hf extra); tests/test_ddp_network.py runs one over 50 Mbit/s",
+    "python scripts/bench.py --study=network --out=docs/data/network_rate50_more.json "
+    "--methods=halving_doubling,tree,sharded_ps,bf16 --links=rate=50mbit "
+    "--network_steps=10": _NETEM,
+    "python scripts/bench.py --study=network --out=docs/data/network_rate50_methods.json "
+    "--methods=xla,int8,halving_doubling,ef_sign,topk,onebit_adam,diloco_h8 "
+    "--links=rate=50mbit --network_steps=10": _NETEM,
+    "python scripts/launch.py --network=rate=50mbit --link=2:rate=5mbit --num_processes=4 "
+    "--devices_per_process=1 --platform=cpu -- python scripts/train.py --workdir=runs/straggler "
+    "--config.model.num_layers=2 --config.model.d_model=128 --config.model.num_heads=4 "
+    "--config.model.seq_len=64 --config.model.vocab_size=256 --config.train.batch_size=16 "
+    "--config.train.steps=4 --config.train.log_every=1 --config.checkpoint.every=0 "
+    "--config.data.max_bytes=2000000 --config.mesh.data=4 --config.mesh.fsdp=1 "
+    "--config.mesh.tensor=1 --config.mesh.dcn_data=4": _NETEM
+    + "; tests/test_netem.py tests the straggler rule on a switch table",
 }
 
 

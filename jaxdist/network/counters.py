@@ -5,6 +5,11 @@ the cluster's switch namespace, where host i's link ends in the port `h<i>`: wha
 receives is what host i sent, what it transmits is what host i received. Bytes are whole frames
 (Ethernet, IP and TCP headers included), counted after the host's qdisc, so a dropped packet is
 not counted and a retransmitted one is counted again.
+
+With each host's link rate (`JAXDIST_NET_RATES`, bits/s per host, set by the launcher), each
+window also gives a `kind: "straggler"` record: per host, the seconds its link was busy (the
+bytes it sent or received, whichever is more, at its rate) against the rest of the window, and
+the host whose link was busiest when it was busy for 1.5x the others' median, else none.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any
 
 ENV_COUNTERS = "JAXDIST_NET_COUNTERS"
 ENV_PROCESSES_PER_HOST = "JAXDIST_NET_PROCESSES_PER_HOST"
+ENV_RATES = "JAXDIST_NET_RATES"
+STRAGGLER_FACTOR = 1.5  # busiest link over the others' median that names a straggler
 _PORT = re.compile(r"^h(\d+)$")
 
 
@@ -38,8 +45,9 @@ def read(path: str) -> dict[int, tuple[int, int, int, int]]:
 class Window:
     """Bytes per host between calls to `take`; None outside an emulated cluster."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, rates_bps: list[float] | None = None):
         self.path = path
+        self.rates_bps = rates_bps
         self.last = read(path)
         self.t_last = time.perf_counter()
 
@@ -49,9 +57,10 @@ class Window:
         path = env.get(ENV_COUNTERS)
         if not path:
             return None
+        rates = env.get(ENV_RATES)
         try:
-            return cls(path)
-        except OSError:
+            return cls(path, [float(r) for r in rates.split(",")] if rates else None)
+        except (OSError, ValueError):
             return None  # the counters are a help, never a reason to stop training
 
     def take(self, steps: int) -> dict[str, Any] | None:
@@ -76,3 +85,35 @@ class Window:
         record = {"kind": "net", "steps": steps, "window_s": t - self.t_last, "hosts": hosts}
         self.last, self.t_last = now, t
         return record
+
+    def straggler(self, net: dict[str, Any]) -> dict[str, Any] | None:
+        """The `kind: "straggler"` record of a `net` record's window (None without the rates).
+
+        Per host: `link_busy_s`, its link's busy time (max of sent and received bytes, frames
+        included, at its rate: how long the collectives waited on that link at the least) and
+        `rest_s`, the rest of the window (computing, or waiting on other hosts); `straggler` names
+        the host whose link was busy longest when that is over `STRAGGLER_FACTOR` × the median
+        of the others' (a host with a slow link), else None."""
+        if not self.rates_bps:
+            return None
+        hosts, busy = {}, {}
+        for name, h in net["hosts"].items():
+            i = int(name.removeprefix("host"))
+            if i >= len(self.rates_bps):
+                return None
+            b = max(h["tx_bytes"], h["rx_bytes"]) * 8 / self.rates_bps[i]
+            busy[name] = b
+            hosts[name] = {"link_busy_s": b, "rest_s": max(net["window_s"] - b, 0.0)}
+        worst = max(busy, key=busy.get) if busy else None
+        others = sorted(v for k, v in busy.items() if k != worst)
+        named = None
+        if worst is not None and others:
+            median = (
+                others[len(others) // 2]
+                if len(others) % 2
+                else ((others[len(others) // 2 - 1] + others[len(others) // 2]) / 2)
+            )
+            if busy[worst] > STRAGGLER_FACTOR * median:
+                named = worst
+        return {"kind": "straggler", "steps": net["steps"], "window_s": net["window_s"],
+                "hosts": hosts, "straggler": named}  # fmt: skip

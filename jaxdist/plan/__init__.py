@@ -41,7 +41,7 @@ from jaxdist.plan.guard import (
     layout_prediction,
     refuse_if_far_over_memory,
 )
-from jaxdist.plan.hardware import PROFILES, GiB, Hardware, hardware
+from jaxdist.plan.hardware import PROFILES, GiB, Hardware, emulated_link, hardware
 from jaxdist.plan.layouts import Layout, enumerate_layouts, factorizations, layout_of
 from jaxdist.plan.model import Leaf, ModelInfo, model_info
 from jaxdist.plan.plot import plot_scaling
@@ -74,6 +74,7 @@ __all__ = [
     "enumerate_layouts",
     "factorizations",
     "hardware",
+    "emulated_link",
     "layout_of",
     "layout_prediction",
     "model_info",

@@ -36,10 +36,17 @@ class AlgorithmCost:
 
 
 def _tier(hw: Hardware, cross: bool) -> tuple[float, float]:
-    """(α seconds, β bytes/s) of one step inside a host (False) or across hosts (True)."""
+    """(α seconds, β bytes/s) of one message inside a host (False) or across hosts (True; the
+    payload rate one crossing message gets alone, `Hardware.host_bandwidth`)."""
     return (
-        (hw.inter_latency, hw.inter_bandwidth) if cross else (hw.intra_latency, hw.intra_bandwidth)
+        (hw.inter_latency, hw.host_bandwidth) if cross else (hw.intra_latency, hw.intra_bandwidth)
     )
+
+
+def _cross(hw: Hardware, payload: float, concurrent: int) -> float:
+    """Seconds for `concurrent` devices of one host to each send `payload` bytes across at once:
+    with one link per host (`host_link`) they share it, else each has its own share."""
+    return payload * (concurrent if hw.host_link else 1) / hw.host_bandwidth
 
 
 def algorithm_cost(
@@ -48,49 +55,69 @@ def algorithm_cost(
     """Predicted steps, hot-spot bytes and time of one all-reduce of `size_bytes` over `n` devices.
 
     `local` of the `n` share a host (0: as many as fit, `hw.devices_per_host`), consecutive in
-    the axis, H = N / local hosts, as `hierarchical` and the mesh lay them out. Raises ConfigError
-    where the algorithm cannot run.
+    the axis, H = N / local hosts, as `hierarchical` and the mesh lay them out. A ring step
+    crosses with one device per host (consecutive devices), a halving-doubling or tree step at
+    distance >= `local` and the hierarchical and sharded-PS exchanges with all `local` at once, a
+    tree's step with one (`_cross`). `xla` is the backend's own all-reduce (`Hardware.xla_allreduce`): two-level
+    (NCCL) or gloo's flat ring (XLA:CPU). Raises ConfigError where the algorithm cannot run.
     """
     s, local = float(size_bytes), local or min(n, hw.devices_per_host)
     hosts = max(1, n // local)
     log = math.ceil(math.log2(n)) if n > 1 else 0
     a_in, b_in = _tier(hw, False)
-    a_x, b_x = _tier(hw, hosts > 1)
+    a_x, _ = _tier(hw, hosts > 1)
     ring_busy = 2 * 2 * (n - 1) / n * s
+
+    def ring_step(payload: float) -> float:  # one device per host crosses, the rest stay inside
+        if hosts > 1:
+            return max(a_x + _cross(hw, payload, 1), a_in + payload / b_in)
+        return a_in + payload / b_in
+
+    if algorithm == "xla" and hw.xla_allreduce == "flat_ring":
+        return AlgorithmCost(algorithm, n, hosts, 1, ring_busy, 2 * (n - 1) * ring_step(s / n))
     if algorithm == "xla":  # NCCL-like: ring inside hosts, tree latency across (term_time)
         t = 2 * (local - 1) / local * s / b_in + 2 * (local - 1) * a_in
         if hosts > 1:
-            t += 2 * (hosts - 1) / hosts * s / local / hw.inter_bandwidth
+            t += _cross(hw, 2 * (hosts - 1) / hosts * s / local, local)
             t += 2 * math.ceil(math.log2(hosts)) * hw.inter_latency
         return AlgorithmCost(algorithm, n, hosts, 1, ring_busy, t)
     if algorithm == "ring":
         return AlgorithmCost(
-            algorithm, n, hosts, 2 * (n - 1), ring_busy, 2 * (n - 1) * (a_x + s / n / b_x)
+            algorithm, n, hosts, 2 * (n - 1), ring_busy, 2 * (n - 1) * ring_step(s / n)
         )
     if algorithm in ("halving_doubling", "tree"):
         if algorithm == "halving_doubling" and n & (n - 1):
             raise ConfigError(f"halving_doubling needs a power-of-two device count, got {n}")
         t = 0.0
         for k in range(log):  # distance 2^k: partners in one host while 2^k < L
-            a, b = _tier(hw, 2**k >= local)
             payload = s / 2 ** (log - k) if algorithm == "halving_doubling" else s
-            t += 2 * (a + payload / b)
+            if 2**k >= local and hosts > 1:  # halving-doubling: a host's devices all cross at
+                # once; tree: one sender per host (device i mod 2d = d, d >= local)
+                senders = 1 if algorithm == "tree" else local
+                t += 2 * (a_x + _cross(hw, payload, senders))
+            else:
+                t += 2 * (a_in + payload / b_in)
         busy = ring_busy if algorithm == "halving_doubling" else 2 * log * s
         return AlgorithmCost(algorithm, n, hosts, 2 * log, busy, t)
     if algorithm == "hierarchical":
         if hosts < 2:
             raise ConfigError(f"hierarchical needs more than one host; {n} devices fit in one")
         t = 2 * (local - 1) * (a_in + s / local / b_in)
-        t += 2 * (hosts - 1) * (hw.inter_latency + s / n / hw.inter_bandwidth)
+        t += 2 * (hosts - 1) * (hw.inter_latency + _cross(hw, s / n, local))
         busy = 2 * (2 * (local - 1) / local * s + 2 * (hosts - 1) / hosts * s / local)
         return AlgorithmCost(algorithm, n, hosts, 2 * (local - 1) + 2 * (hosts - 1), busy, t)
-    if algorithm == "ps":  # the server's link carries every push and every pull
-        t = 2 * ((local - 1) * (a_in + s / b_in) + (n - local) * (a_x + s / b_x))
+    if algorithm == "ps":  # the server's link carries every push and every pull, one at a time
+        t = 2 * ((local - 1) * (a_in + s / b_in) + (n - local) * (a_x + _cross(hw, s, 1)))
         return AlgorithmCost(algorithm, n, hosts, 2 * (n - 1), 2 * (n - 1) * s, t)
     if algorithm == "sharded_ps":  # all-to-all + all-gather: N-1 direct messages of S/N each
         per_peer = s / n
-        t = 2 * ((local - 1) * (a_in + per_peer / b_in) + (n - local) * (a_x + per_peer / b_x))
-        return AlgorithmCost(algorithm, n, hosts, 2, ring_busy, t)
+        push = (local - 1) * (a_in + per_peer / b_in) + (n - local) * a_x
+        push += _cross(hw, (n - local) * per_peer, local)
+        if hw.xla_allreduce == "flat_ring":  # gloo's all-gather is a ring too: N-1 steps of S/N
+            return AlgorithmCost(
+                algorithm, n, hosts, 2, ring_busy, push + (n - 1) * ring_step(per_peer)
+            )
+        return AlgorithmCost(algorithm, n, hosts, 2, ring_busy, 2 * push)
     raise ConfigError(f"algorithm={algorithm!r} has no cost model")
 
 

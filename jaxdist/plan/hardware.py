@@ -43,6 +43,17 @@ class Hardware:
         activations, residuals, the loss over the vocabulary, unfused attention scores); 0 = not
         modelled (the CPU profile: there that time is folded into `matmul_efficiency`).
       fused_attention: whether `model.attention=auto` runs fused flash attention (cuDNN on GPUs).
+      xla_allreduce: how the backend runs XLA's own all-reduce across hosts: "two_level" (NCCL,
+        TPU: a ring inside each host, S/L per device across) or "flat_ring" (XLA:CPU's gloo:
+        `gloo::allreduce` with its RING algorithm over all N ranks in the group's order, so a
+        host's crossing devices carry 2(N-1)/N·S per step, docs/AGGREGATION.md).
+      host_link: whether each host has one link (`devices_per_host` × `inter_bandwidth` bytes/s
+        each way) that whichever of its devices crosses uses whole, the devices crossing at the
+        same time sharing it (an emulated host's veth; a CPU host's NIC). False: each device has
+        its own `inter_bandwidth` (one NIC per GPU).
+      wire_efficiency: payload bytes per byte the cross-host link carries (1: not modelled). TCP
+        over Ethernet: (MTU - 52) / (MTU + 14 + 33) for a host that sends and receives as much
+        (headers of full segments, one 66-byte ACK per two segments received), 0.936 at 1500.
     """
 
     name: str
@@ -62,6 +73,27 @@ class Hardware:
     attention_efficiency: float = 0.0
     hbm_bandwidth: float = 0.0
     fused_attention: bool = False
+    xla_allreduce: str = "two_level"
+    host_link: bool = False
+    wire_efficiency: float = 1.0
+
+    def __post_init__(self):
+        if self.xla_allreduce not in ("two_level", "flat_ring"):
+            raise ConfigError(
+                f"hardware {self.name!r}: xla_allreduce={self.xla_allreduce!r} must be "
+                "'two_level' or 'flat_ring'"
+            )
+        if not 0 < self.wire_efficiency <= 1:
+            raise ConfigError(
+                f"hardware {self.name!r}: wire_efficiency={self.wire_efficiency:g} must be in (0, 1]"
+            )
+
+    @property
+    def host_bandwidth(self) -> float:
+        """Bytes/s of payload one crossing message gets: the whole host link (`host_link`) or the
+        device's own share, after the framing (`wire_efficiency`)."""
+        per = self.inter_bandwidth * (self.devices_per_host if self.host_link else 1)
+        return per * self.wire_efficiency
 
 
 PROFILES: dict[str, Hardware] = {
@@ -129,6 +161,7 @@ PROFILES: dict[str, Hardware] = {
         native_reduce_scatter=False,
         bf16_collectives=False,
         bf16_activations=False,
+        xla_allreduce="flat_ring",
     ),
 }
 
@@ -149,3 +182,38 @@ def hardware(name: str | Hardware) -> Hardware:
             f"hardware={name!r} is not a profile; choose one of {', '.join(PROFILES)}"
         )
     return PROFILES[name]
+
+
+def tcp_wire_efficiency(mtu: int) -> float:
+    """Payload bytes per byte a TCP/IPv4 host link carries at `mtu` when the host receives as much
+    as it sends: full segments carry MTU - 52 bytes (IP 20, TCP 32 with timestamps) in MTU + 14
+    (Ethernet), and the host sends one 66-byte ACK per two segments it receives."""
+    return (mtu - 52) / (mtu + 14 + 33)
+
+
+def emulated_link(
+    rate_bps: float,
+    latency_s: float,
+    devices_per_host: int,
+    mtu: int = 1500,
+    base: str | Hardware = "cpu_here",
+) -> Hardware:
+    """The `Hardware` of hosts joined by one shaped link each (`scripts/launch.py --network`): the
+    `base` profile's compute and in-host tier, each host's link of `rate_bps` bits/s each way
+    shared by its `devices_per_host` devices (`host_link`), `latency_s` per message across hosts
+    (measured: tests/netem_job.py `allreduce` times a 4-byte one), TCP's framing at `mtu`.
+    """
+    if rate_bps <= 0 or latency_s < 0 or devices_per_host < 1:
+        raise ConfigError(
+            f"emulated_link: rate_bps={rate_bps:g} must be > 0, latency_s={latency_s:g} >= 0, "
+            f"devices_per_host={devices_per_host} >= 1"
+        )
+    return dataclasses.replace(
+        hardware(base),
+        name=f"emulated {rate_bps / 1e6:g} Mbit/s",
+        inter_bandwidth=rate_bps / 8 / devices_per_host,
+        inter_latency=latency_s,
+        devices_per_host=devices_per_host,
+        host_link=True,
+        wire_efficiency=tcp_wire_efficiency(mtu),
+    )

@@ -84,6 +84,11 @@ def term_time(term: CommTerm, local: dict[str, int], hw: Hardware) -> float:
             else (hw.intra_bandwidth, hw.intra_latency)
         )
         return term.count * (lat + term.payload / bw)
+    if term.kind == "all-reduce" and m > 1 and hw.xla_allreduce == "flat_ring":
+        # gloo's flat ring over the whole group: 2(g-1) steps of payload/g, one hop per host
+        # crossing per step (docs/AGGREGATION.md "Measured on an emulated network")
+        g = term.group
+        return term.count * 2 * (g - 1) * (hw.inter_latency + term.payload / g / hw.host_bandwidth)
     t = 0.0
     if k > 1:
         t += hlo_cost.ring_wire_bytes(term.kind, term.payload, k) / hw.intra_bandwidth
