@@ -7,28 +7,18 @@ parallelism axis is exercised; on a machine with GPUs/TPUs it uses the real devi
 parallelism. Loss falls from ~5.5 (uniform over 256 bytes) to below 2.5 in a few minutes on 2 cores.
 """
 
+from jaxdist import recipes
 from jaxdist.config import base_config, locked
-from jaxdist.mesh import accelerator_present
 
 
 def get_config():
     c = base_config()
-    if accelerator_present():
-        c.mesh.data = -1
-    else:
-        c.runtime.cpu_devices = 8
-        c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
+    recipes.cpu_or_accelerators(c, data=2, fsdp=2, tensor=2)
     c.model.name = "gpt"
     c.model.num_layers = 2
     c.model.d_model = 128
     c.model.num_heads = 4
     c.model.seq_len = 64
     c.model.vocab_size = 256
-    c.train.steps = 300
-    c.train.batch_size = 32
-    c.train.learning_rate = 3e-3
-    c.train.warmup_steps = 20
-    c.train.log_every = 20
-    c.train.eval_every = 100
-    c.checkpoint.every = 100
+    recipes.cpu_seconds_run(c, steps=300, batch_size=32)
     return locked(c)

@@ -8,6 +8,7 @@ the 24 layers unrolled (no per-layer copies in and out of stacked buffers) and t
 gradient as a one-hot matmul: 55% MFU on one H100 at batch 16 (docs/PERFORMANCE.md, "GPU").
 """
 
+from jaxdist import recipes
 from jaxdist.config import base_config, locked
 
 
@@ -19,17 +20,6 @@ def get_config():
     c.model.num_heads = 16
     c.model.vocab_size = 50304
     c.model.seq_len = 2048
-    c.model.attention = "auto"
     c.model.scan_unroll = 24
-    c.model.embed_grad = "matmul"
-    c.train.steps = 10000
-    c.train.batch_size = 16
-    c.train.learning_rate = 3e-4
-    c.train.warmup_steps = 500
-    c.train.weight_decay = 0.1
-    c.train.compute_dtype = "bfloat16"
-    c.train.remat = "dots_no_batch"
-    c.train.log_every = 20
-    c.train.eval_every = 1000
-    c.checkpoint.every = 1000
+    recipes.accelerator_run(c, batch_size=16)
     return locked(c)

@@ -11,6 +11,7 @@ fine-tune the published weights instead of training from scratch, import them fi
 (`python scripts/hf.py import HF_DIR --out DIR`) and add `--config.train.init_from=DIR`.
 """
 
+from jaxdist import recipes
 from jaxdist.config import base_config, locked
 
 
@@ -35,17 +36,6 @@ def get_config():
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = True
     c.model.eos_token_id = 128001
-    c.model.attention = "auto"
     c.model.scan_unroll = 16
-    c.model.embed_grad = "matmul"
-    c.train.steps = 10000
-    c.train.batch_size = 16
-    c.train.learning_rate = 3e-4
-    c.train.warmup_steps = 500
-    c.train.weight_decay = 0.1
-    c.train.compute_dtype = "bfloat16"
-    c.train.remat = "dots_no_batch"
-    c.train.log_every = 20
-    c.train.eval_every = 1000
-    c.checkpoint.every = 1000
+    recipes.accelerator_run(c, batch_size=16)
     return locked(c)

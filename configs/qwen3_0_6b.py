@@ -11,6 +11,7 @@ configs/llama_1b.py). To fine-tune the published weights, import them first
 (`python scripts/hf.py import HF_DIR --out DIR`) and add `--config.train.init_from=DIR`.
 """
 
+from jaxdist import recipes
 from jaxdist.config import base_config, locked
 
 
@@ -30,16 +31,5 @@ def get_config():
     c.model.norm_eps = 1e-6
     c.model.tie_embeddings = True
     c.model.eos_token_id = 151645
-    c.model.attention = "auto"
-    c.model.embed_grad = "matmul"
-    c.train.steps = 10000
-    c.train.batch_size = 16
-    c.train.learning_rate = 3e-4
-    c.train.warmup_steps = 500
-    c.train.weight_decay = 0.1
-    c.train.compute_dtype = "bfloat16"
-    c.train.remat = "dots_no_batch"
-    c.train.log_every = 20
-    c.train.eval_every = 1000
-    c.checkpoint.every = 1000
+    recipes.accelerator_run(c, batch_size=16)
     return locked(c)

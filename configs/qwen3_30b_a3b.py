@@ -15,6 +15,7 @@ Qwen3-MoE's coefficient 0.001. To fine-tune the published weights, import them f
 (`python scripts/hf.py import HF_DIR --out DIR`) and add `--config.train.init_from=DIR`.
 """
 
+from jaxdist import recipes
 from jaxdist.config import base_config, locked
 
 
@@ -40,16 +41,7 @@ def get_config():
     c.model.norm_eps = 1e-6
     c.model.tie_embeddings = False
     c.model.eos_token_id = 151645
-    c.model.attention = "auto"
-    c.model.embed_grad = "matmul"
-    c.train.steps = 10000
-    c.train.batch_size = 64
-    c.train.learning_rate = 1e-4
-    c.train.warmup_steps = 500
-    c.train.weight_decay = 0.1
-    c.train.compute_dtype = "bfloat16"
-    c.train.remat = "dots_no_batch"
-    c.train.log_every = 10
-    c.train.eval_every = 1000
-    c.checkpoint.every = 500
+    recipes.accelerator_run(
+        c, batch_size=64, learning_rate=1e-4, log_every=10, checkpoint_every=500
+    )
     return locked(c)

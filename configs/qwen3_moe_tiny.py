@@ -11,17 +11,13 @@ renormalised, nothing dropped, Hugging Face's load-balancing loss (all layers po
 Qwen3-MoE's coefficient 0.001.
 """
 
+from jaxdist import recipes
 from jaxdist.config import base_config, locked
-from jaxdist.mesh import accelerator_present
 
 
 def get_config():
     c = base_config()
-    if accelerator_present():
-        c.mesh.data = -1
-    else:
-        c.runtime.cpu_devices = 8
-        c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 1, 2, 2, 2
+    recipes.cpu_or_accelerators(c, data=1, fsdp=2, tensor=2, expert=2)
     c.model.name = "qwen3_moe"
     c.model.num_layers = 2
     c.model.d_model = 64
@@ -39,11 +35,5 @@ def get_config():
     c.model.rope_theta = 1000000.0
     c.model.norm_eps = 1e-6
     c.model.tie_embeddings = False
-    c.train.steps = 200
-    c.train.batch_size = 16
-    c.train.learning_rate = 3e-3
-    c.train.warmup_steps = 20
-    c.train.log_every = 20
-    c.train.eval_every = 100
-    c.checkpoint.every = 100
+    recipes.cpu_seconds_run(c)
     return locked(c)

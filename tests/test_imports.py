@@ -210,7 +210,7 @@ LAYERS = (
         "jaxdist.tokenizer",
         "jaxdist.token_shards",
     },
-    {"jaxdist.sharding", "jaxdist.mesh", "jaxdist.schema", "jaxdist.xla_flags"},
+    {"jaxdist.sharding", "jaxdist.mesh", "jaxdist.schema", "jaxdist.recipes", "jaxdist.xla_flags"},
     {"jaxdist.aligned_switch"},  # lax.switch with as many collective-permutes in every branch
     {"jaxdist", "jaxdist.errors", "jaxdist.compression_fields"},
 )
