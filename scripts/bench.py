@@ -11,6 +11,9 @@ Studies:
   batch     statistical efficiency: steps and examples to reach --target_loss on `stdlib` validation
             data for each global batch, adamw vs lamb, learning rate scaled by train.lr_scaling
             (sqrt by default here) from the smallest batch, warmup on. Table, JSON and a PNG plot.
+  moments   the config's job (train.steps, its schedule) with train.opt_state_dtype float32 and
+            bfloat16: mean training loss of the last 10 steps, validation loss, Δ, and the optimizer
+            state / argument bytes per device from the compiled step's memory_analysis().
   compression  for each grad_sync.compression (and local SGD) on the config's mesh (data=8 is the
             usual choice): bytes on the wire per step (compiled HLO, steady state after any
             warm-up), ratio to `none`, median step time, and the loss after --max_steps steps vs
@@ -60,7 +63,17 @@ _CONFIG = config_flags.DEFINE_config_file(
 _STUDY = flags.DEFINE_enum(
     "study",
     "overhead",
-    ["overhead", "compile", "batch", "compression", "aggregation", "context", "moe", "network"],
+    [
+        "overhead",
+        "compile",
+        "batch",
+        "moments",
+        "compression",
+        "aggregation",
+        "context",
+        "moe",
+        "network",
+    ],
     "Which benchmark.",
 )
 _LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "--study=context: lengths T.")
@@ -256,6 +269,70 @@ def _batch_run(config, m, ds, opt: str, batch_size: int, base_batch: int) -> dic
         "examples": reached * batch_size if reached else None,
         "final_val_loss": val_loss,
     }
+
+
+def study_moments(config) -> dict:
+    """The config's job with float32 and bfloat16 optimizer moments: loss and memory per device."""
+    import jax
+    import numpy as np
+
+    from jaxdist import data, loop, mesh
+
+    ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    m = mesh.make_mesh(config.mesh)
+    steps = _MAX_STEPS.value if flags.FLAGS["max_steps"].present else config.train.steps
+    out = {
+        "study": "moments",
+        "device": jax.devices()[0].device_kind,
+        "mesh": mesh.mesh_shape(m),
+        "optimizer": config.train.optimizer,
+        "steps": steps,
+        "load_average": list(os.getloadavg()),
+        "runs": [],
+    }
+    print(
+        f"{'opt_state_dtype':<16}{'loss':>8}{'val':>8}{'Δ loss':>9}{'state B/dev':>13}"
+        f"{'B/param':>9}{'args B/dev':>12}{'step ms':>9}"
+    )
+    for dtype in ("float32", "bfloat16"):
+        cfg = config.copy_and_resolve_references()
+        with cfg.unlocked():
+            cfg.train.opt_state_dtype = dtype
+            cfg.train.steps = steps
+        engine, batches = _build(cfg, m, ds)
+        compiled = engine.train_step.lower(engine.abstract_state, batches.get(0)).compile()
+        mem = loop.layout_record(engine, compiled, cfg)["bytes_per_device"]
+        state, times, losses = engine.init(), [], []
+        for step in range(steps):
+            t0 = time.perf_counter()
+            state, mets = compiled(state, batches.get(step))
+            losses.append(float(mets["loss"]))  # synchronises
+            times.append(time.perf_counter() - t0)
+        val = [batches.get(i, "val") for i in range(cfg.train.eval_batches)]
+        val_loss = float(np.mean([float(engine.eval_step(state, v)["loss"]) for v in val]))
+        run = {
+            "opt_state_dtype": dtype,
+            "final_loss": float(np.mean(losses[-10:])),  # steps steps-9 .. steps
+            "val_loss": val_loss,
+            "opt_state_bytes_per_device": mem["opt_state"],
+            "param_bytes_per_device": mem["params"],
+            "state_bytes_per_param": mem["opt_state"] / (mem["params"] / 4),
+            "argument_bytes_per_device": mem["arguments"],
+            "temp_bytes_per_device": mem["temp"],
+            "step_time_s": statistics.median(times[3:]),
+        }
+        base = out["runs"][0] if out["runs"] else run
+        run["loss_vs_float32"] = run["final_loss"] / base["final_loss"] - 1
+        run["val_vs_float32"] = run["val_loss"] / base["val_loss"] - 1
+        out["runs"].append(run)
+        print(
+            f"{dtype:<16}{run['final_loss']:>8.4f}{val_loss:>8.4f}{run['loss_vs_float32']:>+9.2%}"
+            f"{mem['opt_state']:>13,}{run['state_bytes_per_param']:>9.2f}"
+            f"{mem['arguments']:>12,}{run['step_time_s'] * 1e3:>9.1f}",
+            flush=True,
+        )
+    out["load_average_end"] = list(os.getloadavg())
+    return out
 
 
 def _plot_batch(out: dict) -> None:
@@ -588,6 +665,7 @@ def main(argv):
         "overhead": study_overhead,
         "compile": study_compile,
         "batch": study_batch,
+        "moments": study_moments,
         "compression": study_compression,
         "aggregation": study_aggregation,
         "network": study_network,
