@@ -103,6 +103,10 @@ SHORTENED = {
         "--batch_sizes=16 --max_steps=2 --eval_every=2",
         "10 training runs of up to 250 steps take most of an hour on CPU",
     ),
+    "python scripts/bench.py --study=moments --out=docs/data/moments_default.json": (
+        "--max_steps=4",
+        "the default job's 300 steps twice (float32, bfloat16 moments) take minutes on 2 cores",
+    ),
     "python scripts/bench.py --study=compression --config.mesh.data=8 --config.mesh.fsdp=1 "
     "--config.mesh.tensor=1 --max_steps=200": (
         "--max_steps=2 --methods=none,int8",
