@@ -134,6 +134,20 @@ _VAL_EXAMPLES = flags.DEFINE_integer(
     "--study=batch: one fixed validation set of this many sequences for every batch; "
     "0 = train.eval_batches batches of each run's own size.",
 )
+_TUNED = flags.DEFINE_list(
+    "tuned",
+    [],
+    "--study=batch: OPT=LR pairs, the learning rate at the base batch an earlier sweep chose; "
+    "those optimizers skip the sweep (a re-tune run beside a running study).",
+)
+_RETUNE_ONLY = flags.DEFINE_bool(
+    "retune_only", False, "--study=batch: run only the --retune rows (with --tuned)."
+)
+_MERGE = flags.DEFINE_list(
+    "merge",
+    [],
+    "--study=batch: JSON files of earlier --study=batch runs to join into --out (no training).",
+)
 _PARTIAL = flags.DEFINE_bool(
     "partial", False, "--study=batch: rewrite --out after every run (results so far)."
 )
@@ -257,6 +271,8 @@ def study_batch(config) -> dict:
 
     from jaxdist import data, mesh
 
+    if _MERGE.value:
+        return _merge_batch(_MERGE.value)
     sizes = sorted(int(b) for b in _BATCHES.value)
     base_batch = _BASE_BATCH.value or min(sizes)
     optimizers = list(_OPTIMIZERS.value)
@@ -314,17 +330,23 @@ def study_batch(config) -> dict:
     # Sweeps first, then every rule run, then the re-tunes: stopped early, the study has its
     # main answer (with --partial, in --out).
     tuned = {}
+    for spec in _TUNED.value:  # rates tuned by an earlier run: no sweep
+        opt, _, lr = spec.partition("=")
+        tuned[opt] = float(lr)
     for opt in optimizers:
+        if opt in tuned:
+            continue
         base_lr = _base_learning_rate(config, opt)
         sweep = [
-            record(_batch_run(config, m, ds, opt, base_batch, base_batch, base_lr * g, "none", g))
+            record(_batch_run(config, m, ds, opt, base_batch, base_batch, base_lr, "none", g))
             for g in grid
         ]
         best = min(sweep, key=_run_rank)
         best["chosen"] = True
         tuned[opt] = best["learning_rate"]
-    others = [b for b in sizes if b != base_batch]
-    for g in [1.0, *retune]:
+    # in the order given: a study stopped early has the batches listed first
+    others = [int(b) for b in _BATCHES.value if int(b) != base_batch]
+    for g in retune if _RETUNE_ONLY.value else [1.0, *retune]:
         for opt in optimizers:
             for b in others:
                 record(_batch_run(config, m, ds, opt, b, base_batch, tuned[opt], LR_RULES[opt], g))
@@ -335,6 +357,32 @@ def study_batch(config) -> dict:
         print(f"no run reached {_TARGET.value}: no plot (raise --max_steps or --target_loss)")
         return out
     _plot_batch(out)
+    return out
+
+
+def _merge_batch(paths: list[str]) -> dict:
+    """One study from several --study=batch JSONs (optimizers run side by side, or a --retune
+    run beside them): their runs together, the base-batch choice and the summary recomputed."""
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            parts.append(json.load(f))
+    out = {k: v for k, v in parts[0].items() if k not in ("runs", "summary", "plot")}
+    out["merged_from"] = paths
+    out["lr_rules"] = {o: r for part in parts for o, r in part["lr_rules"].items()}
+    out["load_average_start"] = [part["load_average_start"] for part in parts]
+    out["load_average_end"] = [part.get("load_average_end") for part in parts]
+    out["runs"] = [r for part in parts for r in part["runs"]]
+    for opt in out["lr_rules"]:
+        sweep = [r for r in out["runs"] if r["optimizer"] == opt and r["kind"] == "sweep"]
+        for r in sweep:
+            r["chosen"] = False
+        if sweep:
+            min(sweep, key=_run_rank)["chosen"] = True
+    out["summary"] = _batch_summary(out)
+    _print_batch_summary(out["summary"])
+    if any(r["steps"] for r in out["runs"]):
+        _plot_batch(out)
     return out
 
 
@@ -356,9 +404,11 @@ def _batch_summary(out: dict) -> dict:
         rows = []
         for b in sorted({r["batch_size"] for r in runs}):
             at_b = [r for r in runs if r["batch_size"] == b]
+            # None: a partial record (the sweep still running) or --retune_only
             rule = next((r for r in at_b if r["kind"] == "rule" or r.get("chosen")), None)
-            if rule is None:  # a partial record: the base batch's sweep still running
-                continue
+            if rule is None:
+                rule = {"learning_rate": None, "steps": None, "examples": None}
+                rule["step_time_s"] = statistics.median(r["step_time_s"] for r in at_b)
             best = min(at_b, key=_run_rank)
             rows.append(
                 {

@@ -120,6 +120,8 @@ def test_batch_study_tunes_once_scales_by_the_rule_and_retunes(tmp_path):
         (32, "rule", 1.0),
         (32, "retune", 2.0),
     ]
+    # The sweep: Muon's base rate (--muon_learning_rate, 0.02) times each --lr_grid multiplier.
+    assert [r["learning_rate"] for r in runs[:2]] == pytest.approx([0.02, 0.04])
     chosen = [r for r in runs if r.get("chosen")]
     assert len(chosen) == 1 and chosen[0]["batch_size"] == 16
     # Muon's rule is none: the chosen rate carries to batch 32 unchanged; eval every 32 examples.
