@@ -429,7 +429,11 @@ def _batch_summary(out: dict) -> dict:
                 continue
             limit = 2 * min(reached)
             within = [b for b, e in ex if e and e <= limit]
-            entry[f"critical_batch_{which}"] = max(within)
+            # one batch measured says nothing; the largest measured is only a lower bound
+            entry[f"critical_batch_{which}"] = max(within) if len(reached) > 1 else None
+            entry[f"critical_batch_{which}_lower_bound"] = len(reached) > 1 and max(within) == max(
+                b for b, _ in ex
+            )
         summary[opt] = entry
     return summary
 
@@ -449,8 +453,12 @@ def _print_batch_summary(summary: dict) -> None:
                 f"{row['step_time_s'] * 1e3:>9.1f}"
             )
         print(
-            f"{opt}: critical batch (examples ≤ 2× the fewest) {entry['critical_batch_rule']} "
-            f"with its rule, {entry['critical_batch_retuned']} re-tuned"
+            f"{opt}: critical batch (examples ≤ 2× the fewest; ≥: the largest measured) "
+            + ", ".join(
+                f"{'≥' if entry.get(f'critical_batch_{w}_lower_bound') else ''}"
+                f"{entry[f'critical_batch_{w}']} {label}"
+                for w, label in (("rule", "with its rule"), ("retuned", "re-tuned"))
+            )
         )
 
 

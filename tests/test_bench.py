@@ -131,5 +131,6 @@ def test_batch_study_tunes_once_scales_by_the_rule_and_retunes(tmp_path):
     assert [r["examples"] for r in runs] == [32, 32, 32, 32]
     summary = result["summary"]["muon"]
     assert summary["critical_batch_rule"] == 32 and summary["critical_batch_retuned"] == 32
+    assert summary["critical_batch_rule_lower_bound"]  # 32 is the largest batch measured
     assert result["lr_rules"] == {"muon": "none"} and len(result["load_average_start"]) == 3
     assert all(r["step_time_s"] > 0 for r in runs)
