@@ -11,6 +11,9 @@ Studies:
   batch     statistical efficiency: steps and examples to reach --target_loss on `stdlib` validation
             data for each global batch, adamw vs lamb, learning rate scaled by train.lr_scaling
             (sqrt by default here) from the smallest batch, warmup on. Table, JSON and a PNG plot.
+  moments   the config's job (train.steps, its schedule) with train.opt_state_dtype float32 and
+            bfloat16: mean training loss of the last 10 steps, validation loss, Δ, and the optimizer
+            state / argument bytes per device from the compiled step's memory_analysis().
   compression  for each grad_sync.compression (and local SGD) on the config's mesh (data=8 is the
             usual choice): bytes on the wire per step (compiled HLO, steady state after any
             warm-up), ratio to `none`, median step time, and the loss after --max_steps steps vs
@@ -60,7 +63,17 @@ _CONFIG = config_flags.DEFINE_config_file(
 _STUDY = flags.DEFINE_enum(
     "study",
     "overhead",
-    ["overhead", "compile", "batch", "compression", "aggregation", "context", "moe", "network"],
+    [
+        "overhead",
+        "compile",
+        "batch",
+        "moments",
+        "compression",
+        "aggregation",
+        "context",
+        "moe",
+        "network",
+    ],
     "Which benchmark.",
 )
 _LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "--study=context: lengths T.")
@@ -87,6 +100,56 @@ _LAMB_LR = flags.DEFINE_float(
 )
 _EVAL_EVERY = flags.DEFINE_integer(
     "eval_every", 10, "--study=batch: steps between validation checks."
+)
+_EVAL_EXAMPLES = flags.DEFINE_integer(
+    "eval_every_examples",
+    0,
+    "--study=batch: examples between validation checks (steps = this // batch, at least 1), "
+    "the same resolution in examples at every batch; 0 = --eval_every steps.",
+)
+_OPTIMIZERS = flags.DEFINE_list(
+    "optimizers", ["adamw", "lamb"], "--study=batch: optimizers compared (LR_RULES names)."
+)
+_MUON_LR = flags.DEFINE_float(
+    "muon_learning_rate", 2e-2, "--study=batch: Muon's base learning rate (both halves)."
+)
+_LR_GRID = flags.DEFINE_list(
+    "lr_grid",
+    ["1"],
+    "--study=batch: multipliers of each optimizer's base learning rate tried at the base batch; "
+    "the fewest steps to the target wins and is scaled by the optimizer's rule.",
+)
+_RETUNE = flags.DEFINE_list(
+    "retune",
+    [],
+    "--study=batch: multipliers of the rule's learning rate also tried at every other batch "
+    "(the re-tuned comparison).",
+)
+_MAX_EXAMPLES = flags.DEFINE_integer(
+    "max_examples", 0, "--study=batch: give up after this many examples too (0 = no limit)."
+)
+_VAL_EXAMPLES = flags.DEFINE_integer(
+    "val_examples",
+    0,
+    "--study=batch: one fixed validation set of this many sequences for every batch; "
+    "0 = train.eval_batches batches of each run's own size.",
+)
+_TUNED = flags.DEFINE_list(
+    "tuned",
+    [],
+    "--study=batch: OPT=LR pairs, the learning rate at the base batch an earlier sweep chose; "
+    "those optimizers skip the sweep (a re-tune run beside a running study).",
+)
+_RETUNE_ONLY = flags.DEFINE_bool(
+    "retune_only", False, "--study=batch: run only the --retune rows (with --tuned)."
+)
+_MERGE = flags.DEFINE_list(
+    "merge",
+    [],
+    "--study=batch: JSON files of earlier --study=batch runs to join into --out (no training).",
+)
+_PARTIAL = flags.DEFINE_bool(
+    "partial", False, "--study=batch: rewrite --out after every run (results so far)."
 )
 _PARTS = flags.DEFINE_list(
     "parts",
@@ -187,32 +250,109 @@ def study_compile(config) -> dict:
     return out
 
 
+# The learning-rate rule each optimizer claims when the batch grows k× (train.lr_scaling).
+LR_RULES = {"adamw": "sqrt", "lamb": "sqrt", "lars": "linear", "sgd": "linear", "muon": "none"}
+
+
+def _base_learning_rate(config, opt: str) -> float:
+    """The learning rate an optimizer starts from at the base batch, before --lr_grid."""
+    return {"lamb": _LAMB_LR.value, "muon": _MUON_LR.value}.get(opt, config.train.learning_rate)
+
+
 def study_batch(config) -> dict:
+    """Steps and examples to --target_loss per optimizer and global batch.
+
+    The learning rate is tuned once at the base batch (--lr_grid multipliers of each optimizer's
+    base rate, fewest steps wins), then scaled by the optimizer's rule (LR_RULES) to every batch;
+    with --retune, each larger batch also tries those multipliers of the rule's rate, and the best
+    is reported beside it.
+    """
     import jax
 
     from jaxdist import data, mesh
 
-    sizes = [int(b) for b in _BATCHES.value]
+    if _MERGE.value:
+        return _merge_batch(_MERGE.value)
+    sizes = sorted(int(b) for b in _BATCHES.value)
     base_batch = _BASE_BATCH.value or min(sizes)
+    optimizers = list(_OPTIMIZERS.value)
+    unknown = [o for o in optimizers if o not in LR_RULES]
+    if unknown:
+        raise ConfigError(
+            f"--optimizers: {', '.join(unknown)} unknown; valid: {', '.join(LR_RULES)}"
+        )
+    grid = [float(x) for x in _LR_GRID.value]
+    retune = [float(x) for x in _RETUNE.value]
     out = {
         "study": "batch",
         "device": jax.devices()[0].device_kind,
+        "devices": jax.device_count(),
+        "mesh": None,
+        "model": {k: config.model[k] for k in ("name", "num_layers", "d_model", "seq_len")},
+        "schedule": config.train.schedule,
+        "warmup_steps": config.train.warmup_steps,
         "target_loss": _TARGET.value,
         "base_batch_size": base_batch,
+        "lr_rules": {o: LR_RULES[o] for o in optimizers},
+        "lr_grid": grid,
+        "retune": retune,
+        "max_steps": _MAX_STEPS.value,
+        "max_examples": _MAX_EXAMPLES.value,
+        "val_examples": _VAL_EXAMPLES.value,
+        "eval_every": _EVAL_EVERY.value,
+        "eval_every_examples": _EVAL_EXAMPLES.value,
+        "load_average_start": list(os.getloadavg()),
         "runs": [],
     }
     ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
     m = mesh.make_mesh(config.mesh)
-    print(f"{'optimizer':<10}{'batch':>7}{'lr':>10}{'steps':>8}{'examples':>10}{'final val':>11}")
-    for opt in ("adamw", "lamb"):
-        for b in sizes:
-            run = _batch_run(config, m, ds, opt, b, base_batch)
-            out["runs"].append(run)
-            print(
-                f"{opt:<10}{b:>7}{run['learning_rate']:>10.2e}{str(run['steps'] or '—'):>8}"
-                f"{str(run['examples'] or '—'):>10}{run['final_val_loss']:>11.3f}",
-                flush=True,
-            )
+    out["mesh"] = mesh.mesh_shape(m)
+    print(
+        f"{'optimizer':<10}{'batch':>7}{'kind':>8}{'lr':>10}{'steps':>8}{'examples':>10}"
+        f"{'final val':>11}{'ms/step':>9}{'load':>6}"
+    )
+
+    def record(run: dict) -> dict:
+        out["runs"].append(run)
+        print(
+            f"{run['optimizer']:<10}{run['batch_size']:>7}{run['kind']:>8}"
+            f"{run['learning_rate']:>10.2e}{str(run['steps'] or '—'):>8}"
+            f"{str(run['examples'] or '—'):>10}{run['final_val_loss']:>11.3f}"
+            f"{run['step_time_s'] * 1e3:>9.1f}{run['load_average'][0]:>6.1f}",
+            flush=True,
+        )
+        if _PARTIAL.value:  # results so far, should the study be stopped
+            out["summary"] = _batch_summary(out)
+            with open(_OUT.value, "w") as f:
+                json.dump(out, f, indent=2)
+        return run
+
+    # Sweeps first, then every rule run, then the re-tunes: stopped early, the study has its
+    # main answer (with --partial, in --out).
+    tuned = {}
+    for spec in _TUNED.value:  # rates tuned by an earlier run: no sweep
+        opt, _, lr = spec.partition("=")
+        tuned[opt] = float(lr)
+    for opt in optimizers:
+        if opt in tuned:
+            continue
+        base_lr = _base_learning_rate(config, opt)
+        sweep = [
+            record(_batch_run(config, m, ds, opt, base_batch, base_batch, base_lr, "none", g))
+            for g in grid
+        ]
+        best = min(sweep, key=_run_rank)
+        best["chosen"] = True
+        tuned[opt] = best["learning_rate"]
+    # in the order given: a study stopped early has the batches listed first
+    others = [int(b) for b in _BATCHES.value if int(b) != base_batch]
+    for g in retune if _RETUNE_ONLY.value else [1.0, *retune]:
+        for opt in optimizers:
+            for b in others:
+                record(_batch_run(config, m, ds, opt, b, base_batch, tuned[opt], LR_RULES[opt], g))
+    out["load_average_end"] = list(os.getloadavg())
+    out["summary"] = _batch_summary(out)
+    _print_batch_summary(out["summary"])
     if not any(r["steps"] for r in out["runs"]):
         print(f"no run reached {_TARGET.value}: no plot (raise --max_steps or --target_loss)")
         return out
@@ -220,42 +360,248 @@ def study_batch(config) -> dict:
     return out
 
 
-def _batch_run(config, m, ds, opt: str, batch_size: int, base_batch: int) -> dict:
-    """One optimizer at one global batch: steps (and examples) to the target validation loss."""
+def _merge_batch(paths: list[str]) -> dict:
+    """One study from several --study=batch JSONs (optimizers run side by side, or a --retune
+    run beside them): their runs together, the base-batch choice and the summary recomputed."""
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            parts.append(json.load(f))
+    out = {k: v for k, v in parts[0].items() if k not in ("runs", "summary", "plot")}
+    out["merged_from"] = paths
+    out["lr_rules"] = {o: r for part in parts for o, r in part["lr_rules"].items()}
+    out["load_average_start"] = [part["load_average_start"] for part in parts]
+    out["load_average_end"] = [part.get("load_average_end") for part in parts]
+    out["runs"] = [r for part in parts for r in part["runs"]]
+    for opt in out["lr_rules"]:
+        sweep = [r for r in out["runs"] if r["optimizer"] == opt and r["kind"] == "sweep"]
+        for r in sweep:
+            r["chosen"] = False
+        if sweep:
+            min(sweep, key=_run_rank)["chosen"] = True
+    out["summary"] = _batch_summary(out)
+    _print_batch_summary(out["summary"])
+    if any(r["steps"] for r in out["runs"]):
+        _plot_batch(out)
+    return out
+
+
+def _run_rank(run: dict) -> tuple:
+    """Fewest steps to the target first; among runs that missed it, the lowest validation loss."""
+    return (run["steps"] is None, run["steps"] or 0, run["final_val_loss"])
+
+
+def _batch_summary(out: dict) -> dict:
+    """Per optimizer: the rule's and the best re-tuned run per batch, and the critical batch.
+
+    The critical batch is the largest batch whose examples to the target stay within 2× the
+    fewest over all batches (McCandlish et al.'s B_crit: twice the minimal examples, there also
+    about twice the minimal steps); larger batches buy few steps for many examples.
+    """
+    summary = {}
+    for opt in out["lr_rules"]:
+        runs = [r for r in out["runs"] if r["optimizer"] == opt]
+        rows = []
+        for b in sorted({r["batch_size"] for r in runs}):
+            at_b = [r for r in runs if r["batch_size"] == b]
+            # None: a partial record (the sweep still running) or --retune_only
+            rule = next((r for r in at_b if r["kind"] == "rule" or r.get("chosen")), None)
+            if rule is None:
+                rule = {"learning_rate": None, "steps": None, "examples": None}
+                rule["step_time_s"] = statistics.median(r["step_time_s"] for r in at_b)
+            best = min(at_b, key=_run_rank)
+            rows.append(
+                {
+                    "batch_size": b,
+                    "rule": {k: rule[k] for k in ("learning_rate", "steps", "examples")},
+                    "retuned": {
+                        k: best[k] for k in ("learning_rate", "lr_multiplier", "steps", "examples")
+                    },
+                    "step_time_s": rule["step_time_s"],
+                }
+            )
+        entry = {"rows": rows}
+        for which in ("rule", "retuned"):
+            ex = [(row["batch_size"], row[which]["examples"]) for row in rows]
+            reached = [e for _, e in ex if e]
+            if not reached:
+                entry[f"critical_batch_{which}"] = None
+                continue
+            limit = 2 * min(reached)
+            within = [b for b, e in ex if e and e <= limit]
+            # one batch measured says nothing; the largest measured is only a lower bound
+            entry[f"critical_batch_{which}"] = max(within) if len(reached) > 1 else None
+            entry[f"critical_batch_{which}_lower_bound"] = len(reached) > 1 and max(within) == max(
+                b for b, _ in ex
+            )
+        summary[opt] = entry
+    return summary
+
+
+def _print_batch_summary(summary: dict) -> None:
+    print(
+        f"{'optimizer':<10}{'batch':>7}{'rule steps':>12}{'examples':>10}"
+        f"{'retuned steps':>15}{'examples':>10}{'×lr':>6}{'ms/step':>9}"
+    )
+    for opt, entry in summary.items():
+        for row in entry["rows"]:
+            r, t = row["rule"], row["retuned"]
+            print(
+                f"{opt:<10}{row['batch_size']:>7}{str(r['steps'] or '—'):>12}"
+                f"{str(r['examples'] or '—'):>10}{str(t['steps'] or '—'):>15}"
+                f"{str(t['examples'] or '—'):>10}{t['lr_multiplier']:>6g}"
+                f"{row['step_time_s'] * 1e3:>9.1f}"
+            )
+        print(
+            f"{opt}: critical batch (examples ≤ 2× the fewest; ≥: the largest measured) "
+            + ", ".join(
+                f"{'≥' if entry.get(f'critical_batch_{w}_lower_bound') else ''}"
+                f"{entry[f'critical_batch_{w}']} {label}"
+                for w, label in (("rule", "with its rule"), ("retuned", "re-tuned"))
+            )
+        )
+
+
+def _batch_run(
+    config,
+    m,
+    ds,
+    opt: str,
+    batch_size: int,
+    base_batch: int,
+    base_lr: float,
+    rule: str,
+    multiplier: float,
+) -> dict:
+    """One optimizer at one global batch: steps (and examples) to the target validation loss.
+
+    The learning rate is `base_lr` scaled from `base_batch` by `rule`, times `multiplier`.
+    """
+    import jax
     import numpy as np
 
-    from jaxdist import optim
+    from jaxdist import data, optim
 
+    max_steps = _MAX_STEPS.value
+    if _MAX_EXAMPLES.value:
+        max_steps = min(max_steps, max(1, _MAX_EXAMPLES.value // batch_size))
     cfg = config.copy_and_resolve_references()
     with cfg.unlocked():
         cfg.train.optimizer = opt
-        if opt == "lamb":
-            cfg.train.learning_rate = _LAMB_LR.value
+        cfg.train.learning_rate = base_lr * multiplier
         cfg.train.batch_size = batch_size
         cfg.train.base_batch_size = base_batch
-        if cfg.train.lr_scaling == "none":
-            cfg.train.lr_scaling = "sqrt"
-        cfg.train.steps = _MAX_STEPS.value
-        cfg.train.warmup_steps = min(cfg.train.warmup_steps, _MAX_STEPS.value // 10)
+        cfg.train.lr_scaling = rule
+        cfg.train.steps = max_steps
+        cfg.train.warmup_steps = min(cfg.train.warmup_steps, max_steps // 10)
     engine, batches = _build(cfg, m, ds)
-    val = [batches.get(i, "val") for i in range(cfg.train.eval_batches)]
+    if _VAL_EXAMPLES.value:  # one validation set for every batch size
+        fixed = data.Batches(
+            ds,
+            batch_size=_VAL_EXAMPLES.value,
+            seq_len=cfg.model.seq_len,
+            seed=0,
+            shardings=engine.batch_shardings,
+        )
+        val = [fixed.get(0, "val")]
+    else:
+        val = [batches.get(i, "val") for i in range(cfg.train.eval_batches)]
+    every = _EVAL_EVERY.value
+    if _EVAL_EXAMPLES.value:
+        every = max(1, _EVAL_EXAMPLES.value // batch_size)
     state = engine.init()
-    reached, val_loss = None, float("nan")
-    for step in range(1, _MAX_STEPS.value + 1):
-        state, _ = engine.train_step(state, batches.get(step - 1))
-        if step % _EVAL_EVERY.value == 0:
+    reached, val_loss, curve, times = None, float("nan"), [], []
+    for step in range(1, max_steps + 1):
+        t0 = time.perf_counter()
+        state, mets = engine.train_step(state, batches.get(step - 1))
+        jax.block_until_ready(mets)
+        times.append(time.perf_counter() - t0)
+        if step % every == 0 or step == max_steps:
             val_loss = float(np.mean([float(engine.eval_step(state, v)["loss"]) for v in val]))
+            curve.append([step, val_loss])
             if val_loss <= _TARGET.value:
                 reached = step
+                break
+            if not np.isfinite(val_loss):
                 break
     return {
         "optimizer": opt,
         "batch_size": batch_size,
+        "kind": "sweep" if batch_size == base_batch else "rule" if multiplier == 1 else "retune",
+        "rule": rule,
+        "lr_multiplier": multiplier,
         "learning_rate": optim.scaled_learning_rate(cfg.train),
         "steps": reached,
         "examples": reached * batch_size if reached else None,
         "final_val_loss": val_loss,
+        "val_curve": curve,
+        "step_time_s": statistics.median(times[2:] or times),
+        "load_average": list(os.getloadavg()),
     }
+
+
+def study_moments(config) -> dict:
+    """The config's job with float32 and bfloat16 optimizer moments: loss and memory per device."""
+    import jax
+    import numpy as np
+
+    from jaxdist import data, loop, mesh
+
+    ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    m = mesh.make_mesh(config.mesh)
+    steps = _MAX_STEPS.value if flags.FLAGS["max_steps"].present else config.train.steps
+    out = {
+        "study": "moments",
+        "device": jax.devices()[0].device_kind,
+        "mesh": mesh.mesh_shape(m),
+        "optimizer": config.train.optimizer,
+        "steps": steps,
+        "load_average": list(os.getloadavg()),
+        "runs": [],
+    }
+    print(
+        f"{'opt_state_dtype':<16}{'loss':>8}{'val':>8}{'Δ loss':>9}{'state B/dev':>13}"
+        f"{'B/param':>9}{'args B/dev':>12}{'step ms':>9}"
+    )
+    for dtype in ("float32", "bfloat16"):
+        cfg = config.copy_and_resolve_references()
+        with cfg.unlocked():
+            cfg.train.opt_state_dtype = dtype
+            cfg.train.steps = steps
+        engine, batches = _build(cfg, m, ds)
+        compiled = engine.train_step.lower(engine.abstract_state, batches.get(0)).compile()
+        mem = loop.layout_record(engine, compiled, cfg)["bytes_per_device"]
+        state, times, losses = engine.init(), [], []
+        for step in range(steps):
+            t0 = time.perf_counter()
+            state, mets = compiled(state, batches.get(step))
+            losses.append(float(mets["loss"]))  # synchronises
+            times.append(time.perf_counter() - t0)
+        val = [batches.get(i, "val") for i in range(cfg.train.eval_batches)]
+        val_loss = float(np.mean([float(engine.eval_step(state, v)["loss"]) for v in val]))
+        run = {
+            "opt_state_dtype": dtype,
+            "final_loss": float(np.mean(losses[-10:])),  # steps steps-9 .. steps
+            "val_loss": val_loss,
+            "opt_state_bytes_per_device": mem["opt_state"],
+            "param_bytes_per_device": mem["params"],
+            "state_bytes_per_param": mem["opt_state"] / (mem["params"] / 4),
+            "argument_bytes_per_device": mem["arguments"],
+            "temp_bytes_per_device": mem["temp"],
+            "step_time_s": statistics.median(times[3:]),
+        }
+        base = out["runs"][0] if out["runs"] else run
+        run["loss_vs_float32"] = run["final_loss"] / base["final_loss"] - 1
+        run["val_vs_float32"] = run["val_loss"] / base["val_loss"] - 1
+        out["runs"].append(run)
+        print(
+            f"{dtype:<16}{run['final_loss']:>8.4f}{val_loss:>8.4f}{run['loss_vs_float32']:>+9.2%}"
+            f"{mem['opt_state']:>13,}{run['state_bytes_per_param']:>9.2f}"
+            f"{mem['arguments']:>12,}{run['step_time_s'] * 1e3:>9.1f}",
+            flush=True,
+        )
+    out["load_average_end"] = list(os.getloadavg())
+    return out
 
 
 def _plot_batch(out: dict) -> None:
@@ -268,19 +614,32 @@ def _plot_batch(out: dict) -> None:
     except ImportError:
         print("matplotlib not installed: no plot (pip install -e '.[plot]')")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for opt in ("adamw", "lamb"):
-        rs = [r for r in out["runs"] if r["optimizer"] == opt and r["steps"]]
-        axes[0].plot([r["batch_size"] for r in rs], [r["steps"] for r in rs], "o-", label=opt)
-        axes[1].plot([r["batch_size"] for r in rs], [r["examples"] for r in rs], "o-", label=opt)
-    for ax, ylabel in zip(axes, ("steps to target", "examples to target")):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for k, (opt, entry) in enumerate(out["summary"].items()):
+        for which, style in (("rule", "o-"), ("retuned", "s--")):
+            rows = [row for row in entry["rows"] if row[which]["steps"]]
+            label = f"{opt} ({out['lr_rules'][opt]})" if which == "rule" else f"{opt} re-tuned"
+            bs = [row["batch_size"] for row in rows]
+            for ax, key in zip(axes, ("steps", "examples")):
+                ax.plot(bs, [row[which][key] for row in rows], style, color=f"C{k}", label=label)
+        axes[2].plot(
+            [row["batch_size"] for row in entry["rows"]],
+            [row["step_time_s"] * 1e3 for row in entry["rows"]],
+            "o-",
+            color=f"C{k}",
+            label=opt,
+        )
+    for ax, ylabel in zip(axes, ("steps to target", "examples to target", "ms per step")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("global batch")
         ax.set_ylabel(ylabel)
         ax.legend()
         ax.grid(True, alpha=0.3)
-    fig.suptitle(f"validation loss ≤ {_TARGET.value} on stdlib bytes")
+    fig.suptitle(
+        f"validation loss ≤ {out['target_loss']} on stdlib bytes: {out['model']['name']} "
+        f"d_model {out['model']['d_model']}, {out['devices']} device(s)"
+    )
     png = os.path.splitext(_OUT.value)[0] + "_batch.png"
     fig.tight_layout()
     fig.savefig(png, dpi=100)
@@ -588,6 +947,7 @@ def main(argv):
         "overhead": study_overhead,
         "compile": study_compile,
         "batch": study_batch,
+        "moments": study_moments,
         "compression": study_compression,
         "aggregation": study_aggregation,
         "network": study_network,

@@ -93,3 +93,44 @@ def test_aggregation_study_end_to_end(tmp_path):
     assert "planner: one all-reduce" in proc.stdout
     hops = {r["method"]: r["busiest_device_bytes_per_step"] for r in result["per_hop"]["runs"]}
     assert hops["ring + bf16 per hop"] == pytest.approx(hops["none"] / 2, rel=1e-3)
+
+
+def test_batch_study_tunes_once_scales_by_the_rule_and_retunes(tmp_path):
+    """--study=batch's code path: the base-batch sweep picks one rate, the rule scales it (none
+    for muon), --retune tries multipliers of it, and the summary names a critical batch."""
+    out = tmp_path / "batch.json"
+    run_bench(
+        f"--out={out}",
+        "--study=batch",
+        "--optimizers=muon",
+        "--batch_sizes=16,32",
+        "--lr_grid=1,2",
+        "--retune=2",
+        "--max_steps=2",
+        "--eval_every_examples=32",
+        "--val_examples=8",
+        "--target_loss=100",  # reached at the first check: the code path, not the optimizer
+        "--partial",
+    )
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert [(r["batch_size"], r["kind"], r["lr_multiplier"]) for r in runs] == [
+        (16, "sweep", 1.0),
+        (16, "sweep", 2.0),
+        (32, "rule", 1.0),
+        (32, "retune", 2.0),
+    ]
+    # The sweep: Muon's base rate (--muon_learning_rate, 0.02) times each --lr_grid multiplier.
+    assert [r["learning_rate"] for r in runs[:2]] == pytest.approx([0.02, 0.04])
+    chosen = [r for r in runs if r.get("chosen")]
+    assert len(chosen) == 1 and chosen[0]["batch_size"] == 16
+    # Muon's rule is none: the chosen rate carries to batch 32 unchanged; eval every 32 examples.
+    assert runs[2]["learning_rate"] == chosen[0]["learning_rate"]
+    assert runs[3]["learning_rate"] == 2 * chosen[0]["learning_rate"]
+    assert [r["steps"] for r in runs] == [2, 2, 1, 1]
+    assert [r["examples"] for r in runs] == [32, 32, 32, 32]
+    summary = result["summary"]["muon"]
+    assert summary["critical_batch_rule"] == 32 and summary["critical_batch_retuned"] == 32
+    assert summary["critical_batch_rule_lower_bound"]  # 32 is the largest batch measured
+    assert result["lr_rules"] == {"muon": "none"} and len(result["load_average_start"]) == 3
+    assert all(r["step_time_s"] > 0 for r in runs)

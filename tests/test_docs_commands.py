@@ -68,6 +68,13 @@ _TINY_LLAMA = (
     "--config.model.num_kv_heads=2 --config.model.head_dim=16 --config.model.mlp_dim=128 "
     "--config.model.vocab_size=512 --config.model.seq_len=64"
 )
+_BATCH_STUDY = (
+    "--batch_sizes=16,32 --lr_grid=1 --max_steps=2 --target_loss=100 --eval_every_examples=32 "
+    "--val_examples=8 --config.model.num_layers=1 --config.model.d_model=32 "
+    "--config.data.max_bytes=200000",
+    "each optimizer's study is tens of training runs of up to 500 steps (an hour on 2 loaded "
+    "cores); one batch pair for 2 steps runs the same code",
+)
 # command as documented -> (flags appended, why it cannot run as written here)
 SHORTENED = {
     "python scripts/train.py": (
@@ -98,10 +105,43 @@ SHORTENED = {
         "an H100 measurement (cuDNN is refused on a CPU): the same flags run a tiny model with "
         "XLA attention",
     ),
-    "python scripts/bench.py --study=batch --batch_sizes=16,32,64,128,256 --max_steps=250 "
-    "--target_loss=2.7": (
-        "--batch_sizes=16 --max_steps=2 --eval_every=2",
-        "10 training runs of up to 250 steps take most of an hour on CPU",
+    "python scripts/bench.py --study=batch --config.runtime.cpu_devices=1 --config.mesh.data=1 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.model.d_model=64 "
+    "--config.model.seq_len=32 --config.train.schedule=constant --config.train.warmup_steps=10 "
+    "--batch_sizes=16 --lr_grid=0.25,1,4 --target_loss=2.35 "
+    "--max_steps=500 --max_examples=16384 "
+    "--eval_every_examples=320 --val_examples=128 --partial --optimizers=adamw "
+    "--out=docs/data/batch_study_adamw_sweep.json": _BATCH_STUDY,
+    "python scripts/bench.py --study=batch --config.runtime.cpu_devices=1 --config.mesh.data=1 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.model.d_model=64 "
+    "--config.model.seq_len=32 --config.train.schedule=constant --config.train.warmup_steps=10 "
+    "--batch_sizes=16,256,64,128,32 --lr_grid=0.25,1,4 --target_loss=2.35 "
+    "--max_steps=500 --max_examples=16384 "
+    "--eval_every_examples=320 --val_examples=128 --partial --optimizers=adamw "
+    "--tuned=adamw=0.003 --out=docs/data/batch_study_adamw.json": _BATCH_STUDY,
+    "python scripts/bench.py --study=batch --config.runtime.cpu_devices=1 --config.mesh.data=1 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.model.d_model=64 "
+    "--config.model.seq_len=32 --config.train.schedule=constant --config.train.warmup_steps=10 "
+    "--batch_sizes=16,32,64,128,256 --lr_grid=0.25,1,4 --target_loss=2.35 "
+    "--max_steps=500 --max_examples=16384 "
+    "--eval_every_examples=320 --val_examples=128 --partial --optimizers=lamb "
+    "--out=docs/data/batch_study_lamb.json": _BATCH_STUDY,
+    "python scripts/bench.py --study=batch --config.runtime.cpu_devices=1 --config.mesh.data=1 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.model.d_model=64 "
+    "--config.model.seq_len=32 --config.train.schedule=constant --config.train.warmup_steps=10 "
+    "--batch_sizes=16,32,64,128,256 --lr_grid=0.25,1,4 --target_loss=2.35 "
+    "--max_steps=500 --max_examples=16384 "
+    "--eval_every_examples=320 --val_examples=128 --partial --optimizers=muon "
+    "--out=docs/data/batch_study_muon.json": _BATCH_STUDY,
+    "python scripts/bench.py --study=batch --config.runtime.cpu_devices=1 --config.mesh.data=1 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.model.d_model=64 "
+    "--config.model.seq_len=32 --config.train.schedule=constant --config.train.warmup_steps=10 "
+    "--batch_sizes=16,256,64 --retune=2 --target_loss=2.35 --max_steps=500 --max_examples=16384 "
+    "--eval_every_examples=320 --val_examples=128 --partial --retune_only --optimizers=adamw "
+    "--tuned=adamw=0.003 --out=docs/data/batch_study_adamw_retune.json": _BATCH_STUDY,
+    "python scripts/bench.py --study=moments --out=docs/data/moments_default.json": (
+        "--max_steps=4",
+        "the default job's 300 steps twice (float32, bfloat16 moments) take minutes on 2 cores",
     ),
     "python scripts/bench.py --study=compression --config.mesh.data=8 --config.mesh.fsdp=1 "
     "--config.mesh.tensor=1 --max_steps=200": (
