@@ -44,14 +44,16 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def block(lp: dict[str, jax.Array], carry, *, cfg, positions=None, qkv: Any = llama.qkv):
+def block(
+    lp: dict[str, jax.Array], carry, *, cfg, positions=None, qkv: Any = llama.qkv, segments=None
+):
     """One Mixtral layer on carry = (x [B, T, D], router stats summed over the layers so far):
     Llama's MoE layer (`llama.moe_block`), whose stats also sum `moe_prob` [E], the layer's mean
     router probability per expert (what Hugging Face pools over the layers). `qkv`: the
     attention's input projections (`llama.qkv`'s signature)."""
     x, acc = carry
     c = lambda name: constrain(lp[name], AXES[name])
-    x = llama.attention_part(lp, x, cfg, positions, c, qkv)
+    x = llama.attention_part(lp, x, cfg, positions, c, qkv, segments)
     with jax.named_scope("moe"):
         h = llama.rms_norm(x, c("mlp_norm"), cfg.norm_eps)  # the MoE's input, again (CSE'd)
         logits = jnp.einsum("btd,de->bte", h.astype(jnp.float32), c("router").astype(jnp.float32))
@@ -81,9 +83,13 @@ class Mixtral(llama.Llama):
     """Token embedding → L scanned Mixtral layers → final RMSNorm → head; Llama's `loss` adds
     `model.moe_aux_loss_weight` × the pooled load-balancing loss (`pooled_stats`)."""
 
-    def _hidden(self, tokens: jax.Array, positions, remat: str) -> tuple[jax.Array, dict]:
+    def _hidden(
+        self, tokens: jax.Array, positions, remat: str, segments=None
+    ) -> tuple[jax.Array, dict]:
         x = llama.embed_tokens({"embed": self.embed[...]}, tokens, embed_grad=self.cfg.embed_grad)
-        layer = functools.partial(block, cfg=self.cfg, positions=positions, qkv=self.qkv)
+        layer = functools.partial(
+            block, cfg=self.cfg, positions=positions, qkv=self.qkv, segments=segments
+        )
         x, stats = api.scan_layers(
             layer,
             self.layers.stacked(),

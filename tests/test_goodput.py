@@ -55,15 +55,21 @@ def test_a_resume_charges_its_restore_and_the_steps_it_trains_again(tmp_path):
     assert sum(second[c] for c in goodput.CAUSES) == pytest.approx(second["total"], rel=1e-5)
 
 
-def test_nested_spans_are_charged_once():
+def test_nested_spans_are_charged_once(monkeypatch):
+    now = [100.0]  # a clock the test advances, so a busy machine cannot stretch a span
+    monkeypatch.setattr(goodput.time, "perf_counter", lambda: now[0])
     clock = goodput.Clock()
     with clock.charge("productive"):
-        time.sleep(0.02)
+        now[0] += 0.02
         with clock.charge("eval"):
-            time.sleep(0.03)
+            now[0] += 0.03
+        now[0] += 0.01
+    now[0] += 0.5
     rec = clock.record()
-    assert rec["eval"] == pytest.approx(0.03, abs=0.01)
-    assert rec["productive"] == pytest.approx(0.02, abs=0.01)
+    assert rec["eval"] == pytest.approx(0.03, abs=1e-9)
+    assert rec["productive"] == pytest.approx(0.03, abs=1e-9)  # its own 0.02 + 0.01, not eval's
+    assert rec["idle"] == pytest.approx(0.5, abs=1e-9)
+    assert rec["total"] == pytest.approx(0.56, abs=1e-9)
     assert sum(rec[c] for c in goodput.CAUSES) == pytest.approx(rec["total"], rel=1e-6)
     with pytest.raises(ValueError, match="unknown goodput cause 'lunch'"):
         with clock.charge("lunch"):
