@@ -278,7 +278,7 @@ NOT_RUN = {
     ),
     "bash scripts/gpu_check.sh": (
         "its OUT_DIR defaults to runs/gpu_check: the run above, which tests/test_gpu_check.py "
-        "makes (45 s of CPU run twice otherwise)"
+        "makes (100 s of CPU, every row of issue 35, run twice otherwise)"
     ),
     "python scripts/bench_gpu.py --phase=point ...": (
         "a template; `bash scripts/gpu_check.sh` (run here) runs every point of it"
