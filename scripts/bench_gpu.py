@@ -629,11 +629,14 @@ def _findings(points: list[dict]) -> list[str]:
             lines.append(line + ".")
         if r.get("fit_layers"):
             f = r["fit_layers"]
-            lines.append(
-                f"- `{r['label']}`: {f['layers']} layers (the most, up to {f['most']}, whose "
-                f"predicted memory {_gib(f['predicted_bytes'])} GiB fits 95% of the device's "
-                f"{_gib(f['bytes_limit'])} GiB)."
+            why = (
+                f"the most, up to {f['most']}, whose predicted memory "
+                f"{_gib(f['predicted_bytes'])} GiB fits 95% of the device's "
+                f"{_gib(f['bytes_limit'])} GiB"
+                if f["bytes_limit"]
+                else f"no device memory limit known: the most asked for, {f['most']}"
             )
+            lines.append(f"- `{r['label']}`: {f['layers']} layers ({why}).")
     return lines
 
 
