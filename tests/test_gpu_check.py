@@ -124,7 +124,7 @@ def test_decode_row_beside_transformers(dry_run):
 
 
 def fp8_rows() -> list[str]:
-    return ["tiny_llama_fp8", "tiny_8b_proxy_fp8"]
+    return ["tiny_gpt_fp8", "tiny_llama_fp8", "tiny_8b_proxy_fp8"]
 
 
 def test_gemm_counts_read_the_compiled_hlo(monkeypatch):
