@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -95,6 +96,32 @@ def generate(
     On `mesh`, rows are split over `data` and attention heads over `tensor` (the same logical
     rules as training); the prompts' count must then divide by mesh.data.
     """
+    return prepare(
+        decoder,
+        params,
+        prompts,
+        max_new_tokens,
+        sampling=sampling,
+        eos_id=eos_id,
+        mesh=mesh,
+        cache_dtype=cache_dtype,
+    )(seed)
+
+
+def prepare(
+    decoder: Decoder,
+    params: Any,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    sampling: Sampling = Sampling(),
+    eos_id: int | None = None,
+    mesh: Mesh | None = None,
+    cache_dtype=jnp.float32,
+) -> Callable[[int], Result]:
+    """`generate`'s prefill and decode loop compiled once for these prompts (the compile is paid
+    here, with one untimed prefill); returns `run(seed) -> Result`, which times each call's prefill
+    and decode apart and can be called again, for repeated timings, without recompiling."""
     sampling.check()
     if max_new_tokens < 1:
         raise ConfigError(f"--max_new_tokens={max_new_tokens} must be >= 1")
@@ -103,7 +130,7 @@ def generate(
     prefill, decode = _steps(
         decoder, B, P + max_new_tokens, max_new_tokens, sampling, mesh, cache_dtype
     )
-    key = jax.random.key(seed)
+    key = jax.random.key(0)
     put = lambda x: x
     if mesh is not None:
         axes = {2: ("batch", "length"), 1: ("batch",)}
@@ -114,16 +141,23 @@ def generate(
             ),
         )
     tokens, lens = put(padded), put(lengths)
-    prefill_c = prefill.lower(params, tokens, lens, key).compile()  # compile outside timing
-    t0 = time.perf_counter()
-    first, cache = jax.block_until_ready(prefill_c(params, tokens, lens, key))
-    prefill_s = time.perf_counter() - t0
-    decode_c = decode.lower(params, first, cache, lens, key).compile()  # compile outside timing
-    t0 = time.perf_counter()
-    out = np.asarray(jax.block_until_ready(decode_c(params, first, cache, lens, key)))
-    decode_s = time.perf_counter() - t0
-    rows = [r[: r.index(eos_id) + 1] if eos_id in r else r for r in out.tolist()]
-    return Result(rows, prefill_s, decode_s, B * (max_new_tokens - 1))
+    prefill_c = prefill.lower(params, tokens, lens, key).compile()
+    first, cache = prefill_c(params, tokens, lens, key)  # untimed: decode is lowered on its output
+    decode_c = decode.lower(params, first, cache, lens, key).compile()
+    del first, cache
+
+    def run(seed: int) -> Result:
+        key = jax.random.key(seed)
+        t0 = time.perf_counter()
+        first, cache = jax.block_until_ready(prefill_c(params, tokens, lens, key))
+        prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = np.asarray(jax.block_until_ready(decode_c(params, first, cache, lens, key)))
+        decode_s = time.perf_counter() - t0
+        rows = [r[: r.index(eos_id) + 1] if eos_id in r else r for r in out.tolist()]
+        return Result(rows, prefill_s, decode_s, B * (max_new_tokens - 1))
+
+    return run
 
 
 def _pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

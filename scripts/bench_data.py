@@ -4,6 +4,7 @@
     python scripts/bench_data.py --study=loader
     python scripts/bench_data.py --study=decode --config=configs/llama_tiny.py
     python scripts/bench_data.py --study=packing
+    python scripts/bench_data.py --study=decode --vs_transformers --config=configs/llama_tiny.py
 
 Studies:
   tokenize  tokens/s of scripts/tokenize.py (jaxdist/token_shards.py: worker processes, shards
@@ -17,7 +18,13 @@ Studies:
             next to the default job's own step time: the loader must be a small fraction of it.
   decode    `jaxdist.generate` on one device with random weights of --config's model: prefill
             time and decode tokens/s for batch 1 and 8 (--prompt_len prompt tokens,
-            --new_tokens new ones), compile excluded.
+            --new_tokens new ones), compile excluded. With --vs_transformers: the same weights
+            exported to a Hugging Face folder (`jaxdist.hf.write_hf`, what `scripts/hf.py export`
+            writes), loaded by `transformers` and run with its `generate` (greedy, --hf_cache
+            `static` key/value cache by default) in this process on the same device kind, on the
+            same prompts, at --batch_sizes (default 1,8,64) in --dtype: tokens/s of both (new
+            tokens over the wall time of prefill + decode, each side's compile or warm-up call
+            excluded) and their token-for-token agreement.
   packing   `data.packing=documents` on --source (default the default job's `stdlib`, one document
             per file) at each of --seq_lens: the packing efficiency (fraction of row slots that
             hold a token, not padding), the fraction of slots with a loss target (`windows`:
@@ -195,12 +202,13 @@ def study_loader(args) -> dict:
     }
 
 
-def study_decode(args) -> dict:
+def _decode_model(args):
+    """--config's model, its decoder family and random weights (seed --seed) on one device."""
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     import models
-    from jaxdist import generate
 
     m = _config_from(args.config).model
     family = models.get(m.name)
@@ -208,16 +216,43 @@ def study_decode(args) -> dict:
         raise ConfigError(f"{args.config}: model.name={m.name!r} cannot generate")
     if args.prompt_len + args.new_tokens > m.seq_len:
         raise ConfigError(f"--prompt_len + --new_tokens passes model.seq_len={m.seq_len}")
-    module = family.make(m, None)(nnx.Rngs(0))
-    params = jax.device_put(nnx.to_pure_dict(nnx.state(module, nnx.Param)), jax.devices()[0])
+    module = family.make(m, None)(nnx.Rngs(args.seed))
+    params = nnx.to_pure_dict(nnx.state(module, nnx.Param))
+    dtype = jnp.dtype(args.dtype)
+    on_device = jax.device_put(jax.tree.map(lambda p: p.astype(dtype), params), jax.devices()[0])
+    return m, family, params, on_device, dtype
+
+
+def _batch_sizes(args, default: str) -> list[int]:
+    text = args.batch_sizes or default
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--batch_sizes={text!r}: give positive integers, e.g. 1,8,64")
+    return sizes
+
+
+def study_decode(args) -> dict:
+    import jax
+
+    from jaxdist import generate
+
+    if args.vs_transformers:
+        return study_decode_vs_transformers(args)
+    m, family, _, params, dtype = _decode_model(args)
     rows = {}
-    for batch in (1, 8):
+    for batch in _batch_sizes(args, "1,8"):
         prompts = [
             [(7 * b + i) % m.vocab_size for i in range(args.prompt_len)] for b in range(batch)
         ]
+        run = generate.prepare(
+            family.decoder(m), params, prompts, args.new_tokens, cache_dtype=dtype
+        )
         prefill, decode = [], []
         for r in range(args.repeats):
-            res = generate.generate(family.decoder(m), params, prompts, args.new_tokens, seed=r)
+            res = run(r)
             prefill.append(res.prefill_s)
             decode.append(res.decode_s)
         d = _stats(decode)
@@ -237,6 +272,7 @@ def study_decode(args) -> dict:
         "study": "decode",
         "config": args.config,
         "device": jax.devices()[0].device_kind,
+        "dtype": args.dtype,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "rows": rows,
@@ -285,6 +321,156 @@ def study_packing(args) -> dict:
     }
 
 
+def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """Token-for-token agreement of two sets of greedy continuations (same prompts, same length):
+    the fraction of positions equal, the rows equal throughout, and where each row first differs
+    (None where it never does)."""
+    first = []
+    for a, b in zip(ours, theirs, strict=True):
+        diff = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+        first.append(diff[0] if diff else None)
+    total = sum(len(a) for a in ours)
+    equal = sum(x == y for a, b in zip(ours, theirs) for x, y in zip(a, b))
+    return {
+        "tokens_equal": equal / total,
+        "rows_identical": sum(f is None for f in first),
+        "rows": len(ours),
+        "first_difference": first,
+    }
+
+
+def study_decode_vs_transformers(args) -> dict:
+    """jaxdist's `generate` beside transformers' `generate` on the same exported weights."""
+    import importlib.metadata as md
+
+    import jax
+    import numpy as np
+
+    from jaxdist import generate, hf
+
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise ConfigError(
+            f"--vs_transformers needs transformers and torch ({e.name} is missing): "
+            "pip install -e '.[hf]'"
+        ) from None
+    m, family, host, params, dtype = _decode_model(args)
+    if family.hf is None:
+        raise ConfigError(f"{args.config}: model.name={m.name!r} has no Hugging Face form")
+    if args.hf_cache not in ("static", "dynamic"):
+        raise ConfigError(f"--hf_cache={args.hf_cache!r}: choose static or dynamic")
+    if args.hf_compile not in ("auto", "off"):
+        raise ConfigError(f"--hf_compile={args.hf_compile!r}: choose auto or off")
+    gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.write_hf(jax.device_get(host), m, tmp, dtype=args.dtype)
+        del host
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=getattr(torch, args.dtype)
+        )
+    model = model.to(device).eval()
+    model.generation_config.eos_token_id = None  # exactly --new_tokens on both sides
+    # transformers compiles the static cache's forward on a GPU unless told not to
+    model.generation_config.disable_compile = args.hf_compile == "off"
+    export_s = time.perf_counter() - t0
+
+    def hf_generate(prompts: np.ndarray) -> list[list[int]]:
+        ids = torch.tensor(prompts, device=device)
+        kwargs = {"cache_implementation": "static"} if args.hf_cache == "static" else {}
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=args.new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                **kwargs,
+            )
+        if gpu:
+            torch.cuda.synchronize()
+        return out[:, prompts.shape[1] :].tolist()
+
+    rng = np.random.default_rng(args.seed)
+    rows = {}
+    record = {
+        "study": "decode_vs_transformers",
+        "config": args.config,
+        "device": jax.devices()[0].device_kind,
+        "torch_device": str(device),
+        "dtype": args.dtype,
+        "hf_cache": args.hf_cache,
+        "hf_compile": args.hf_compile,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "tokens_per_s": "batch × new tokens / median wall seconds of one generate (prefill + "
+        "decode; compile and warm-up excluded)",
+        "export_and_load_s": export_s,
+        "versions": {p: md.version(p) for p in ("jax", "jaxlib", "torch", "transformers")},
+        "rows": rows,
+    }
+    for batch in _batch_sizes(args, "1,8,64"):
+        prompts = rng.integers(0, m.vocab_size, (batch, args.prompt_len), dtype=np.int64)
+        t0 = time.perf_counter()
+        run = generate.prepare(
+            family.decoder(m), params, prompts.tolist(), args.new_tokens, cache_dtype=dtype
+        )
+        ours_compile_s = time.perf_counter() - t0
+        ours, ours_s = None, []
+        for r in range(args.repeats):
+            res = run(r)
+            ours = res.tokens
+            ours_s.append(res.prefill_s + res.decode_s)
+        t0 = time.perf_counter()
+        hf_generate(prompts)  # warm-up: torch.compile of the static cache's forward, if any
+        theirs_warmup_s = time.perf_counter() - t0
+        theirs, theirs_s = None, []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            theirs = hf_generate(prompts)
+            theirs_s.append(time.perf_counter() - t0)
+        if any(len(r) != args.new_tokens for r in theirs):
+            raise RuntimeError(f"transformers stopped early: {[len(r) for r in theirs]}")
+        new = batch * args.new_tokens
+        row = {
+            "batch": batch,
+            "jaxdist": {
+                "generate_s": _stats(ours_s),
+                "tokens_per_s": new / _stats(ours_s)["median_s"],
+                "compile_s": ours_compile_s,
+            },
+            "transformers": {
+                "generate_s": _stats(theirs_s),
+                "tokens_per_s": new / _stats(theirs_s)["median_s"],
+                "warmup_s": theirs_warmup_s,
+            },
+            "agreement": _agreement(ours, theirs),
+        }
+        row["jaxdist_vs_transformers"] = (
+            row["jaxdist"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
+        )
+        rows[f"batch {batch}"] = row
+        _write(args.out, record)  # each batch as it is measured: a time limit keeps the rest
+        a = row["agreement"]
+        print(
+            f"batch {batch}: jaxdist {row['jaxdist']['tokens_per_s']:,.0f} tokens/s, "
+            f"transformers {row['transformers']['tokens_per_s']:,.0f} tokens/s "
+            f"({row['jaxdist_vs_transformers']:.2f}×); tokens equal {a['tokens_equal']:.1%}, "
+            f"rows identical {a['rows_identical']}/{a['rows']}"
+        )
+    return record
+
+
+def _write(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--study", choices=["tokenize", "loader", "decode", "packing"], required=True)
@@ -298,6 +484,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", default="stdlib", help="packing: data.source")
     p.add_argument("--seq_lens", default="64,256,1024,4096", help="packing: row lengths")
     p.add_argument("--batch_size", type=int, default=16, help="packing: rows per batch")
+    p.add_argument("--batch_sizes", default="", help="decode: e.g. 1,8,64 (default 1,8; 1,8,64)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--seed", type=int, default=0, help="decode: random weights and prompts")
+    p.add_argument(
+        "--vs_transformers", action="store_true", help="decode: beside transformers' generate"
+    )
+    p.add_argument("--hf_cache", default="static", help="--vs_transformers: static or dynamic")
+    p.add_argument(
+        "--hf_compile",
+        default="auto",
+        help="--vs_transformers: auto (transformers' own choice: it compiles the static cache's "
+        "forward on a GPU, in the untimed warm-up) or off",
+    )
     p.add_argument("--out", default="runs/bench/data.json")
     args = p.parse_args(argv)
     studies = {
@@ -311,9 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    _write(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

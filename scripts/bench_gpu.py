@@ -14,9 +14,13 @@ Phases:
   point    one compiled train step: compile time, ≥ --steps timed steps after --warmup (median,
            10th–90th percentile), tokens/s, MFU (6·N + 12·L·d·T FLOPs per token, N without the
            embedding table, over the device's dense bf16 peak), compiled memory and the allocator's
-           peak, the planner's predicted step time and memory; with --hand also the hand-written
-           step of the same model (benchlib.hand_written_step) and the ratio → points/LABEL.json.
-  report   every JSON above → gpu_check.json and gpu_check.md (printed).
+           peak, the planner's predicted step time and memory, the GEMMs of the compiled HLO (FP8
+           cuBLASLt calls apart, against 3 per block weight per layer when
+           train.matmul_precision=fp8); --fit_layers=N first sets the most layers, up to N, that
+           the planner predicts fit the device; with --hand also the hand-written step of the
+           same model (benchlib.hand_written_step) and the ratio → points/LABEL.json.
+  report   every JSON above, decode.json (scripts/bench_data.py --study=decode --vs_transformers)
+           and notes.txt → gpu_check.json and gpu_check.md (printed).
 
 Each point runs in its own process: XLA flags are read once per process, and the allocator's peak
 (`memory_stats()["peak_bytes_in_use"]`) then belongs to that point alone.
@@ -55,6 +59,12 @@ _HARDWARE = flags.DEFINE_string(
 )
 _PROFILE = flags.DEFINE_integer(
     "profile", 0, "--phase=point: trace this many extra steps and sum device time per kernel."
+)
+_FIT_LAYERS = flags.DEFINE_integer(
+    "fit_layers",
+    0,
+    "--phase=point: the most layers whose planner-predicted memory fits the device (this many at "
+    "most; layers unrolled); 0 = the config's own model.num_layers.",
 )
 _TINY = flags.DEFINE_bool(
     "tiny", False, "--phase=correct: CPU dry run sizes (tiny GPT for the attention check)."
@@ -322,6 +332,64 @@ def _predict(config, n: int, device_kind: str) -> dict:
     }
 
 
+# FP8 GEMMs as XLA's GPU backend emits them: cuBLASLt's FP8 matmul custom call (e4m3 / e5m2
+# operands with their scales), the target openxla's gemm rewriter gives a dequantize-free q-dq.
+FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
+GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
+
+
+def gemm_counts(hlo: str) -> dict[str, int]:
+    """GEMMs in a compiled HLO module's text: FP8 cuBLASLt custom calls, the other cuBLAS GEMM
+    custom calls, XLA's Triton GEMM fusions, and dots with an FP8 operand left to XLA itself."""
+    import re
+
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    fp8 = sum(t == FP8_GEMM_TARGET for t in targets)
+    cublas = sum(t in GEMM_TARGETS for t in targets)
+    triton = len(re.findall(r'"kind":"__triton_gemm"', hlo))
+    fp8_dots = sum(
+        1
+        for line in hlo.splitlines()
+        if " dot(" in line and re.search(r"f8e(4m3|5m2)", line.split(" dot(", 1)[1])
+    )
+    return {
+        "fp8_cublaslt": fp8,
+        "cublas_other": cublas,
+        "triton_gemm": triton,
+        "fp8_dot_ops": fp8_dots,
+    }
+
+
+def block_matmuls_per_layer(params, num_layers: int) -> int:
+    """The blocks' dense weights: stacked parameters [L, ...] of 3 or more dimensions (norms and
+    biases are [L, D]); each is one forward and two backward matmuls per layer."""
+    import jax
+
+    return sum(1 for p in jax.tree.leaves(params) if p.ndim >= 3 and p.shape[0] == num_layers)
+
+
+def _fit_layers(config, most: int, device) -> dict:
+    """Sets model.num_layers (and scan_unroll) to the most layers, at most `most`, whose
+    planner-predicted memory fits 95% of the device's limit (all of them where none is known)."""
+    from jaxdist import plan
+
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    hw = _hardware_profile(device.device_kind)
+    chosen, predicted = 1, None
+    for layers in range(most, 0, -1):
+        config.model.num_layers = layers
+        try:
+            total = plan.predict(config, num_devices=1, hw=hw).memory["total"]
+        except Exception:  # noqa: BLE001 -- the planner does not cover it: take the most
+            total = None
+        if limit is None or total is None or total <= 0.95 * limit:
+            chosen, predicted = layers, total
+            break
+    config.model.num_layers = chosen
+    config.model.scan_unroll = chosen
+    return {"most": most, "layers": chosen, "predicted_bytes": predicted, "bytes_limit": limit}
+
+
 def phase_point() -> dict:
     import jax
     import numpy as np
@@ -329,6 +397,7 @@ def phase_point() -> dict:
     from jaxdist import data, loop, mesh, metrics
 
     config = _CONFIG.value
+    fit = _fit_layers(config, _FIT_LAYERS.value, jax.devices()[0]) if _FIT_LAYERS.value else None
     c, t = config.model, config.train
     record = {
         "label": _LABEL.value,
@@ -344,6 +413,8 @@ def phase_point() -> dict:
         "embed_grad": c.get("embed_grad", "scatter"),
         "attention": c.attention,
         "dtype": t.compute_dtype,
+        "matmul_precision": t.get("matmul_precision", "default"),
+        "fit_layers": fit,
         "gpu_xla_flags": bool(config.runtime.gpu_xla_flags),
         "device_kind": jax.devices()[0].device_kind,
     }
@@ -365,6 +436,15 @@ def phase_point() -> dict:
             + hlo.count('custom_call_target="__cudnn$fmhaSoftmaxDropout"'),
             "backward": hlo.count('custom_call_target="__cudnn$fmhaSoftmaxBackward'),
         }
+        record["gemms"] = gemm_counts(hlo)
+        record["block_matmuls_per_layer"] = block_matmuls_per_layer(
+            engine.abstract_state["params"], c.num_layers
+        )
+        if record["matmul_precision"] == "fp8":
+            fp8 = record["gemms"]["fp8_cublaslt"]
+            expected = 3 * record["block_matmuls_per_layer"] * c.num_layers
+            record["fp8_gemms_per_layer"] = fp8 / c.num_layers
+            record["fp8_all_blocks"] = fp8 >= expected  # every block matmul, both gradients too
         if _PROFILE.value:
             state, record["profile"] = _trace_kernels(compiled, state, batch, _PROFILE.value)
         loss = float(jax.device_get(compiled(state, batch)[1]["loss"]))
@@ -453,9 +533,26 @@ def _trace_kernels(compiled, state, batch, steps: int):
 # --------------------------------------------------------------------------------------------------
 
 HEADER = (
-    "| point | model | batch | remat | attention | XLA flags | step ms (p10–p90) | tokens/s | MFU "
-    "| peak mem GiB | compiled GiB | planner ms (pred/meas) | planner GiB | vs hand-written |"
+    "| point | model | batch | remat | attention | precision | XLA flags | step ms (p10–p90) "
+    "| tokens/s | MFU | peak mem GiB | compiled GiB | planner ms (pred/meas) | planner GiB "
+    "| FP8 GEMMs (per layer) | vs hand-written |"
 )
+
+
+def _precision(r: dict) -> str:
+    dtype = {"bfloat16": "bf16", "float32": "f32"}.get(r.get("dtype", "-"), r.get("dtype", "-"))
+    return "fp8" if r.get("matmul_precision") == "fp8" else dtype
+
+
+def _fp8_cell(r: dict) -> str:
+    g = r.get("gemms")
+    if not g:
+        return "—"
+    n = g["fp8_cublaslt"]
+    cell = f"{n} ({n / max(r['layers'], 1):.1f})"
+    if r.get("matmul_precision") == "fp8":
+        cell += " all blocks" if r.get("fp8_all_blocks") else " **not all blocks**"
+    return cell
 
 
 def _gib(x) -> str:
@@ -471,11 +568,12 @@ def _row(r: dict) -> str:
     accum = f" ×{r['grad_accum']} accum" if r.get("grad_accum", 1) > 1 else ""
     base = (
         f"| {r['label']} | {r['model']} L{r['layers']} d{r['d_model']} T{r['seq_len']} "
-        f"| {r['batch']}{accum} | {r['remat']} | {attention} "
+        f"| {r['batch']}{accum} | {r['remat']} | {attention} | {_precision(r)} "
         f"| {'on' if r['gpu_xla_flags'] else 'off'} "
     )
     if not r.get("ok"):
-        return base + f"| {'OOM' if r.get('oom') else 'failed'}: {r.get('error', '')} |||||||"
+        why = f"{'OOM' if r.get('oom') else 'failed'}: {r.get('error', '')}"
+        return base + f"| {why} |||||||||"
     f, pred = r["framework"], r.get("predicted", {})
     comp = r.get("compiled_bytes", {})
     compiled = (comp.get("arguments") or 0) + (comp.get("temp") or 0)
@@ -489,8 +587,87 @@ def _row(r: dict) -> str:
     hand = f"{r['framework_vs_hand']:.3f}" if "framework_vs_hand" in r else "—"
     return (
         base + f"| {ms} | {r['tokens_per_s']:,.0f} | {mfu} | {_gib(r.get('peak_bytes_in_use'))} "
-        f"| {_gib(compiled)} | {p_ms} | {p_mem} | {hand} |"
+        f"| {_gib(compiled)} | {p_ms} | {p_mem} | {_fp8_cell(r)} | {hand} |"
     )
+
+
+def _twin(points: list[dict], label: str) -> dict | None:
+    return next((p for p in points if p["label"] == label and p.get("ok")), None)
+
+
+def _findings(points: list[dict]) -> list[str]:
+    """One line per comparison issue 35 asks for: `auto` against the named cuDNN row, each FP8
+    row against its bf16 row (tokens/s, GEMMs in FP8), the 8B-shape proxy's layer count."""
+    lines = []
+    for r in points:
+        if not r.get("ok"):
+            continue
+        ms = r["framework"]["median_s"] * 1e3
+        calls = r.get("cudnn_attention_calls", {})
+        if r["attention"] == "auto":
+            line = (
+                f"- `{r['label']}`: attention=auto ran {calls.get('forward', 0)} cuDNN forward and "
+                f"{calls.get('backward', 0)} backward fused-attention calls; {ms:.1f} ms a step"
+            )
+            twin = _twin(points, r["label"].removesuffix("_auto"))
+            if twin:
+                t_ms = twin["framework"]["median_s"] * 1e3
+                line += f" vs {t_ms:.1f} ms with cudnn named ({ms / t_ms:.3f}×)"
+            lines.append(line + ".")
+        if r.get("matmul_precision") == "fp8":
+            g = r["gemms"]
+            line = (
+                f"- `{r['label']}`: {g['fp8_cublaslt']} FP8 cuBLASLt GEMMs "
+                f"({r['fp8_gemms_per_layer']:.1f} a layer; 3 × {r['block_matmuls_per_layer']} "
+                f"block matmuls = {3 * r['block_matmuls_per_layer']} expected), other GEMMs: "
+                f"{g['cublas_other']} cuBLAS + {g['triton_gemm']} Triton, {g['fp8_dot_ops']} FP8 "
+                "dots left to XLA"
+            )
+            twin = _twin(points, r["label"].removesuffix("_fp8") + "_bf16")
+            if twin:
+                line += f"; tokens/s {r['tokens_per_s'] / twin['tokens_per_s']:.3f}× the bf16 row"
+            lines.append(line + ".")
+        if r.get("fit_layers"):
+            f = r["fit_layers"]
+            why = (
+                f"the most, up to {f['most']}, whose predicted memory "
+                f"{_gib(f['predicted_bytes'])} GiB fits 95% of the device's "
+                f"{_gib(f['bytes_limit'])} GiB"
+                if f["bytes_limit"]
+                else f"no device memory limit known: the most asked for, {f['most']}"
+            )
+            lines.append(f"- `{r['label']}`: {f['layers']} layers ({why}).")
+    return lines
+
+
+DECODE_HEADER = (
+    "| batch | jaxdist tokens/s | transformers tokens/s | jaxdist / transformers "
+    "| tokens equal | rows identical |"
+)
+
+
+def _decode_lines(d: dict) -> list[str]:
+    lines = [
+        "## Decode: jaxdist vs transformers' generate",
+        "",
+        f"{d['config']} with random weights (seed 0) exported to a Hugging Face folder, "
+        f"{d['dtype']}, {d['prompt_len']} prompt tokens, {d['new_tokens']} new tokens, greedy; "
+        f"transformers on {d['torch_device']} with the {d['hf_cache']} key/value cache; "
+        f"tokens/s = {d['tokens_per_s']}. Versions: "
+        + ", ".join(f"{k} {v}" for k, v in d["versions"].items())
+        + ".",
+        "",
+        DECODE_HEADER,
+        "|" + " --- |" * (DECODE_HEADER.count("|") - 1),
+    ]
+    for row in d["rows"].values():
+        a = row["agreement"]
+        lines.append(
+            f"| {row['batch']} | {row['jaxdist']['tokens_per_s']:,.0f} "
+            f"| {row['transformers']['tokens_per_s']:,.0f} | {row['jaxdist_vs_transformers']:.2f}× "
+            f"| {a['tokens_equal']:.1%} | {a['rows_identical']}/{a['rows']} |"
+        )
+    return lines + [""]
 
 
 def phase_report() -> dict:
@@ -500,6 +677,9 @@ def phase_report() -> dict:
     points = [read(p) for p in sorted(glob.glob(os.path.join(out, "points", "*.json")))]
     points.sort(key=lambda r: r.get("order", 0))
     skipped = read(os.path.join(out, "skipped.json")) or []
+    decode = read(os.path.join(out, "decode.json"))
+    notes_path = os.path.join(out, "notes.txt")
+    notes = open(notes_path).read().splitlines() if os.path.exists(notes_path) else []
     lines = ["# GPU check", ""]
     if env:
         v = env["versions"]
@@ -525,13 +705,22 @@ def phase_report() -> dict:
                 + ", ".join(f"{k} {v:.1f}" for k, v in pr["by_class_ms"].items())
                 + f"; total {pr['device_ms_per_step']:.1f}.",
             ]
-    lines += ["", "Commands:", ""] + [f"- `{r['label']}`: `{r['command']}`" for r in points]
+    findings = _findings(points)
+    if findings:
+        lines += ["", *findings]
+    lines.append("")
+    if decode:
+        lines += _decode_lines(decode)
+    if notes:
+        lines += [f"- {n}" for n in notes] + [""]
+    lines += ["Commands:", ""] + [f"- `{r['label']}`: `{r['command']}`" for r in points]
     if skipped:
         lines += ["", "Not run (time budget): " + ", ".join(skipped)]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "gpu_check.md"), "w") as f:
         f.write(text)
     result = {"env": env, "correct": correct, "points": points, "skipped": skipped}
+    result.update({"decode": decode, "notes": notes})
     print(text)
     return result
 

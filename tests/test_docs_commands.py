@@ -287,6 +287,11 @@ SHORTENED = {
         "--new_tokens=4 --repeats=1",
         "3 repeats of 32 decode steps at two batch sizes; one short repeat runs the same code",
     ),
+    "python scripts/bench_data.py --study=decode --vs_transformers --config=configs/llama_tiny.py": (
+        "--batch_sizes=1,2 --new_tokens=4 --repeats=1",
+        "3 repeats of 32 new tokens up to batch 64 in two frameworks; batch 1 and 2, one short "
+        "repeat, run the same code",
+    ),
     "python scripts/train.py --config=configs/llama3_8b.py --workdir=runs/llama3_8b": (
         _TINY_LLAMA + " --config.runtime.cpu_devices=8 --config.train.steps=2 "
         "--config.train.batch_size=8 --config.train.eval_batches=1 --config.checkpoint.every=2",
@@ -332,7 +337,7 @@ NOT_RUN = {
     ),
     "bash scripts/gpu_check.sh": (
         "its OUT_DIR defaults to runs/gpu_check: the run above, which tests/test_gpu_check.py "
-        "makes (45 s of CPU run twice otherwise)"
+        "makes (100 s of CPU, every row of issue 35, run twice otherwise)"
     ),
     "python scripts/bench_gpu.py --phase=point ...": (
         "a template; `bash scripts/gpu_check.sh` (run here) runs every point of it"

@@ -1,7 +1,9 @@
 """`bash scripts/gpu_check.sh` on a machine without a GPU: the tiny CPU dry run of every phase.
 
 The figures it prints are CPU timings and are never asserted; what is checked is that every phase
-ran and wrote what the table is built from, that correctness checks can fail (they did, once, when
+and every row of issue 35 (gpt, llama, the 8B-shape proxy with its layers fitted by the planner,
+FP8 twins where the schema has them, attention=auto, decode beside transformers) ran and wrote
+what the table is built from, that correctness checks can fail (they did, once, when
 the family check ran a step at learning rate 0), and that `model.attention=cudnn` is refused with
 one line before compiling.
 """
@@ -18,6 +20,15 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _has_fp8() -> bool:
+    from jaxdist.schema import base_config
+
+    return "matmul_precision" in base_config().train
+
+
+HAS_FP8 = _has_fp8()
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
@@ -28,7 +39,7 @@ def dry_run(tmp_path_factory):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,  # every row of issue 35 in its own process: minutes on a busy 2-core machine
     )
     return out, proc
 
@@ -57,7 +68,7 @@ def test_env_and_correctness_checks(dry_run):
 def test_sweep_points_have_timings_and_predictions(dry_run):
     out, _ = dry_run
     points = {p.stem: json.loads(p.read_text()) for p in (out / "points").glob("*.json")}
-    ok = points["tiny_b8_none_xla"]
+    ok = points["tiny_gpt_bf16"]
     assert ok["ok"] and ok["framework"]["n"] == 3 and ok["framework"]["median_s"] > 0
     assert ok["hand_written"]["n"] == 3 and ok["framework_vs_hand"] > 0
     assert ok["predicted"]["hardware"] == "cpu_here" and ok["predicted"]["step_time_s"] > 0
@@ -66,8 +77,83 @@ def test_sweep_points_have_timings_and_predictions(dry_run):
     refused = points["tiny_b8_cudnn"]
     assert not refused["ok"] and refused["error"].startswith("ConfigError: model.attention='cudnn'")
     summary = json.loads((out / "gpu_check.json").read_text())
+    fp8 = fp8_rows() if HAS_FP8 else []
     assert [p["label"] for p in summary["points"]] == [
-        "tiny_b8_none_xla",
+        "tiny_gpt_bf16",
+        "tiny_llama_bf16",
+        "tiny_8b_proxy_bf16",
+        *fp8,
         "tiny_b8_full_auto",
         "tiny_b8_cudnn",
     ]
+
+
+def test_llama_rows_and_the_8b_proxy(dry_run):
+    out, proc = dry_run
+    points = {p.stem: json.loads(p.read_text()) for p in (out / "points").glob("*.json")}
+    llama, proxy = points["tiny_llama_bf16"], points["tiny_8b_proxy_bf16"]
+    assert llama["ok"] and llama["model"] == "llama" and llama["block_matmuls_per_layer"] == 7
+    assert points["tiny_gpt_bf16"]["block_matmuls_per_layer"] == 4  # wqkv, wo, w_up, w_down
+    # configs/llama3_8b.py's row: layers chosen by the planner (no memory limit on a CPU: the most)
+    assert proxy["ok"] and proxy["fit_layers"]["layers"] == proxy["layers"] == 2
+    for r in (llama, proxy):
+        assert r["predicted"]["step_time_s"] > 0 and r["loss_finite"]
+        assert r["gemms"]["fp8_cublaslt"] == 0  # a CPU has no cuBLAS
+    md = (out / "gpu_check.md").read_text()
+    assert "| precision |" in md and "| FP8 GEMMs (per layer) |" in md
+    assert "`tiny_b8_full_auto`: attention=auto ran 0 cuDNN forward" in md  # XLA on a CPU
+    assert "`tiny_8b_proxy_bf16`: 2 layers" in md
+    if HAS_FP8:
+        assert all(points[n]["ok"] and points[n]["matmul_precision"] == "fp8" for n in fp8_rows())
+    else:
+        skip = "FP8 rows skipped: this tree's config schema has no train.matmul_precision"
+        assert skip in proc.stdout and skip in md
+
+
+def test_decode_row_beside_transformers(dry_run):
+    out, _ = dry_run
+    d = json.loads((out / "decode.json").read_text())
+    assert d["study"] == "decode_vs_transformers" and d["config"] == "configs/llama_tiny.py"
+    assert set(d["rows"]) == {"batch 1"}
+    for row in d["rows"].values():
+        assert row["agreement"]["tokens_equal"] == 1.0
+        assert row["jaxdist"]["tokens_per_s"] > 0 and row["transformers"]["tokens_per_s"] > 0
+    md = (out / "gpu_check.md").read_text()
+    assert "## Decode: jaxdist vs transformers' generate" in md
+    assert json.loads((out / "gpu_check.json").read_text())["decode"]["rows"] == d["rows"]
+
+
+def fp8_rows() -> list[str]:
+    return ["tiny_gpt_fp8", "tiny_llama_fp8", "tiny_8b_proxy_fp8"]
+
+
+def test_gemm_counts_read_the_compiled_hlo(monkeypatch):
+    """FP8 GEMMs are cuBLASLt custom calls with their own target; other GEMMs are counted apart,
+    so an FP8 recipe whose matmuls fell back to bf16 shows as other GEMMs, not FP8 ones."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))  # its `import benchlib`
+    spec = importlib.util.spec_from_file_location(
+        "bench_gpu", os.path.join(ROOT, "scripts/bench_gpu.py")
+    )
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    hlo = "\n".join(
+        [
+            "%a = (bf16[16,64]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[16,32]{1,0} %x, "
+            'f8e4m3fn[64,32]{1,0} %w, f32[] %s, f32[] %t), custom_call_target="__cublas$lt$matmul$f8"',
+            "%b = (bf16[16,64]{1,0}, s8[0]{0}) custom-call(bf16[16,32]{1,0} %x, bf16[32,64]{1,0} %w), "
+            'custom_call_target="__cublas$gemm"',
+            "%c = bf16[16,64]{1,0} fusion(%x, %w), kind=kCustom, calls=%f, "
+            'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}',
+            "%d = bf16[16,64]{1,0} dot(f8e5m2[16,32]{1,0} %g, f8e4m3fn[32,64]{1,0} %w), "
+            "lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+            '%e = f32[2,2]{1,0} custom-call(f32[2,2]{1,0} %q), custom_call_target="__cudnn$fmhaSoftmax"',
+        ]
+    )
+    assert bench_gpu.gemm_counts(hlo) == {
+        "fp8_cublaslt": 1,
+        "cublas_other": 1,
+        "triton_gemm": 1,
+        "fp8_dot_ops": 1,
+    }
