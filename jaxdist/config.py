@@ -19,7 +19,7 @@ from typing import Any
 import ml_collections
 
 import models
-from jaxdist import allreduce, optim, pipeline, staleness, strategies
+from jaxdist import allreduce, fp8, optim, pipeline, staleness, strategies
 from jaxdist.errors import ConfigError
 from jaxdist.schema import (  # the schema's names, re-exported: `config.base_config()` etc.
     COMPUTE_DTYPES,
@@ -70,6 +70,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     _choice(config, "train.on_nonfinite", NONFINITE)
     _choice(config, "model.norm", ("rmsnorm", "layernorm"))
     _choice(config, "model.attention", ("xla", "cudnn", "auto"))
+    _check_matmul_precision(config)
     for path in (
         "train.steps",
         "train.batch_size",
@@ -112,6 +113,21 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     staleness.check(config, mesh)
     _check_sources(config.data)
     return mesh
+
+
+def _check_matmul_precision(config) -> None:
+    """train.matmul_precision: a `jaxdist.fp8.MODES` name; FP8 only where there are transformer
+    blocks to cast (the families with pipeline stages: their blocks call `fp8.einsum`)."""
+    _choice(config, "train.matmul_precision", fp8.MODES)
+    mode, name = config.train.matmul_precision, config.model.name
+    if mode != "default" and models.get(name).stages is None:
+        able = [n for n in models.names() if models.get(n).stages is not None]
+        _need(
+            False,
+            f"train.matmul_precision={mode!r} casts transformer-block matmuls, but "
+            f"model.name={name!r} has none ({', '.join(able)} do); set "
+            "train.matmul_precision='default'",
+        )
 
 
 def _check_sources(d) -> None:
