@@ -151,3 +151,23 @@ def test_refusals_name_the_field():
     c.train.matmul_precision = "fp8"
     with pytest.raises(ConfigError, match=r"model.name='mlp' has none"):
         helpers.engine_for(c)
+
+
+@pytest.mark.parametrize("axis", ["context", "expert"])
+def test_composes_with_pipeline_context_expert_and_a_compressor(axis):
+    """pipeline=2 × `axis`=2 × data=2 with bf16 gradient compression: the stages' shard_map is
+    manual over `axis`, so there each device's amax is its own slice's (jaxdist/fp8.py); the first
+    loss (forward only) stays within FP8 rounding of the default precision's, and differs."""
+    from tests.test_pipeline_context_expert import _config, _moe_config
+
+    sizes = dict(pipeline=2, data=2, **{axis: 2})
+    first = {}
+    for mode in ("default", "fp8_all"):
+        c = _moe_config(4.0, 2, **sizes) if axis == "expert" else _config("all_gather", **sizes)
+        c.grad_sync.compression = "bf16"
+        c.train.matmul_precision = mode
+        losses, _ = helpers.train_steps(c, 2)
+        assert np.all(np.isfinite(losses)), mode
+        first[mode] = losses[0]
+    assert first["fp8_all"] != first["default"]
+    np.testing.assert_allclose(first["fp8_all"], first["default"], rtol=1e-2)
