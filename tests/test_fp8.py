@@ -66,7 +66,7 @@ def _jaxdist(x, w, g):
 
 def _torchao(x, w, g):
     torch = pytest.importorskip("torch")
-    float8 = pytest.importorskip("torchao.float8")
+    float8 = pytest.importorskip("torchao.float8", reason="torchao (the hf extra) is the reference")
     lin = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False))
     with torch.no_grad():
         lin[0].weight.copy_(torch.from_numpy(w.T.copy()))
