@@ -1,17 +1,20 @@
 """FP8 matmuls for the transformer blocks (`train.matmul_precision`), dynamic per-tensor scaling.
 
-The recipe is torchao's "tensorwise" Float8 training (`Float8LinearConfig` defaults), written as the
-quantize-dequantize pattern XLA's GPU GEMM rewriter turns into cuBLASLt FP8 GEMMs (as Flax's
-`linen.fp8_ops` does): for y = x·w,
+The recipe is torchao's "tensorwise" Float8 training with power-of-two scales
+(`Float8LinearConfig(round_scales_to_power_of_2=True)`), written as the quantize-dequantize
+pattern XLA's GPU GEMM rewriter turns into cuBLASLt FP8 GEMMs (as Flax's `linen.fp8_ops` does):
+for y = x·w,
 
-  forward   s_x = 448 / amax(|x|), s_w = 448 / amax(|w|)        (float32; e4m3's max is 448)
+  forward   s_x = 2^⌊log2(448 / amax(|x|))⌋, s_w likewise    (float32; e4m3's max is 448)
             x8 = e4m3(clip(x·s_x, ±448)), w8 = e4m3(clip(w·s_w, ±448))   (round to nearest even)
             y  = (x8 / s_x) · (w8 / s_w)                          (a dot in the compute dtype)
-  backward  s_g = 57344 / amax(|g|), g8 = e5m2(clip(g·s_g, ±57344))
+  backward  s_g = 2^⌊log2(57344 / amax(|g|))⌋, g8 = e5m2(clip(g·s_g, ±57344))
             dx = (g8 / s_g) · (w8 / s_w)ᵀ,  dw = (x8 / s_x)ᵀ · (g8 / s_g)
 
-Scales are "current" (computed from the tensor being cast, every step): there is no state to
-checkpoint, reshard or resume. The backward keeps x8 and w8 (one byte an element) and reuses them,
+Power-of-two scales make the dequantize q / s exact in bf16 as in float32 (a bf16 copy of
+448 / amax would be off by up to 2⁻⁹, the same way for every element of the tensor), at the cost of
+up to one bit of the FP8 range. Scales are "current" (computed from the tensor being cast, every
+step): there is no state to checkpoint, reshard or resume. The backward keeps x8 and w8 (one byte an element) and reuses them,
 as torchao's tensorwise recipe does. Under sharding the amax is a global max (XLA adds the
 all-reduce), so the result does not depend on the layout; inside a pipeline stage it is the stage's
 microbatch's, as under `train.grad_accum`.
@@ -87,9 +90,12 @@ def eligible(mode: str, k: int, n: int) -> bool:
 
 
 def scale(x: jax.Array, dtype) -> jax.Array:
-    """float32 s = max(dtype) / max(amax(|x|), EPS): x·s spans the FP8 range."""
+    """float32 s = max(dtype) / max(amax(|x|), EPS) rounded down to a power of two: x·s spans
+    the upper half of the FP8 range or more, and q / s is exact in any float dtype."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    return jnp.float32(jnp.finfo(dtype).max) / jnp.maximum(amax, EPS)
+    s = jnp.float32(jnp.finfo(dtype).max) / jnp.maximum(amax, EPS)
+    _, e = jnp.frexp(s)  # s = m·2^e, m in [0.5, 1): the power of two at or below s is 2^(e-1)
+    return jnp.ldexp(jnp.float32(1), e - 1)
 
 
 def quantize(x: jax.Array, dtype, s: jax.Array) -> jax.Array:

@@ -1,14 +1,15 @@
 """FP8 block matmuls (jaxdist/fp8.py): torchao's emulation as the reference, sharding, refusals.
 
-The reference is torchao's `Float8LinearConfig(emulate=True)` tensorwise recipe on one nn.Linear
-with the same weights, inputs and output gradient. Both sides quantize to the same FP8 values (the
-scale 448/amax and 57344/amax is one correctly rounded float32 division on each side, the casts
-round to nearest even, saturated), so they can differ only by float32 rounding of the dequantize
-and the dot's accumulation order. Higham's bound for a K-term float32 dot whose factors each carry
-one rounding (the division by the scale) gives |ŷ − y| <= (K + 2)·u·Σ|a||b|, u = 2⁻²⁴; the test
-holds both to the float64 product of the FP8 values computed with ml_dtypes, at that bound. The
-bound is ~1e-5 relative, far below e4m3's half-ulp 2⁻⁴ and e5m2's 2⁻³: the unquantized float32
-matmul and a gradient cast to e4m3 instead of e5m2 are checked to fall outside it.
+The reference is torchao's `Float8LinearConfig(emulate=True, round_scales_to_power_of_2=True)`
+tensorwise recipe on one nn.Linear with the same weights, inputs and output gradient. Both sides
+quantize to the same FP8 values (the scale max/amax is one correctly rounded float32 division
+rounded down to a power of two, the casts round to nearest even, saturated), and with power-of-two
+scales the dequantized values are exact, so the two can differ only by the float32 rounding of the
+dot's products and sums. Higham's bound for a K-term float32 dot, |ŷ − y| <= γ_K·Σ|a||b| with
+γ_K = K·u/(1 − K·u) < (K + 2)·u, u = 2⁻²⁴; the test holds both to the float64 product of the FP8
+values computed with ml_dtypes at (K + 2)·u·Σ|a||b|. That is ~1e-5 relative, far below e4m3's
+half-ulp 2⁻⁴ and e5m2's 2⁻³: the unquantized float32 matmul and a gradient cast to e4m3 instead of
+e5m2 are checked to fall outside it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _q(a: np.ndarray, dtype) -> np.ndarray:
     """ml_dtypes' exact cast of the tensorwise-scaled `a`, dequantized, in float64."""
     fmax = float(ml_dtypes.finfo(dtype).max)
     s = np.float32(np.float64(fmax) / max(float(np.abs(a).max()), fp8.EPS))
+    s = np.float32(2.0 ** (np.frexp(s)[1] - 1))  # rounded down to a power of two
     q = np.clip(a.astype(np.float32) * s, -fmax, fmax).astype(dtype)
     return q.astype(np.float64) / np.float64(s)
 
@@ -70,7 +72,8 @@ def _torchao(x, w, g):
     lin = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False))
     with torch.no_grad():
         lin[0].weight.copy_(torch.from_numpy(w.T.copy()))
-    float8.convert_to_float8_training(lin, config=float8.Float8LinearConfig(emulate=True))
+    config = float8.Float8LinearConfig(emulate=True, round_scales_to_power_of_2=True)
+    float8.convert_to_float8_training(lin, config=config)
     assert type(lin[0]).__name__ == "Float8Linear"
     xt = torch.from_numpy(x.copy()).requires_grad_(True)
     y = lin(xt)
