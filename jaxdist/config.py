@@ -19,7 +19,7 @@ from typing import Any
 import ml_collections
 
 import models
-from jaxdist import allreduce, data, optim, pipeline, spikes, staleness, strategies
+from jaxdist import allreduce, data, fp8, optim, pipeline, spikes, staleness, strategies
 from jaxdist.errors import ConfigError
 from jaxdist.schema import (  # the schema's names, re-exported: `config.base_config()` etc.
     COMPUTE_DTYPES,
@@ -82,6 +82,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     )
     _choice(config, "model.norm", ("rmsnorm", "layernorm"))
     _choice(config, "model.attention", ("xla", "cudnn", "auto"))
+    _check_matmul_precision(config)
     for path in (
         "train.steps",
         "train.batch_size",
@@ -152,6 +153,21 @@ def _check_packing(config, mesh: Mapping[str, int]) -> None:
         f"data.packing='documents' does not run through the pipeline (mesh.pipeline="
         f"{mesh['pipeline']}): set mesh.pipeline=1 or data.packing=windows",
     )
+
+
+def _check_matmul_precision(config) -> None:
+    """train.matmul_precision: a `jaxdist.fp8.MODES` name; FP8 only where there are transformer
+    blocks to cast (the families with pipeline stages: their blocks call `fp8.einsum`)."""
+    _choice(config, "train.matmul_precision", fp8.MODES)
+    mode, name = config.train.matmul_precision, config.model.name
+    if mode != "default" and models.get(name).stages is None:
+        able = [n for n in models.names() if models.get(n).stages is not None]
+        _need(
+            False,
+            f"train.matmul_precision={mode!r} casts transformer-block matmuls, but "
+            f"model.name={name!r} has none ({', '.join(able)} do); set "
+            "train.matmul_precision='default'",
+        )
 
 
 def _check_sources(d) -> None:

@@ -132,6 +132,7 @@ def _train_fields(c: ml_collections.ConfigDict) -> None:
     c.train.grad_accum = 1
     c.train.compute_dtype = "float32"
     c.train.remat = "none"
+    c.train.matmul_precision = "default"  # "fp8" / "fp8_all": block matmuls in FP8 (jaxdist/fp8.py)
     c.train.on_nonfinite = "stop"  # or "skip": drop a non-finite step's update and go on
     c.train.max_skipped = 10  # on_nonfinite=skip: stop after this many skipped updates in a row
     c.train.on_spike = "none"  # or "skip": drop the update of a loss spike (jaxdist/spikes.py)

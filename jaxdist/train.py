@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import models
-from jaxdist import microbatch, optim, pipeline, sharding, spikes, strategies
+from jaxdist import fp8, microbatch, optim, pipeline, sharding, spikes, strategies
 from jaxdist import state as state_lib
 from jaxdist.data import Dataset
 from jaxdist.state import TrainState
@@ -198,8 +198,11 @@ def build(config, mesh: Mesh, ds: Dataset) -> Engine:
     }
     skip = config.train.on_nonfinite == "skip"
 
+    precision = config.train.matmul_precision  # read while tracing (jaxdist/fp8.py)
+
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        proposal = strategy.step(state, batch)
+        with fp8.precision(precision):
+            proposal = strategy.step(state, batch)
         return apply_update(
             state, proposal, skip_nonfinite=skip, lr_schedule=lr_schedule, train_cfg=config.train
         )
@@ -244,7 +247,8 @@ def _eval_step(setup: strategies.Setup, model, loss_fn) -> Callable:
         )
 
     def eval_step(state: TrainState, batch: Batch) -> dict:
-        loss, aux = eval_loss(state["params"], batch)
+        with fp8.precision(setup.config.train.matmul_precision):
+            loss, aux = eval_loss(state["params"], batch)
         return {"loss": loss, **aux}
 
     return eval_step

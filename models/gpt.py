@@ -21,6 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxdist import fp8
 from jaxdist.errors import ConfigError
 from jaxdist.sharding import constrain
 from models import api
@@ -107,7 +108,7 @@ def block(
     mask = None if segments is None else api.segment_mask(segments[0], segments[0])
     with jax.named_scope("attention"):
         h = _norm(x, c("attn_norm"), lp.get("attn_norm_bias"))
-        qkv = jnp.einsum("btd,dcnh->cbtnh", h, c("wqkv"))  # [3, B, T, N, H]
+        qkv = fp8.einsum("btd,dcnh->cbtnh", h, c("wqkv"))  # [3, B, T, N, H]
         q, k, v = qkv[0], qkv[1], qkv[2]
         q = constrain(_rope(q, positions), ("batch", "length", "heads", "kv"))
         k = constrain(_rope(k, positions), ("batch", "length", "heads", "kv"))
@@ -115,12 +116,12 @@ def block(
         impl = attention_implementation(attention, q.dtype, q.shape[-1])
         o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
         o = constrain(o, ("batch", "length", "heads", "kv"))
-        x = x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ("batch", "length", "embed"))
+        x = x + constrain(fp8.einsum("btnh,nhd->btd", o, c("wo")), ("batch", "length", "embed"))
     with jax.named_scope("mlp"):
         h = _norm(x, c("mlp_norm"), lp.get("mlp_norm_bias"))
-        u = constrain(jnp.einsum("btd,df->btf", h, c("w_up")), ("batch", "length", "mlp"))
+        u = constrain(fp8.einsum("btd,df->btf", h, c("w_up")), ("batch", "length", "mlp"))
         u = _gelu(u)
-        x = x + constrain(jnp.einsum("btf,fd->btd", u, c("w_down")), ("batch", "length", "embed"))
+        x = x + constrain(fp8.einsum("btf,fd->btd", u, c("w_down")), ("batch", "length", "embed"))
     return x
 
 

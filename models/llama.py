@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdist import sharding
+from jaxdist import fp8, sharding
 from jaxdist.errors import ConfigError
 from jaxdist.sharding import constrain
 from models import api, attention, gpt, moe
@@ -156,9 +156,9 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
 def project_qkv(x, cfg, c) -> tuple[jax.Array, jax.Array, jax.Array]:
     """RMSNorm(x) [B, T, D] → q [B, T, N, H] and k, v [B, T, K, H], not yet rotated."""
     h = rms_norm(x, c("attn_norm"), cfg.norm_eps)
-    q = jnp.einsum("btd,dnh->btnh", h, c("wq"))
-    k = jnp.einsum("btd,dkh->btkh", h, c("wk"))
-    return q, k, jnp.einsum("btd,dkh->btkh", h, c("wv"))
+    q = fp8.einsum("btd,dnh->btnh", h, c("wq"))
+    k = fp8.einsum("btd,dkh->btkh", h, c("wk"))
+    return q, k, fp8.einsum("btd,dkh->btkh", h, c("wv"))
 
 
 def rotate_qk(q, k, v, positions, cfg) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -180,9 +180,9 @@ def qkv(lp, x, positions, cfg, c) -> tuple[jax.Array, jax.Array, jax.Array]:
 def _mlp(lp, x, cfg, c, normed=None):
     """x + SwiGLU(RMSNorm(x)) on [B, T, D] (`normed`: RMSNorm(x) already computed)."""
     h = rms_norm(x, c("mlp_norm"), cfg.norm_eps) if normed is None else normed
-    g = constrain(jnp.einsum("btd,df->btf", h, c("w_gate")), ("batch", "length", "mlp"))
-    u = constrain(jnp.einsum("btd,df->btf", h, c("w_up")), ("batch", "length", "mlp"))
-    out = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, c("w_down"))
+    g = constrain(fp8.einsum("btd,df->btf", h, c("w_gate")), ("batch", "length", "mlp"))
+    u = constrain(fp8.einsum("btd,df->btf", h, c("w_up")), ("batch", "length", "mlp"))
+    out = fp8.einsum("btf,fd->btd", jax.nn.silu(g) * u, c("w_down"))
     return x + constrain(out, ACT)
 
 
@@ -212,7 +212,7 @@ def attention_part(lp, x, cfg, positions, c, qkv=qkv, segments=None) -> jax.Arra
             seg, pos = segments
         q, k, v = qkv(lp, x, pos, cfg, c)
         o = constrain(_attend(q, k, v, positions, cfg, seg), HEADS)
-        return x + constrain(jnp.einsum("btnh,nhd->btd", o, c("wo")), ACT)
+        return x + constrain(fp8.einsum("btnh,nhd->btd", o, c("wo")), ACT)
 
 
 def block(

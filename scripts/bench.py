@@ -28,6 +28,11 @@ Studies:
   network   the same small GPT trained on emulated hosts (scripts/launch.py --network, needs root)
             per --methods and --links: step time, exposed communication, each host's link bytes
             per step (kernel) vs the HLO's, time to a target loss (scripts/network_study.py).
+  fp8       train.matmul_precision: the config trained --max_steps steps (300 by default here) at
+            `default` and at each of --precisions (fp8_all casts every block matmul; `fp8` skips
+            the small ones, which on the tiny models is all of them), final loss (mean of the last
+            10 steps) and held-out loss of each against `default` (the bar: +1%). On a CPU FP8 is
+            emulated: only the losses mean anything, not the step times (docs/FP8.md).
   context, moe  context and expert parallelism (scripts/bench_parallel.py): temp memory and step
             time vs sequence length for mesh.context 1/2/4/8; step time vs number of experts at
             equal active parameters, dropless vs capacity.
@@ -73,6 +78,7 @@ _STUDY = flags.DEFINE_enum(
         "context",
         "moe",
         "network",
+        "fp8",
     ],
     "Which benchmark.",
 )
@@ -821,6 +827,77 @@ def _train_row(engine, compiled, batches, steps: int) -> tuple[float, float]:
     return statistics.median(times[min(3, len(times) - 1) :]), float(np.mean(losses[-10:]))
 
 
+_PRECISIONS = flags.DEFINE_list(
+    "precisions", ["fp8_all"], "--study=fp8: train.matmul_precision values set against default."
+)
+
+
+def study_fp8(config) -> dict:
+    """Final train and held-out loss per train.matmul_precision against `default`."""
+    import jax
+
+    from jaxdist import data, mesh
+
+    ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    m = mesh.make_mesh(config.mesh)
+    steps = _MAX_STEPS.value if _MAX_STEPS.present else 300
+    out = {
+        "study": "fp8",
+        "device": jax.devices()[0].device_kind,
+        "mesh": mesh.mesh_shape(m),
+        "model": {k: config.model[k] for k in ("name", "num_layers", "d_model", "seq_len")},
+        "compute_dtype": config.train.compute_dtype,
+        "global_batch": config.train.batch_size,
+        "steps": steps,
+        "runs": [],
+    }
+    print(
+        f"{'precision':<12}{'step ms':>9}{'loss':>9}{'vs default':>12}{'eval':>9}{'vs default':>12}"
+    )
+    base = None
+    for precision in ["default", *_PRECISIONS.value]:
+        cfg = config.copy_and_resolve_references()
+        with cfg.unlocked():
+            cfg.train.steps, cfg.train.matmul_precision = steps, precision
+        engine, batches = _build(cfg, m, ds)
+        compiled = engine.train_step.lower(engine.abstract_state, batches.get(0)).compile()
+        step_time, final, eval_loss = _train_eval(engine, compiled, batches, ds, steps)
+        base = base or (final, eval_loss)
+        run = {
+            "precision": precision,
+            "step_time_s": step_time,
+            "final_loss": final,
+            "loss_vs_default": final / base[0] - 1,
+            "eval_loss": eval_loss,
+            "eval_vs_default": eval_loss / base[1] - 1,
+        }
+        out["runs"].append(run)
+        print(
+            f"{precision:<12}{step_time * 1e3:>9.1f}{final:>9.4f}{run['loss_vs_default']:>+12.2%}"
+            f"{eval_loss:>9.4f}{run['eval_vs_default']:>+12.2%}",
+            flush=True,
+        )
+    return out
+
+
+def _train_eval(engine, compiled, batches, ds, steps: int) -> tuple[float, float, float]:
+    """`_train_row`'s (step time, final loss), and the mean held-out loss of 8 validation
+    batches after training (the same batches for every precision)."""
+    import jax
+    import numpy as np
+
+    state, times, losses = engine.init(), [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        state, mets = compiled(state, batches.get(step))
+        jax.block_until_ready(mets)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(mets["loss"]))
+    evals = [float(engine.eval_step(state, batches.get(i, "val"))["loss"]) for i in range(8)]
+    step_time = statistics.median(times[min(3, len(times) - 1) :])
+    return step_time, float(np.mean(losses[-10:])), float(np.mean(evals))
+
+
 def study_compression(config) -> dict:
     """Bytes, step time and loss per compressor; --max_steps=0 compiles only (bytes, no loss)."""
     import jax
@@ -951,6 +1028,7 @@ def main(argv):
         "compression": study_compression,
         "aggregation": study_aggregation,
         "network": study_network,
+        "fp8": study_fp8,
         "context": lambda c: bench_parallel.study_context(
             c, [int(t) for t in _LENGTHS.value], _STEPS.value, _WARMUP.value
         ),

@@ -143,6 +143,20 @@ SHORTENED = {
         "--max_steps=4",
         "the default job's 300 steps twice (float32, bfloat16 moments) take minutes on 2 cores",
     ),
+    "python scripts/bench.py --study=fp8 --out=docs/data/fp8_default.json": (
+        "--max_steps=2",
+        "300 steps at two precisions take minutes on CPU; 2 steps run the same study",
+    ),
+    "python scripts/bench.py --study=fp8 --config=configs/llama_tiny.py "
+    "--out=docs/data/fp8_llama_tiny.json": (
+        "--max_steps=2",
+        "300 steps at two precisions take minutes on CPU; 2 steps run the same study",
+    ),
+    "python scripts/train.py --config=configs/llama_tiny.py "
+    "--config.train.matmul_precision=fp8_all --workdir=runs/llama_fp8": (
+        "--config.train.steps=2",
+        "llama_tiny's 200 steps",
+    ),
     "python scripts/bench.py --study=compression --config.mesh.data=8 --config.mesh.fsdp=1 "
     "--config.mesh.tensor=1 --max_steps=200": (
         "--max_steps=2 --methods=none,int8",

@@ -15,7 +15,8 @@ import models
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("jaxdist", "models")
 # What a model may import from the library (logical-axis helpers, and the one error type).
-MODEL_MAY_IMPORT = {"jaxdist.sharding", "jaxdist.errors"}
+# jaxdist.fp8: the blocks' einsum at `train.matmul_precision`, the one compute helper beside sharding.
+MODEL_MAY_IMPORT = {"jaxdist.sharding", "jaxdist.errors", "jaxdist.fp8"}
 # What in models/ is not a model family: the registry and the protocol.
 NOT_A_FAMILY = {"models", "models.api", "models.attention", "models.moe"}
 
@@ -210,7 +211,14 @@ LAYERS = (
         "jaxdist.tokenizer",
         "jaxdist.token_shards",
     },
-    {"jaxdist.sharding", "jaxdist.mesh", "jaxdist.schema", "jaxdist.recipes", "jaxdist.xla_flags"},
+    {
+        "jaxdist.sharding",
+        "jaxdist.mesh",
+        "jaxdist.schema",
+        "jaxdist.recipes",
+        "jaxdist.xla_flags",
+        "jaxdist.fp8",  # train.matmul_precision: the blocks' FP8 einsum, read by the models
+    },
     {"jaxdist.aligned_switch"},  # lax.switch with as many collective-permutes in every branch
     {"jaxdist", "jaxdist.errors", "jaxdist.compression_fields"},
 )

@@ -1,0 +1,153 @@
+"""FP8 matmuls for the transformer blocks (`train.matmul_precision`), dynamic per-tensor scaling.
+
+The recipe is torchao's "tensorwise" Float8 training with power-of-two scales
+(`Float8LinearConfig(round_scales_to_power_of_2=True)`), written as the quantize-dequantize
+pattern XLA's GPU GEMM rewriter turns into cuBLASLt FP8 GEMMs (as Flax's `linen.fp8_ops` does):
+for y = x·w,
+
+  forward   s_x = 2^⌊log2(448 / amax(|x|))⌋, s_w likewise    (float32; e4m3's max is 448)
+            x8 = e4m3(clip(x·s_x, ±448)), w8 = e4m3(clip(w·s_w, ±448))   (round to nearest even)
+            y  = (x8 / s_x) · (w8 / s_w)                          (a dot in the compute dtype)
+  backward  s_g = 2^⌊log2(57344 / amax(|g|))⌋, g8 = e5m2(clip(g·s_g, ±57344))
+            dx = (g8 / s_g) · (w8 / s_w)ᵀ,  dw = (x8 / s_x)ᵀ · (g8 / s_g)
+
+Power-of-two scales make the dequantize q / s exact in bf16 as in float32 (a bf16 copy of
+448 / amax would be off by up to 2⁻⁹, the same way for every element of the tensor), at the cost of
+up to one bit of the FP8 range. Scales are "current" (computed from the tensor being cast, every
+step): there is no state to checkpoint, reshard or resume. The backward keeps x8 and w8 (one byte an element) and reuses them,
+as torchao's tensorwise recipe does. Under sharding the amax is a global max (XLA adds the
+all-reduce), so the result does not depend on the layout; inside a pipeline stage it is the stage's
+microbatch's, as under `train.grad_accum`.
+
+What runs in FP8 is decided per matmul from its global shapes, K the contracted size and N the
+weight's output size: `fp8` follows torchao's `_auto_filter_for_tensorwise` (skip when K or N is not
+a multiple of 16, or K <= 4096 and N <= 1024, where on an H100 the casts cost more than the faster
+GEMM saves); `fp8_all` casts every block matmul whose K and N are multiples of 16 (for studies of
+the numerics on small models). The embedding, the vocabulary head, norms, the MoE router and
+experts, and attention's own products never call `einsum` here and stay in the compute dtype.
+
+The mode is read at trace time from `precision(...)`, which the train and eval steps enter
+(jaxdist/train.py); outside it every call is a plain `jnp.einsum`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("default", "fp8", "fp8_all")
+E4M3 = jnp.float8_e4m3fn  # inputs and weights
+E5M2 = jnp.float8_e5m2  # output gradients
+EPS = 1e-12  # amax floor (torchao's `EPS`): an all-zero tensor gets a finite scale
+MIN_K, MIN_N = 4096, 1024  # `fp8` skips a matmul with K <= MIN_K and N <= MIN_N
+ALIGN = 16  # FP8 GEMMs need K and N multiples of 16
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def precision(mode: str) -> Iterator[None]:
+    """Runs the block matmuls traced inside it at `mode` (one of `MODES`)."""
+    if mode not in MODES:
+        raise ValueError(f"matmul precision {mode!r} is not one of {MODES}")
+    old = getattr(_state, "mode", "default")
+    _state.mode = mode
+    try:
+        yield
+    finally:
+        _state.mode = old
+
+
+def current() -> str:
+    """The mode of the innermost `precision` block ("default" outside any)."""
+    return getattr(_state, "mode", "default")
+
+
+def _sizes(spec: str, x_shape, w_shape) -> tuple[int, int]:
+    """(K, N) of `spec` "x,w->y": K the product of the contracted dims, N of w's kept dims."""
+    ins, out = spec.replace(" ", "").split("->")
+    xs, ws = ins.split(",")
+    dim = dict(zip(xs, x_shape, strict=True)) | dict(zip(ws, w_shape, strict=True))
+    k = n = 1
+    for c in ws:
+        if c in xs and c not in out:
+            k *= dim[c]
+        elif c in out:
+            n *= dim[c]
+    return k, n
+
+
+def eligible(mode: str, k: int, n: int) -> bool:
+    """Whether a matmul of contracted size `k` and output size `n` runs in FP8 at `mode`."""
+    if mode == "default" or k % ALIGN or n % ALIGN:
+        return False
+    return mode == "fp8_all" or not (k <= MIN_K and n <= MIN_N)
+
+
+def scale(x: jax.Array, dtype) -> jax.Array:
+    """float32 s = max(dtype) / max(amax(|x|), EPS) rounded down to a power of two: x·s spans
+    the upper half of the FP8 range or more, and q / s is exact in any float dtype."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    s = jnp.float32(jnp.finfo(dtype).max) / jnp.maximum(amax, EPS)
+    _, e = jnp.frexp(s)  # s = m·2^e, m in [0.5, 1): the power of two at or below s is 2^(e-1)
+    return jnp.ldexp(jnp.float32(1), e - 1)
+
+
+def quantize(x: jax.Array, dtype, s: jax.Array) -> jax.Array:
+    """x·s in float32, saturated to ±max(dtype), rounded to `dtype` (nearest even)."""
+    fmax = jnp.float32(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) * s, -fmax, fmax).astype(dtype)
+
+
+def dequantize(q: jax.Array, s: jax.Array, dtype) -> jax.Array:
+    """q / s in `dtype`: the form XLA folds into the FP8 GEMM's scale operands."""
+    return q.astype(dtype) / s.astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    return _fp8_fwd(spec, x, w)[0]
+
+
+def _fp8_fwd(spec, x, w):
+    sx, sw = scale(x, E4M3), scale(w, E4M3)
+    x8, w8 = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
+    y = jnp.einsum(spec, dequantize(x8, sx, x.dtype), dequantize(w8, sw, w.dtype))
+    # Zero-size markers carry the operands' dtypes (residuals must be arrays).
+    return y, (x8, sx, w8, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _fp8_bwd(spec, res, g):
+    x8, sx, w8, sw, xdt, wdt = res
+    sg = scale(g, E5M2)
+    g8 = dequantize(quantize(g, E5M2, sg), sg, g.dtype)
+    # Both gradient matmuls are the einsum's transposes on the dequantized FP8 operands.
+    _, vjp = jax.vjp(
+        lambda a, b: jnp.einsum(spec, a, b),
+        dequantize(x8, sx, xdt.dtype),
+        dequantize(w8, sw, wdt.dtype),
+    )
+    return vjp(g8)
+
+
+_fp8_einsum.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+def einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` for a block's activation `x` and weight `w`, in FP8 when the
+    current `precision` mode and the matmul's sizes (`eligible`) say so.
+
+    Args:
+      spec: a two-operand einsum, activation first, e.g. "btd,df->btf".
+      x: the activations (e4m3 forward, cast per tensor).
+      w: the weight (e4m3, cast per tensor).
+    """
+    mode = current()
+    if mode == "default" or not eligible(mode, *_sizes(spec, x.shape, w.shape)):
+        return jnp.einsum(spec, x, w)
+    return _fp8_einsum(spec, x, w)
