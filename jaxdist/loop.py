@@ -26,11 +26,9 @@ from jaxdist import (
     checkpoint,
     data,
     goodput,
-    hlo_cost,
     job_goodput,
     metrics,
     optim,
-    pipeline,
     train,
     weights,
     workdir_lock,
@@ -49,8 +47,10 @@ from jaxdist.console import (
     summary,
 )
 from jaxdist.errors import ConfigError, NonFiniteError
+from jaxdist.layout_record import layout_changed, layout_record
 from jaxdist.network import counters
 from jaxdist.preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption, preempted_exit_code
+from jaxdist.step_guard import Rollback, StepGuard, fault_batch
 
 log = logging.getLogger("jaxdist")
 
@@ -68,84 +68,6 @@ __all__ = [
     "summary",
 ]
 _fmt_duration = fmt_duration  # tests/test_console.py reads it as loop._fmt_duration
-
-
-def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
-    """What the compiled step costs per device: memory (memory_analysis) and collective bytes (HLO)."""
-    st = engine.abstract_state
-    mem = compiled.memory_analysis()
-    local_steps = config.grad_sync.local_steps if "local" in st else 1
-    shard_bytes = lambda tree: sum(
-        int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
-        for x in jax.tree.leaves(tree)
-    )
-    phases, busiest = metrics.collective_phases(
-        compiled.as_text(),
-        mesh_lib.mesh_shape(engine.mesh),
-        [d.process_index for d in engine.mesh.devices.flat],
-        conditional_period=local_steps,
-    )
-    record: dict[str, Any] = {
-        "mesh": mesh_lib.mesh_shape(engine.mesh),
-        "devices": jax.device_count(),
-        "device_kind": jax.devices()[0].device_kind,
-        "processes": jax.process_count(),
-        "model": config.model.name,
-        "params_total": engine.num_params,
-        "bytes_per_device": {
-            "params": shard_bytes(st["params"]),
-            "opt_state": shard_bytes(st["opt_state"]),
-            "temp": int(mem.temp_size_in_bytes) if mem is not None else None,
-            "arguments": int(mem.argument_size_in_bytes) if mem is not None else None,
-            "outputs": int(mem.output_size_in_bytes) if mem is not None else None,
-            "aliased": int(mem.alias_size_in_bytes) if mem is not None else None,
-        },
-        # Local SGD averages inside a conditional taken every H-th step: bytes are per step on average.
-        "collective_bytes_per_step": metrics.collective_bytes(
-            compiled.as_text(), conditional_period=local_steps
-        ),
-        # Per phase (kind × mesh axes × tier): op executions per step and the busiest device's
-        # sent + received bytes (a parameter server's hot spot); their per-step total below.
-        "collective_phases": phases,
-        "busiest_device_bytes_per_step": busiest,
-        # What each process sends to other processes (its host's link, one process per host).
-        "cross_process_bytes_per_step": hlo_cost.cross_host_bytes(
-            compiled.as_text(),
-            [d.process_index for d in engine.mesh.devices.flat],
-            conditional_period=local_steps,
-        ),
-        "global_batch": config.train.batch_size,
-        "grad_accum": config.train.grad_accum,
-        "compute_dtype": config.train.compute_dtype,
-        "remat": config.train.remat,
-    }
-    # compressor / local SGD / staleness / streaming DiLoCo state
-    for key in ("grad_sync", "local", "in_flight", "outer_pending"):
-        if key in st:
-            record["bytes_per_device"][f"{key}_state"] = shard_bytes(st[key])
-    if "grad_sync" in st:  # what compression saves against an f32 ring all-reduce of the grads
-        r = engine.mesh.shape["data"]
-        f32 = shard_bytes(jax.tree.map(lambda x: x.update(dtype=jnp.float32), st["params"]))
-        dense = 2 * (r - 1) / r * f32
-        sent = sum(record["collective_bytes_per_step"].values())
-        record["grad_sync"] = {
-            "compression": config.grad_sync.compression,
-            "f32_all_reduce_bytes_per_step": dense,
-            "bytes_saved_per_step": dense - sent,
-        }
-    if local_steps > 1:
-        record["local_steps"] = local_steps
-    if engine.schedule is not None:
-        # The table bubble assumes unit-time ticks; the lock-step cost is what the program runs.
-        record["pipeline"] = {**engine.schedule.describe(), **pipeline.step_cost(engine, compiled)}
-        record["bubble_fraction"] = engine.schedule.bubble_fraction
-    family = engine.family
-    if family.tokens_per_example is not None:
-        tokens = family.tokens_per_example(config.model)
-        record["tokens_per_step"] = config.train.batch_size * tokens
-    if family.flops_per_token is not None:
-        record["flops_per_token"] = family.flops_per_token(config.model, st["params"])
-    return record
 
 
 # What a resume must keep, and why. Everything else may change: the learning rate and the other
@@ -216,103 +138,6 @@ class Hook:
 
     def due(self, step: int, last_step: int) -> bool:
         return (self.every > 0 and step % self.every == 0) or (self.at_end and step == last_step)
-
-
-class _FiniteGuard:
-    """Judges each step's finiteness once: stops (on_nonfinite=stop) or reports a skipped update."""
-
-    def __init__(
-        self,
-        train_cfg,
-        ckpt: checkpoint.Checkpointer,
-        say: Callable[[str], None],
-        start,
-        record: Callable[[int, dict[str, Any]], None] = lambda step, rec: None,
-    ):
-        self.t, self.ckpt, self.say, self.record = train_cfg, ckpt, say, record
-        self.through, self.in_a_row = start, 0  # last step judged; skips in a row
-        self.rollbacks = 0  # train.on_spike=rollback: spikes rolled back in this run
-
-    def check(self, m, at_step: int) -> None:
-        if at_step <= self.through:
-            return
-        self.through = at_step
-        if bool(m["finite"]):
-            if "spike" in m and bool(m["spike"]):
-                self._spike(m, at_step)
-            else:
-                self.in_a_row = 0
-            return
-        good = self.ckpt.latest_step()
-        last_good = f"step {good} in {self.ckpt.directory}" if good is not None else "none"
-        if self.t.on_nonfinite == "stop":
-            raise NonFiniteError(
-                f"non-finite loss or gradient at step {at_step}; last good checkpoint: "
-                f"{last_good} (set train.on_nonfinite=skip to drop such updates)"
-            )
-        self.in_a_row += 1
-        n = self.in_a_row
-        self.say(
-            f"step {at_step}: non-finite loss or gradient, update skipped ({n} in a row; "
-            f"stopping at train.max_skipped={self.t.max_skipped})"
-        )
-        if n >= self.t.max_skipped:
-            raise NonFiniteError(
-                f"{n} non-finite steps in a row ({at_step - n + 1} to {at_step}), each update "
-                f"skipped: stopped at train.max_skipped={self.t.max_skipped}; last good "
-                f"checkpoint: {last_good} (lower train.learning_rate, or raise train.max_skipped)"
-            )
-
-    def _spike(self, m, at_step: int) -> None:
-        """One line and a `spike` record; `train.max_skipped` spikes in a row stop the run."""
-        self.in_a_row += 1
-        rollback = self.t.on_spike == "rollback"
-        self.rollbacks += rollback
-        n = self.rollbacks if rollback else self.in_a_row
-        loss, limit = float(m["loss"]), float(m["spike_threshold"])
-        what = f"rolling back ({n} rollbacks" if rollback else f"update skipped ({n} in a row"
-        self.say(
-            f"step {at_step}: loss spike {loss:.4g} > {limit:.4g} (running mean + "
-            f"{self.t.spike_k:g} running std), {what}; stopping at "
-            f"train.max_skipped={self.t.max_skipped})"
-        )
-        self.record(
-            at_step,
-            {"kind": "spike", "loss": loss, "threshold": limit, "action": self.t.on_spike},
-        )
-        if rollback and n >= self.t.max_skipped:
-            raise NonFiniteError(
-                f"{n} loss spikes, each rolled back: stopped at train.max_skipped="
-                f"{self.t.max_skipped} (lower train.learning_rate, raise train.spike_k or "
-                "train.max_skipped)"
-            )
-        if rollback:
-            raise _Rollback(at_step)
-        if n >= self.t.max_skipped:
-            raise NonFiniteError(
-                f"{n} loss spikes in a row ({at_step - n + 1} to {at_step}), each update "
-                f"skipped: stopped at train.max_skipped={self.t.max_skipped} (lower "
-                f"train.learning_rate, raise train.spike_k or train.max_skipped)"
-            )
-
-
-def _fault_batch(batch: dict[str, Any], index: int, vocab_size: int) -> dict[str, Any]:
-    """The fault hook of the spike tests: `JAXDIST_FAULT_NOISE_AT=7,9` makes batches 7 and 9 of
-    the data order noise (0-based; step s trains on batch s - 1 unless a rollback skipped some):
-    random token ids from the upper half of the vocabulary, bytes text rarely holds (inputs and
-    targets); random normal inputs for a model that reads floats."""
-    at = os.environ.get("JAXDIST_FAULT_NOISE_AT", "")
-    if str(index) not in at.split(","):
-        return batch
-    rng = np.random.default_rng(index)
-    out = dict(batch)
-    for key, x in batch.items():
-        if jnp.issubdtype(x.dtype, jnp.integer):
-            noise = rng.integers(vocab_size // 2, vocab_size, size=x.shape).astype(x.dtype)
-        else:
-            noise = rng.standard_normal(x.shape).astype(x.dtype)
-        out[key] = jax.make_array_from_callback(x.shape, x.sharding, lambda i, n=noise: n[i])
-    return out
 
 
 class _Profiler:
@@ -474,14 +299,6 @@ class _DataOrder:
         self.skips = sorted({*self.skips, index})
 
 
-class _Rollback(Exception):
-    """A loss spike at `step` under `train.on_spike=rollback`: return to the fast tier."""
-
-    def __init__(self, step: int):
-        super().__init__(f"loss spike at step {step}")
-        self.step = step
-
-
 @dataclasses.dataclass
 class _Setup:
     """What `run` builds before the first step."""
@@ -619,11 +436,11 @@ def _train(
     if main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(setup.cfg_json, f, indent=2, sort_keys=True)
-        if start == 0 or _layout_changed(workdir, record):
+        if start == 0 or layout_changed(workdir, record):
             writer.write_layout(record)
         print(summary(record), flush=True)
     console = Console(main, t.steps, start)
-    guard = _FiniteGuard(t, ckpt, console.say, start, writer.write_step)
+    guard = StepGuard(t, ckpt, console.say, start, writer.write_step)
     logger = _Logger(config, record, writer, console, guard, start, clock)
     evaluate = _Evaluator(engine, batches, t.eval_batches)
     hooks = [
@@ -672,7 +489,7 @@ def _train(
                 profiler.before(step)
                 with clock.charge("data"):
                     index = setup.order.index(step)
-                    batch = _fault_batch(batches.get(index), index, config.model.vocab_size)
+                    batch = fault_batch(batches.get(index), index, config.model.vocab_size)
                 state, m = compiled(state, batch)
                 step += 1
                 ends.step = step  # before the hooks: a preemption's checkpoint hook stops the run
@@ -681,7 +498,7 @@ def _train(
                     for hook in hooks:
                         if hook.due(step, t.steps):
                             hook.fn(step, state, m)
-                except _Rollback as spike:
+                except Rollback as spike:
                     state, step = _rollback(engine, setup, console, writer, clock, spike.step)
                     ends.redone += spike.step - 1 - step  # trained again: recomputed
                     guard.through, logger.prev = step, None
@@ -693,21 +510,6 @@ def _train(
         setup.preemption.restore()
         console.close()
         writer.close()
-
-
-def _layout_changed(workdir: str, record: dict[str, Any]) -> bool:
-    """Whether a resumed run's program differs from the last `layout` record (an elastic restart on
-    fewer devices, another mesh): it then gets a record of its own."""
-    last = None
-    try:
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            for line in f:
-                if '"kind": "layout"' in line:
-                    last = json.loads(line)
-    except (OSError, json.JSONDecodeError):
-        return True
-    keys = ("mesh", "devices", "processes", "bytes_per_device", "collective_bytes_per_step")
-    return last is None or any(last.get(k) != record.get(k) for k in keys)
 
 
 def _checkpoint(engine, ckpt, guard, console, clock, step: int, state, m, position: int) -> None:
@@ -776,7 +578,7 @@ def _finish(
     ckpt, clock = setup.ckpt, ends.clock
     try:
         logger.judge_previous(step + 1, None)
-    except _Rollback:  # no step is left to train after it: the last update is kept
+    except Rollback:  # no step is left to train after it: the last update is kept
         console.say(f"step {step}: the last step spiked; nothing left to roll back into, kept")
     with clock.charge("eval"):
         final_eval = evaluate(state)

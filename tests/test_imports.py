@@ -165,6 +165,8 @@ LAYERS = (
         "jaxdist.strategies",
         "jaxdist.state",
         "jaxdist.spikes",  # train.on_spike: the loss-spike detector, a state entry
+        "jaxdist.step_guard",  # a non-finite or spiking step: stop, skip or roll back
+        "jaxdist.layout_record",  # the compiled step's `layout` record
         "jaxdist.staleness",  # grad_sync.staleness: a state entry around a strategy's gradients
         "jaxdist.streaming",  # streaming DiLoCo: a local SGD step built on collectives
         "jaxdist.plan",  # the planner package, its modules beside it
