@@ -85,27 +85,16 @@ def generate(
     prompts: list[list[int]],
     max_new_tokens: int,
     *,
-    sampling: Sampling = Sampling(),
-    eos_id: int | None = None,
     seed: int = 0,
-    mesh: Mesh | None = None,
-    cache_dtype=jnp.float32,
+    **options: Any,
 ) -> Result:
     """New tokens for each prompt (lists of ids), batched; `params` already on `mesh`'s devices.
 
-    On `mesh`, rows are split over `data` and attention heads over `tensor` (the same logical
-    rules as training); the prompts' count must then divide by mesh.data.
+    `options`: `prepare`'s (sampling, eos_id, mesh, cache_dtype). On `mesh`, rows are split over
+    `data` and attention heads over `tensor` (the same logical rules as training); the prompts'
+    count must then divide by mesh.data.
     """
-    return prepare(
-        decoder,
-        params,
-        prompts,
-        max_new_tokens,
-        sampling=sampling,
-        eos_id=eos_id,
-        mesh=mesh,
-        cache_dtype=cache_dtype,
-    )(seed)
+    return prepare(decoder, params, prompts, max_new_tokens, **options)(seed)
 
 
 def prepare(

@@ -112,11 +112,7 @@ def run(args: argparse.Namespace) -> dict:
     note = _trainer_comparison(args, src, run_source, seq_len)
     if note:
         print(note)
-    if args.out:  # whole or not at all
-        tmp = f"{args.out}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(tmp, args.out)
+    _write(args.out, result)
     return result
 
 
@@ -163,12 +159,17 @@ def run_lm_eval(args: argparse.Namespace) -> dict:
     print(f"{args.checkpoint} ({what}), lm-eval {','.join(names)}: {seconds:.1f} s")
     result = {"checkpoint": args.checkpoint, "step": lm.src.step, "lm_eval": scores,
               "items": counts, "seconds": seconds}  # fmt: skip
-    if args.out:  # whole or not at all
-        tmp = f"{args.out}.tmp-{os.getpid()}"
+    _write(args.out, result)
+    return result
+
+
+def _write(out: str, result: dict) -> None:
+    """`result` as JSON to `out` (if given), whole or not at all."""
+    if out:
+        tmp = f"{out}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(result, f, indent=2)
-        os.replace(tmp, args.out)
-    return result
+        os.replace(tmp, out)
 
 
 def _defaults_from_run(args: argparse.Namespace, src) -> None:
