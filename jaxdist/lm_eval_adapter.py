@@ -45,7 +45,7 @@ from lm_eval.models.utils import (  # noqa: E402
 )
 
 import models  # noqa: E402
-from jaxdist import generate, sharding, token_shards, weights  # noqa: E402
+from jaxdist import data, generate, sharding, token_shards, weights  # noqa: E402
 from jaxdist import tokenizer as tokenizer_lib  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
 
@@ -274,8 +274,6 @@ class JaxdistLM(TemplateLM):
     @staticmethod
     def _tokenizer(src):
         """The folder's tokenizer.json, or UTF-8 bytes for a run that trained on bytes."""
-        from jaxdist import data
-
         path = src.file("tokenizer.json")
         if path is not None:
             return tokenizer_lib.load(path), path
