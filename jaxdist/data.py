@@ -448,72 +448,14 @@ def _load_one(src: str, data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
         tr_docs, va_docs = _split_docs(starts, len(train))
         return Dataset("tokens", train, val, vocab_size=256, train_docs=tr_docs, val_docs=va_docs)
     if src == "digits":
-        try:
-            from sklearn.datasets import load_digits
-        except ImportError as e:
-            raise ConfigError(
-                "data.source='digits' needs scikit-learn: pip install -e '.[digits]'"
-            ) from e
-        d = load_digits()
-        images = (d.images / 16.0).astype(np.float32)
-        tr, va = _split(images, vf)
-        ltr, lva = _split(d.target.astype(np.int32), vf)
-        return Dataset("images", tr, va, ltr, lva)
+        return _load_digits(vf)
     if not os.path.exists(src):
         raise ConfigError(f"data.source={src!r}: no such file or directory (or use 'stdlib')")
     if src.endswith(".npz"):
-        try:
-            with np.load(src, allow_pickle=False) as f:
-                if "images" not in f or "labels" not in f:
-                    raise ConfigError(
-                        f"data.source={src!r}: an .npz needs arrays 'images' and 'labels', has {sorted(f.files)}"
-                    )
-                images, labels = f["images"], f["labels"]
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-            raise ConfigError(f"data.source={src!r}: not a readable .npz ({e})") from None
-        labels = _checked_images(src, images, labels)
-        if images.dtype == np.uint8:
-            images = images.astype(np.float32) / 255.0
-        tr, va = _split(images.astype(np.float32), vf)
-        ltr, lva = _split(labels, vf)
-        return Dataset("images", tr, va, ltr, lva)
+        return _load_npz(src, vf)
     bin_train = src if src.endswith(".bin") else os.path.join(src, "train.bin")
     if os.path.isfile(bin_train):
-        index = _token_index(os.path.dirname(bin_train), vocab_size)
-        dtype = np.dtype(np.uint16 if index is None else index["dtype"])
-        _check_token_file(src, bin_train, dtype)
-        tokens = np.memmap(bin_train, dtype=dtype, mode="r")
-        val_path = os.path.join(os.path.dirname(bin_train), "val.bin")
-        files = [bin_train]
-        starts = _load_docs(src, bin_train, len(tokens))
-        if os.path.isfile(val_path) and val_path != bin_train:
-            _check_token_file(src, val_path, dtype)
-            train, val = tokens, np.memmap(val_path, dtype=dtype, mode="r")
-            files.append(val_path)
-            val_docs = _load_docs(src, val_path, len(val))
-            docs = (starts, val_docs) if starts is not None and val_docs is not None else None
-        else:
-            train, val = _split(tokens, vf)
-            docs = None if starts is None else _split_docs(np.asarray(starts), len(train))
-        for path in files:  # every token, not a sample: one bad id turns the loss into NaN
-            _check_token_ids(src, path, dtype, vocab_size)
-        for name, arr in (("train", train), ("validation", val)):
-            if len(arr) <= seq_len + 1:
-                raise ConfigError(
-                    f"data.source={src!r}: the {name} split has {len(arr)} tokens, fewer than "
-                    f"model.seq_len+1={seq_len + 1}"
-                )
-        return Dataset(
-            "tokens",
-            train,
-            val,
-            vocab_size=vocab_size,
-            train_docs=None if docs is None else docs[0],
-            val_docs=None if docs is None else docs[1],
-            docs_hint=f"it has no {docs_path(bin_train)} (the document index that "
-            "scripts/tokenize.py writes beside each shard); re-tokenize the text with "
-            "scripts/tokenize.py, or set data.packing=windows",
-        )
+        return _load_token_shards(src, bin_train, vf, seq_len=seq_len, vocab_size=vocab_size)
     tokens, starts = _read_text_files(src, data_cfg.max_bytes, None)
     train, val = _split(tokens, vf)
     if len(val) <= seq_len + 1 or len(train) <= seq_len + 1:
@@ -528,6 +470,82 @@ def _load_one(src: str, data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
         warnings=[warning] if warning else [],
         train_docs=tr_docs,
         val_docs=va_docs,
+    )
+
+
+def _load_digits(vf: float) -> Dataset:
+    """scikit-learn's 8×8 digits (the `digits` extra), scaled to [0, 1]."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as e:
+        raise ConfigError(
+            "data.source='digits' needs scikit-learn: pip install -e '.[digits]'"
+        ) from e
+    d = load_digits()
+    images = (d.images / 16.0).astype(np.float32)
+    tr, va = _split(images, vf)
+    ltr, lva = _split(d.target.astype(np.int32), vf)
+    return Dataset("images", tr, va, ltr, lva)
+
+
+def _load_npz(src: str, vf: float) -> Dataset:
+    """An `.npz` of `images` and `labels` (no pickle), uint8 images scaled to [0, 1]."""
+    try:
+        with np.load(src, allow_pickle=False) as f:
+            if "images" not in f or "labels" not in f:
+                raise ConfigError(
+                    f"data.source={src!r}: an .npz needs arrays 'images' and 'labels', has {sorted(f.files)}"
+                )
+            images, labels = f["images"], f["labels"]
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise ConfigError(f"data.source={src!r}: not a readable .npz ({e})") from None
+    labels = _checked_images(src, images, labels)
+    if images.dtype == np.uint8:
+        images = images.astype(np.float32) / 255.0
+    tr, va = _split(images.astype(np.float32), vf)
+    ltr, lva = _split(labels, vf)
+    return Dataset("images", tr, va, ltr, lva)
+
+
+def _load_token_shards(
+    src: str, bin_train: str, vf: float, *, seq_len: int, vocab_size: int
+) -> Dataset:
+    """Memory-mapped token shards (`train.bin`, `val.bin` or a split of the one file), every id
+    checked against the vocabulary, with their document index when there is one."""
+    index = _token_index(os.path.dirname(bin_train), vocab_size)
+    dtype = np.dtype(np.uint16 if index is None else index["dtype"])
+    _check_token_file(src, bin_train, dtype)
+    tokens = np.memmap(bin_train, dtype=dtype, mode="r")
+    val_path = os.path.join(os.path.dirname(bin_train), "val.bin")
+    files = [bin_train]
+    starts = _load_docs(src, bin_train, len(tokens))
+    if os.path.isfile(val_path) and val_path != bin_train:
+        _check_token_file(src, val_path, dtype)
+        train, val = tokens, np.memmap(val_path, dtype=dtype, mode="r")
+        files.append(val_path)
+        val_docs = _load_docs(src, val_path, len(val))
+        docs = (starts, val_docs) if starts is not None and val_docs is not None else None
+    else:
+        train, val = _split(tokens, vf)
+        docs = None if starts is None else _split_docs(np.asarray(starts), len(train))
+    for path in files:  # every token, not a sample: one bad id turns the loss into NaN
+        _check_token_ids(src, path, dtype, vocab_size)
+    for name, arr in (("train", train), ("validation", val)):
+        if len(arr) <= seq_len + 1:
+            raise ConfigError(
+                f"data.source={src!r}: the {name} split has {len(arr)} tokens, fewer than "
+                f"model.seq_len+1={seq_len + 1}"
+            )
+    return Dataset(
+        "tokens",
+        train,
+        val,
+        vocab_size=vocab_size,
+        train_docs=None if docs is None else docs[0],
+        val_docs=None if docs is None else docs[1],
+        docs_hint=f"it has no {docs_path(bin_train)} (the document index that "
+        "scripts/tokenize.py writes beside each shard); re-tokenize the text with "
+        "scripts/tokenize.py, or set data.packing=windows",
     )
 
 

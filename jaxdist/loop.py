@@ -417,17 +417,7 @@ def _train(
     """The steps from `start` to `train.steps`, with the hooks on their cadence."""
     engine, batches, ckpt, t = setup.engine, setup.batches, setup.ckpt, config.train
     main = jax.process_index() == 0
-    shapes = batches.global_shapes()
-    dtypes = {k: jnp.int32 for k in shapes}  # token ids, labels, segment ids, positions
-    dtypes["inputs"] = jnp.int32 if batches.ds.kind == "tokens" else jnp.float32
-    abstract_batch = engine.abstract_batch(shapes, dtypes)
-    if main:
-        print("compiling the train step ...", flush=True)
-    t0 = time.perf_counter()
-    with clock.charge("compile"):
-        compiled = engine.train_step.lower(engine.abstract_state, abstract_batch).compile()
-    if main:
-        print(f"compiled in {time.perf_counter() - t0:.1f}s", flush=True)
+    compiled = _compile_step(engine, batches, clock, main)
     redone = _steps_logged_past(workdir, start)  # a restart from scratch redoes steps too
     record = layout_record(engine, compiled, config)
     for extra in layout_extras:
@@ -443,6 +433,61 @@ def _train(
     guard = StepGuard(t, ckpt, console.say, start, writer.write_step)
     logger = _Logger(config, record, writer, console, guard, start, clock)
     evaluate = _Evaluator(engine, batches, t.eval_batches)
+    hooks = _hooks(config, setup, start, logger, console, guard, evaluate, writer, clock)
+    unit = "tok" if logger.rate_key == "tokens_per_s" else "ex"
+    ends = _RunEnd(writer, clock, start, redone, (logger.per_step_items, unit))
+    profiler = _Profiler(config.profile.steps, workdir)
+    setup.preemption.install()
+    step = start
+    try:
+        with clock.charge("productive"):
+            while step < t.steps:
+                profiler.before(step)
+                with clock.charge("data"):
+                    index = setup.order.index(step)
+                    batch = fault_batch(batches.get(index), index, config.model.vocab_size)
+                state, m = compiled(state, batch)
+                step += 1
+                ends.step = step  # before the hooks: a preemption's checkpoint hook stops the run
+                profiler.after(step, m)
+                try:
+                    for hook in hooks:
+                        if hook.due(step, t.steps):
+                            hook.fn(step, state, m)
+                except Rollback as spike:
+                    state, step = _rollback(engine, setup, console, writer, clock, spike.step)
+                    ends.redone += spike.step - 1 - step  # trained again: recomputed
+                    guard.through, logger.prev = step, None
+        return _finish(config, workdir, setup, logger, console, step, state, evaluate, ends)
+    except Preempted:
+        ends.write()
+        raise
+    finally:
+        setup.preemption.restore()
+        console.close()
+        writer.close()
+
+
+def _compile_step(engine, batches, clock: goodput.Clock, main: bool):
+    """The train step lowered for the batches' shapes and compiled ahead of time (said, timed)."""
+    shapes = batches.global_shapes()
+    dtypes = {k: jnp.int32 for k in shapes}  # token ids, labels, segment ids, positions
+    dtypes["inputs"] = jnp.int32 if batches.ds.kind == "tokens" else jnp.float32
+    abstract_batch = engine.abstract_batch(shapes, dtypes)
+    if main:
+        print("compiling the train step ...", flush=True)
+    t0 = time.perf_counter()
+    with clock.charge("compile"):
+        compiled = engine.train_step.lower(engine.abstract_state, abstract_batch).compile()
+    if main:
+        print(f"compiled in {time.perf_counter() - t0:.1f}s", flush=True)
+    return compiled
+
+
+def _hooks(config, setup: _Setup, start, logger, console, guard, evaluate, writer, clock):
+    """What runs after a step, each on its cadence: progress, the finiteness judge, evaluation,
+    the log line, the bar, the persistent checkpoint and the fast tier."""
+    engine, ckpt, t = setup.engine, setup.ckpt, config.train
     hooks = [
         Hook(1, lambda step, state, m: _report_progress(step) if step > start + 1 else None),
         # The previous step's finiteness is judged one step late, so the host never waits on the
@@ -478,38 +523,7 @@ def _train(
                 ),
             )
         )
-    unit = "tok" if logger.rate_key == "tokens_per_s" else "ex"
-    ends = _RunEnd(writer, clock, start, redone, (logger.per_step_items, unit))
-    profiler = _Profiler(config.profile.steps, workdir)
-    setup.preemption.install()
-    step = start
-    try:
-        with clock.charge("productive"):
-            while step < t.steps:
-                profiler.before(step)
-                with clock.charge("data"):
-                    index = setup.order.index(step)
-                    batch = fault_batch(batches.get(index), index, config.model.vocab_size)
-                state, m = compiled(state, batch)
-                step += 1
-                ends.step = step  # before the hooks: a preemption's checkpoint hook stops the run
-                profiler.after(step, m)
-                try:
-                    for hook in hooks:
-                        if hook.due(step, t.steps):
-                            hook.fn(step, state, m)
-                except Rollback as spike:
-                    state, step = _rollback(engine, setup, console, writer, clock, spike.step)
-                    ends.redone += spike.step - 1 - step  # trained again: recomputed
-                    guard.through, logger.prev = step, None
-        return _finish(config, workdir, setup, logger, console, step, state, evaluate, ends)
-    except Preempted:
-        ends.write()
-        raise
-    finally:
-        setup.preemption.restore()
-        console.close()
-        writer.close()
+    return hooks
 
 
 def _checkpoint(engine, ckpt, guard, console, clock, step: int, state, m, position: int) -> None:
