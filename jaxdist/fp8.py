@@ -2,7 +2,9 @@
 
 The recipe is torchao's "tensorwise" Float8 training with power-of-two scales
 (`Float8LinearConfig(round_scales_to_power_of_2=True)`), written as the quantize-dequantize
-pattern XLA's GPU GEMM rewriter turns into cuBLASLt FP8 GEMMs (as Flax's `linen.fp8_ops` does):
+pattern XLA's GPU GEMM rewriter is written to turn into cuBLASLt FP8 GEMMs (as Flax's
+`linen.fp8_ops` does; measured on jax 0.11.2 / H200 it did not: docs/PERFORMANCE.md, and
+`set_lowering` selects the other form, FP8 operands fed to the dot itself):
 for y = x·w,
 
   forward   s_x = 2^⌊log2(448 / amax(|x|))⌋, s_w likewise    (float32; e4m3's max is 448)
@@ -47,7 +49,24 @@ EPS = 1e-12  # amax floor (torchao's `EPS`): an all-zero tensor gets a finite sc
 MIN_K, MIN_N = 4096, 1024  # `fp8` skips a matmul with K <= MIN_K and N <= MIN_N
 ALIGN = 16  # FP8 GEMMs need K and N multiples of 16
 
+# How the FP8 GEMM reaches XLA (`set_lowering`): "qdq" dequantizes each FP8 operand (convert, then
+# divide by its scale) right before a dot in the compute dtype, the pattern openxla's GPU GEMM
+# rewriter folds into a cuBLASLt FP8 GEMM; "direct" feeds the FP8 operands to the dot itself
+# (`preferred_element_type` the compute dtype) and scales its output. Both compute the same
+# values (power-of-two scales: every dequantize and rescale is exact).
+LOWERINGS = ("qdq", "direct")
+_lowering = "qdq"
+
 _state = threading.local()
+
+
+def set_lowering(name: str) -> None:
+    """Selects `LOWERINGS`' form for the FP8 matmuls traced from now on (a study knob: on
+    jax 0.11.2 / H200 neither form has yet been seen to give FP8 GEMMs, docs/PERFORMANCE.md)."""
+    global _lowering
+    if name not in LOWERINGS:
+        raise ValueError(f"FP8 lowering {name!r} is not one of {LOWERINGS}")
+    _lowering = name
 
 
 @contextlib.contextmanager
@@ -82,6 +101,13 @@ def _sizes(spec: str, x_shape, w_shape) -> tuple[int, int]:
     return k, n
 
 
+def _transposable(spec: str) -> bool:
+    """Whether both gradients of `spec` are einsums of the other two terms: no index of an operand
+    is summed away on its own (as in "ij,jk->k")."""
+    xs, ws, ys = _terms(spec)
+    return all(c in ys or c in ws for c in xs) and all(c in ys or c in xs for c in ws)
+
+
 def eligible(mode: str, k: int, n: int) -> bool:
     """Whether a matmul of contracted size `k` and output size `n` runs in FP8 at `mode`."""
     if mode == "default" or k % ALIGN or n % ALIGN:
@@ -109,6 +135,21 @@ def dequantize(q: jax.Array, s: jax.Array, dtype) -> jax.Array:
     return q.astype(dtype) / s.astype(dtype)
 
 
+def _scaled_einsum(spec: str, a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, dtype):
+    """einsum of the FP8 operands `a` (scale `sa`) and `b` (scale `sb`), in `dtype`: the values of
+    (a / sa)·(b / sb), lowered as `_lowering` says."""
+    if _lowering == "direct":
+        y = jnp.einsum(spec, a, b, preferred_element_type=dtype)  # accumulated in float32
+        return y * (1 / (sa * sb)).astype(dtype)
+    return jnp.einsum(spec, dequantize(a, sa, dtype), dequantize(b, sb, dtype))
+
+
+def _terms(spec: str) -> tuple[str, str, str]:
+    ins, out = spec.replace(" ", "").split("->")
+    xs, ws = ins.split(",")
+    return xs, ws, out
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fp8_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return _fp8_fwd(spec, x, w)[0]
@@ -117,7 +158,7 @@ def _fp8_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 def _fp8_fwd(spec, x, w):
     sx, sw = scale(x, E4M3), scale(w, E4M3)
     x8, w8 = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
-    y = jnp.einsum(spec, dequantize(x8, sx, x.dtype), dequantize(w8, sw, w.dtype))
+    y = _scaled_einsum(spec, x8, sx, w8, sw, x.dtype)
     # Zero-size markers carry the operands' dtypes (residuals must be arrays).
     return y, (x8, sx, w8, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
@@ -125,14 +166,13 @@ def _fp8_fwd(spec, x, w):
 def _fp8_bwd(spec, res, g):
     x8, sx, w8, sw, xdt, wdt = res
     sg = scale(g, E5M2)
-    g8 = dequantize(quantize(g, E5M2, sg), sg, g.dtype)
-    # Both gradient matmuls are the einsum's transposes on the dequantized FP8 operands.
-    _, vjp = jax.vjp(
-        lambda a, b: jnp.einsum(spec, a, b),
-        dequantize(x8, sx, xdt.dtype),
-        dequantize(w8, sw, wdt.dtype),
-    )
-    return vjp(g8)
+    g8 = quantize(g, E5M2, sg)
+    xs, ws, ys = _terms(spec)
+    # The einsum's two transposes (every index of x and of w appears in y or in the other
+    # operand: `eligible_spec`), each an e5m2 × e4m3 GEMM.
+    dx = _scaled_einsum(f"{ys},{ws}->{xs}", g8, sg, w8, sw, xdt.dtype)
+    dw = _scaled_einsum(f"{xs},{ys}->{ws}", x8, sx, g8, sg, wdt.dtype)
+    return dx, dw
 
 
 _fp8_einsum.defvjp(_fp8_fwd, _fp8_bwd)
@@ -148,6 +188,10 @@ def einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
       w: the weight (e4m3, cast per tensor).
     """
     mode = current()
-    if mode == "default" or not eligible(mode, *_sizes(spec, x.shape, w.shape)):
+    if (
+        mode == "default"
+        or not _transposable(spec)
+        or not eligible(mode, *_sizes(spec, x.shape, w.shape))
+    ):
         return jnp.einsum(spec, x, w)
     return _fp8_einsum(spec, x, w)

@@ -29,6 +29,7 @@ Each point runs in its own process: XLA flags are read once per process, and the
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import math
 import os
@@ -65,6 +66,13 @@ _FIT_LAYERS = flags.DEFINE_integer(
     0,
     "--phase=point: the most layers whose planner-predicted memory fits the device (this many at "
     "most; layers unrolled); 0 = the config's own model.num_layers.",
+)
+_FP8_LOWERING = flags.DEFINE_enum(
+    "fp8_lowering",
+    "qdq",
+    ["qdq", "direct"],
+    "--phase=point: how FP8 matmuls reach XLA (jaxdist.fp8.LOWERINGS); rows with "
+    "train.matmul_precision=fp8 also save their compiled HLO (gzip) under OUT_DIR/hlo.",
 )
 _TINY = flags.DEFINE_bool(
     "tiny", False, "--phase=correct: CPU dry run sizes (tiny GPT for the attention check)."
@@ -360,6 +368,31 @@ def gemm_counts(hlo: str) -> dict[str, int]:
     }
 
 
+def f8_census(hlo: str) -> dict[str, int]:
+    """Instructions of a compiled HLO module whose result is FP8, by opcode (converts into FP8,
+    fusions, custom calls, ...) and the instructions that take an FP8 operand: where the FP8
+    values went when no FP8 GEMM came out."""
+    import re
+
+    made: dict[str, int] = {}
+    used: dict[str, int] = {}
+    f8 = re.compile(r"f8e(4m3fn|5m2)\[")
+    rows = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?(%?[\w.-]+) = (.+?) ([a-z][\w-]*)\((.*)", line)
+        if m:
+            rows.append(m.groups())
+    f8_names = {name.lstrip("%") for name, result, _, _ in rows if f8.search(result)}
+    for _, result, op, operands in rows:
+        if f8.search(result):
+            made[op] = made.get(op, 0) + 1
+        elif f8.search(operands) or any(
+            n in f8_names for n in re.findall(r"%([\w.-]+)", operands.split("),", 1)[0])
+        ):
+            used[op] = used.get(op, 0) + 1
+    return {"results": made, "consumers": used}
+
+
 def block_matmuls_per_layer(params, num_layers: int) -> int:
     """The blocks' dense weights: stacked parameters [L, ...] of 3 or more dimensions (norms and
     biases are [L, D]); each is one forward and two backward matmuls per layer."""
@@ -390,12 +423,18 @@ def _fit_layers(config, most: int, device) -> dict:
     return {"most": most, "layers": chosen, "predicted_bytes": predicted, "bytes_limit": limit}
 
 
+def _progress(msg: str) -> None:
+    """One line on stderr as the point goes, so a row stopped at its time limit shows its stage."""
+    print(f"   {_LABEL.value}: {msg}", file=sys.stderr, flush=True)
+
+
 def phase_point() -> dict:
     import jax
     import numpy as np
 
-    from jaxdist import data, loop, mesh, metrics
+    from jaxdist import data, fp8, loop, mesh, metrics
 
+    fp8.set_lowering(_FP8_LOWERING.value)
     config = _CONFIG.value
     fit = _fit_layers(config, _FIT_LAYERS.value, jax.devices()[0]) if _FIT_LAYERS.value else None
     c, t = config.model, config.train
@@ -414,6 +453,7 @@ def phase_point() -> dict:
         "attention": c.attention,
         "dtype": t.compute_dtype,
         "matmul_precision": t.get("matmul_precision", "default"),
+        "fp8_lowering": _FP8_LOWERING.value,
         "fit_layers": fit,
         "gpu_xla_flags": bool(config.runtime.gpu_xla_flags),
         "device_kind": jax.devices()[0].device_kind,
@@ -424,13 +464,23 @@ def phase_point() -> dict:
         engine, batches = benchlib.build(config, m, ds)
         batch = batches.get(0)
         t0 = time.perf_counter()
-        compiled = engine.train_step.lower(engine.abstract_state, batch).compile()
+        lowered = engine.train_step.lower(engine.abstract_state, batch)
+        _progress(f"lowered in {time.perf_counter() - t0:.1f}s")
+        compiled = lowered.compile()
         record["compile_s"] = time.perf_counter() - t0
+        _progress(f"compiled in {record['compile_s']:.1f}s")
         layout = loop.layout_record(engine, compiled, config)
         record["params"] = layout["params_total"]
         record["compiled_bytes"] = layout["bytes_per_device"]
-        state, times = benchlib.timed(compiled, engine.init(), batch, _STEPS.value, _WARMUP.value)
         hlo = compiled.as_text()
+        if record["matmul_precision"].startswith("fp8"):
+            record["f8_census"] = f8_census(hlo)
+            _progress(f"FP8 in the compiled HLO: {record['f8_census']}")
+            os.makedirs(os.path.join(_OUT_DIR.value, "hlo"), exist_ok=True)
+            with gzip.open(os.path.join(_OUT_DIR.value, "hlo", f"{_LABEL.value}.txt.gz"), "wt") as f:
+                f.write(hlo)
+        state, times = benchlib.timed(compiled, engine.init(), batch, _STEPS.value, _WARMUP.value)
+        _progress(f"timed {_STEPS.value} steps, median {benchlib.stats(times)['median_s'] * 1e3:.1f} ms")
         record["cudnn_attention_calls"] = {
             "forward": hlo.count('custom_call_target="__cudnn$fmhaSoftmax"')
             + hlo.count('custom_call_target="__cudnn$fmhaSoftmaxDropout"'),
@@ -440,7 +490,7 @@ def phase_point() -> dict:
         record["block_matmuls_per_layer"] = block_matmuls_per_layer(
             engine.abstract_state["params"], c.num_layers
         )
-        if record["matmul_precision"] == "fp8":
+        if record["matmul_precision"].startswith("fp8"):
             fp8 = record["gemms"]["fp8_cublaslt"]
             expected = 3 * record["block_matmuls_per_layer"] * c.num_layers
             record["fp8_gemms_per_layer"] = fp8 / c.num_layers
@@ -541,7 +591,7 @@ HEADER = (
 
 def _precision(r: dict) -> str:
     dtype = {"bfloat16": "bf16", "float32": "f32"}.get(r.get("dtype", "-"), r.get("dtype", "-"))
-    return "fp8" if r.get("matmul_precision") == "fp8" else dtype
+    return r["matmul_precision"] if r.get("matmul_precision", "").startswith("fp8") else dtype
 
 
 def _fp8_cell(r: dict) -> str:
@@ -550,7 +600,7 @@ def _fp8_cell(r: dict) -> str:
         return "—"
     n = g["fp8_cublaslt"]
     cell = f"{n} ({n / max(r['layers'], 1):.1f})"
-    if r.get("matmul_precision") == "fp8":
+    if r.get("matmul_precision", "").startswith("fp8"):
         cell += " all blocks" if r.get("fp8_all_blocks") else " **not all blocks**"
     return cell
 
@@ -614,7 +664,7 @@ def _findings(points: list[dict]) -> list[str]:
                 t_ms = twin["framework"]["median_s"] * 1e3
                 line += f" vs {t_ms:.1f} ms with cudnn named ({ms / t_ms:.3f}×)"
             lines.append(line + ".")
-        if r.get("matmul_precision") == "fp8":
+        if r.get("matmul_precision", "").startswith("fp8"):
             g = r["gemms"]
             line = (
                 f"- `{r['label']}`: {g['fp8_cublaslt']} FP8 cuBLASLt GEMMs "
@@ -623,7 +673,7 @@ def _findings(points: list[dict]) -> list[str]:
                 f"{g['cublas_other']} cuBLAS + {g['triton_gemm']} Triton, {g['fp8_dot_ops']} FP8 "
                 "dots left to XLA"
             )
-            twin = _twin(points, r["label"].removesuffix("_fp8") + "_bf16")
+            twin = _twin(points, r["label"].split("_fp8")[0] + "_bf16")
             if twin:
                 line += f"; tokens/s {r['tokens_per_s'] / twin['tokens_per_s']:.3f}× the bf16 row"
             lines.append(line + ".")
@@ -713,7 +763,9 @@ def phase_report() -> dict:
         lines += _decode_lines(decode)
     if notes:
         lines += [f"- {n}" for n in notes] + [""]
-    lines += ["Commands:", ""] + [f"- `{r['label']}`: `{r['command']}`" for r in points]
+    lines += ["Commands:", ""] + [
+        f"- `{r['label']}`: `{r['command']}`" for r in points if r.get("command")
+    ]
     if skipped:
         lines += ["", "Not run (time budget): " + ", ".join(skipped)]
     text = "\n".join(lines) + "\n"

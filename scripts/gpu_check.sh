@@ -6,6 +6,7 @@
 # OUT_DIR).
 #
 #   bash scripts/gpu_check.sh [OUT_DIR] [--wheels DIR] [--budget_s S] [--row_s S] [--extended]
+#                             [--only LABEL,...]
 #
 # OUT_DIR (default runs/gpu_check) gets env.json, correct.json, points/*.json, decode.json,
 # notes.txt, gpu_check.json and gpu_check.md. --wheels DIR: pip-installs every wheel in DIR (no
@@ -16,12 +17,13 @@
 # failing row cannot eat the window. The correctness checks run last. Rows not run are listed in the table. --extended: after issue 35's rows, the
 # earlier exploration points (gpt_small, XLA attention, rolled scan, remat full, overlap flags).
 # The FP8 rows run when this tree's config schema has `train.matmul_precision`; else one line says
-# they were skipped. With no GPU it runs a tiny CPU dry run of every row, says so, and exits 0.
+# they were skipped. --only runs just the named rows ("decode" and "correct" name those two), in
+# the sweep's order: a rerun of some rows in a short window. With no GPU it runs a tiny CPU dry run of every row, says so, and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-OUT=runs/gpu_check WHEELS="" BUDGET="" ROW_S="" EXTENDED=0
-USAGE="usage: bash scripts/gpu_check.sh [OUT_DIR] [--wheels DIR] [--budget_s S] [--row_s S] [--extended]"
+OUT=runs/gpu_check WHEELS="" BUDGET="" ROW_S="" EXTENDED=0 ONLY=""
+USAGE="usage: bash scripts/gpu_check.sh [OUT_DIR] [--wheels DIR] [--budget_s S] [--row_s S] [--extended] [--only LABEL,...]"
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) WHEELS="$2"; shift 2 ;;
@@ -31,6 +33,8 @@ while [ $# -gt 0 ]; do
     --row_s) ROW_S="$2"; shift 2 ;;
     --row_s=*) ROW_S="${1#*=}"; shift ;;
     --extended) EXTENDED=1; shift ;;
+    --only) ONLY="$2"; shift 2 ;;
+    --only=*) ONLY="${1#*=}"; shift ;;
     -*) echo "error: unknown option $1; $USAGE" >&2; exit 2 ;;
     *) OUT="$1"; shift ;;
   esac
@@ -80,6 +84,7 @@ if [ "$backend" = "gpu" ]; then
     "gpt_small_b32_none_xla|configs/gpt_small.py|--config.model.attention=xla --config.train.batch_size=32 --config.train.remat=none"
   )
   COMMON="--config.runtime.gpu_memory_fraction=0.92 --steps=10 --warmup=2"
+  FP8_MODE=fp8
   CORRECT=()
   DECODE=(--config=configs/llama_1b.py --batch_sizes=1,8,64 --new_tokens=128 --prompt_len=16 --dtype=bfloat16 --repeats=3)
 else
@@ -98,6 +103,7 @@ else
   )
   EXTRA=()
   COMMON="--steps=3 --warmup=1"
+  FP8_MODE=fp8_all  # the tiny widths are below `fp8`'s size filter: cast every block matmul
   CORRECT=(--tiny)
   DECODE=(--config=configs/llama_tiny.py --batch_sizes=1 --new_tokens=4 --prompt_len=8 --repeats=1)
 fi
@@ -105,14 +111,25 @@ if [ $FP8 = 1 ]; then
   twins=()
   for r in "${ROWS[@]}"; do
     case "${r%%|*}" in
-      *_bf16) twins+=("${r%%_bf16|*}_fp8|${r#*|} --config.train.matmul_precision=fp8") ;;
+      *_bf16) twins+=("${r%%_bf16|*}_fp8|${r#*|} --config.train.matmul_precision=$FP8_MODE") ;;
     esac
   done
-  ROWS=("${ROWS[@]:0:3}" "${twins[@]}" "${ROWS[@]:3}")  # after the three bf16 rows
+  # and one row of the other FP8 lowering (jaxdist.fp8.LOWERINGS), after the twins
+  first="${twins[0]}"
+  direct="${first%%_fp8|*}_fp8_direct|${first#*|} --fp8_lowering=direct"
+  ROWS=("${ROWS[@]:0:3}" "${twins[@]}" "$direct" "${ROWS[@]:3}")  # after the three bf16 rows
 else
   note "FP8 rows skipped: this tree's config schema has no train.matmul_precision"
 fi
 [ $EXTENDED = 1 ] && ROWS+=("${EXTRA[@]}")
+wanted() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
+if [ -n "$ONLY" ]; then
+  known=",decode,correct,"
+  for p in "${ROWS[@]}"; do known+="${p%%|*},"; done
+  for l in ${ONLY//,/ }; do
+    [[ "$known" == *",$l,"* ]] || { echo "error: --only names $l, which is not a row here; the rows: ${known:1:-1}" >&2; exit 2; }
+  done
+fi
 
 left() { echo $((BUDGET - (SECONDS - START))); }
 cap() { local l; l=$(left); if [ "$l" -lt "$1" ]; then echo "$l"; else echo "$1"; fi; }
@@ -142,6 +159,7 @@ r = json.load(open(path)); r["order"] = order; json.dump(r, open(path, "w"), ind
 EOF
 }
 run_decode() {
+  wanted decode || return
   if [ "$(left)" -le 30 ]; then skipped+=("\"decode\""); return; fi
   echo "== row decode: jaxdist vs transformers' generate ($(left)s of budget left)"
   # both frameworks share the GPU: JAX takes half of it, not its default 75%
@@ -152,12 +170,15 @@ run_decode() {
 decode_done=0
 for p in "${ROWS[@]}"; do
   IFS='|' read -r label config overrides <<<"$p"
+  wanted "$label" || continue
   run_row "$label" "$config" "$overrides"
   if [ "${label%_auto}" != "$label" ]; then run_decode; decode_done=1; fi
 done
 [ $decode_done = 1 ] || run_decode
 # the correctness checks last: issue 35's rows come first in a short window
-if [ "$(left)" -le 30 ]; then
+if ! wanted correct; then
+  :
+elif [ "$(left)" -le 30 ]; then
   skipped+=("\"correct\"")
 else
   echo "== correctness checks ($(left)s of budget left)"

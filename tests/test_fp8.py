@@ -81,7 +81,14 @@ def _torchao(x, w, g):
     return [t.detach().double().numpy() for t in (y, xt.grad, lin[0].weight.grad.T)]
 
 
-def test_matches_torchao_tensorwise_within_float32_rounding():
+@pytest.fixture(params=fp8.LOWERINGS)
+def lowering(request):
+    fp8.set_lowering(request.param)
+    yield request.param
+    fp8.set_lowering("qdq")
+
+
+def test_matches_torchao_tensorwise_within_float32_rounding(lowering):
     x, w, g = _inputs()
     exact, bounds = _exact(x, w, g)
     ours, theirs = _jaxdist(x, w, g), _torchao(x, w, g)
@@ -96,6 +103,32 @@ def test_matches_torchao_tensorwise_within_float32_rounding():
     e4m3_grads, _ = _exact(x, w, g, grad_dtype=ml_dtypes.float8_e4m3fn)
     for name, i in (("dx", 1), ("dw", 2)):
         assert np.any(np.abs(e4m3_grads[i] - exact[i]) > bounds[i]), f"{name}: e5m2 unseen"
+
+
+def test_the_lowering_decides_what_the_dot_sees(lowering):
+    """"direct" hands the FP8 values to the dots themselves (forward e4m3 × e4m3, backward
+    e5m2 × e4m3); "qdq" hands them dequantized, for XLA's rewriter to fold."""
+    x, w, _ = _inputs()
+
+    def loss(x, w):
+        with fp8.precision("fp8_all"):
+            return jnp.sum(fp8.einsum("md,df->mf", x, w) ** 2)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(jnp.asarray(x), jnp.asarray(w)).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    f8_dots = [d for d in dots if "f8E4M3FN" in d.split(":", 1)[-1].split("->")[0]]
+    assert len(dots) == 3, dots
+    assert len(f8_dots) == (3 if lowering == "direct" else 0), dots
+    if lowering == "direct":
+        assert sum("f8E5M2" in d.split("->")[0] for d in dots) == 2  # the two gradients
+
+
+def test_an_einsum_whose_gradient_is_not_an_einsum_stays_plain():
+    assert not fp8._transposable("md,df->f") and fp8._transposable("btnh,nhd->btd")
+    x, w, _ = _inputs()
+    with fp8.precision("fp8_all"):
+        got = fp8.einsum("md,df->f", jnp.asarray(x), jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.einsum("md,df->f", x, w)))
 
 
 def test_eligibility_follows_torchaos_tensorwise_filter():

@@ -104,7 +104,13 @@ def test_llama_rows_and_the_8b_proxy(dry_run):
     assert "`tiny_b8_full_auto`: attention=auto ran 0 cuDNN forward" in md  # XLA on a CPU
     assert "`tiny_8b_proxy_bf16`: 2 layers" in md
     if HAS_FP8:
-        assert all(points[n]["ok"] and points[n]["matmul_precision"] == "fp8" for n in fp8_rows())
+        assert all(points[n]["ok"] and points[n]["matmul_precision"] == "fp8_all" for n in fp8_rows())
+        lowering = {n: points[n]["fp8_lowering"] for n in fp8_rows()}
+        assert lowering == {n: "direct" if n.endswith("_direct") else "qdq" for n in fp8_rows()}
+        for n in fp8_rows():  # where the FP8 values went, and the HLO to read it from
+            assert points[n]["f8_census"]["results"].get("convert", 0) > 0, points[n]["f8_census"]
+            assert (out / "hlo" / f"{n}.txt.gz").stat().st_size > 0
+        assert "`tiny_gpt_fp8_direct`: 0 FP8 cuBLASLt GEMMs" in md  # its twin is tiny_gpt_bf16
     else:
         skip = "FP8 rows skipped: this tree's config schema has no train.matmul_precision"
         assert skip in proc.stdout and skip in md
@@ -124,7 +130,7 @@ def test_decode_row_beside_transformers(dry_run):
 
 
 def fp8_rows() -> list[str]:
-    return ["tiny_gpt_fp8", "tiny_llama_fp8", "tiny_8b_proxy_fp8"]
+    return ["tiny_gpt_fp8", "tiny_llama_fp8", "tiny_8b_proxy_fp8", "tiny_gpt_fp8_direct"]
 
 
 def test_gemm_counts_read_the_compiled_hlo(monkeypatch):
@@ -148,9 +154,16 @@ def test_gemm_counts_read_the_compiled_hlo(monkeypatch):
             'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}',
             "%d = bf16[16,64]{1,0} dot(f8e5m2[16,32]{1,0} %g, f8e4m3fn[32,64]{1,0} %w), "
             "lhs_contracting_dims={1}, rhs_contracting_dims={0}",
-            '%e = f32[2,2]{1,0} custom-call(f32[2,2]{1,0} %q), custom_call_target="__cudnn$fmhaSoftmax"',
+            '%e = f32[2,2]{1,0} custom-call(f32[2,2]{1,0} %p), custom_call_target="__cudnn$fmhaSoftmax"',
+            "%q = f8e4m3fn[16,32]{1,0} convert(bf16[16,32]{1,0} %x)",
+            "ROOT %r = f8e5m2[16,32]{1,0} fusion(bf16[16,32]{1,0} %x), kind=kLoop, calls=%h",
+            "%s = bf16[16,32]{1,0} convert(%q)",  # operands named without their types
         ]
     )
+    assert bench_gpu.f8_census(hlo) == {
+        "results": {"convert": 1, "fusion": 1},
+        "consumers": {"custom-call": 1, "dot": 1, "convert": 1},
+    }
     assert bench_gpu.gemm_counts(hlo) == {
         "fp8_cublaslt": 1,
         "cublas_other": 1,
