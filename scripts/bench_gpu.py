@@ -477,10 +477,14 @@ def phase_point() -> dict:
             record["f8_census"] = f8_census(hlo)
             _progress(f"FP8 in the compiled HLO: {record['f8_census']}")
             os.makedirs(os.path.join(_OUT_DIR.value, "hlo"), exist_ok=True)
-            with gzip.open(os.path.join(_OUT_DIR.value, "hlo", f"{_LABEL.value}.txt.gz"), "wt") as f:
+            with gzip.open(
+                os.path.join(_OUT_DIR.value, "hlo", f"{_LABEL.value}.txt.gz"), "wt"
+            ) as f:
                 f.write(hlo)
         state, times = benchlib.timed(compiled, engine.init(), batch, _STEPS.value, _WARMUP.value)
-        _progress(f"timed {_STEPS.value} steps, median {benchlib.stats(times)['median_s'] * 1e3:.1f} ms")
+        _progress(
+            f"timed {_STEPS.value} steps, median {benchlib.stats(times)['median_s'] * 1e3:.1f} ms"
+        )
         record["cudnn_attention_calls"] = {
             "forward": hlo.count('custom_call_target="__cudnn$fmhaSoftmax"')
             + hlo.count('custom_call_target="__cudnn$fmhaSoftmaxDropout"'),

@@ -106,7 +106,7 @@ def test_matches_torchao_tensorwise_within_float32_rounding(lowering):
 
 
 def test_the_lowering_decides_what_the_dot_sees(lowering):
-    """"direct" hands the FP8 values to the dots themselves (forward e4m3 × e4m3, backward
+    """The "direct" lowering hands the FP8 values to the dots themselves (forward e4m3 × e4m3, backward
     e5m2 × e4m3); "qdq" hands them dequantized, for XLA's rewriter to fold."""
     x, w, _ = _inputs()
 

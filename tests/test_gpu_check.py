@@ -104,7 +104,9 @@ def test_llama_rows_and_the_8b_proxy(dry_run):
     assert "`tiny_b8_full_auto`: attention=auto ran 0 cuDNN forward" in md  # XLA on a CPU
     assert "`tiny_8b_proxy_bf16`: 2 layers" in md
     if HAS_FP8:
-        assert all(points[n]["ok"] and points[n]["matmul_precision"] == "fp8_all" for n in fp8_rows())
+        assert all(
+            points[n]["ok"] and points[n]["matmul_precision"] == "fp8_all" for n in fp8_rows()
+        )
         lowering = {n: points[n]["fp8_lowering"] for n in fp8_rows()}
         assert lowering == {n: "direct" if n.endswith("_direct") else "qdq" for n in fp8_rows()}
         for n in fp8_rows():  # where the FP8 values went, and the HLO to read it from
