@@ -513,6 +513,19 @@ def layer_activations(D: int, F: float, NT: int) -> tuple[api.Activation, ...]:
     )
 
 
+def moe_activations(cfg) -> tuple[api.Activation, ...]:
+    """What an MoE layer adds per token (models/moe.py), not split over `tensor`: the router's
+    float32 logits and probabilities, and the token rows routed to the experts and gathered back,
+    k per token (dropless) or up to capacity factor × k (the [E, C, D] buffers)."""
+    A = api.Activation
+    rows = cfg.experts_per_token * max(1.0, cfg.moe_capacity_factor) * cfg.d_model
+    return (
+        A("router logits, probabilities", 2 * cfg.num_experts, "elementwise", float32=True),
+        A("token rows to the experts", rows, "elementwise"),
+        A("expert outputs gathered back", rows, "elementwise"),
+    )
+
+
 def plan_cost(cfg, params: dict[str, Any]) -> api.PlanCost:
     """The planner's accounting (`api.PlanCost`): `layer_activations`, with the MLP's width k + 1
     experts' (k without a shared expert) under MoE, whose unchosen experts' weights are idle.
@@ -527,13 +540,16 @@ def plan_cost(cfg, params: dict[str, Any]) -> api.PlanCost:
         idle = round(experts * (1 - k / E))
         F, label = F * (k + bool(cfg.moe_shared_expert)), f"Llama (MoE, {k} of {E} experts)"
     NT = cfg.num_heads * T if cfg.attention != "cudnn" else 0
+    activations = layer_activations(D, F, NT)
+    if cfg.num_experts:
+        activations += moe_activations(cfg)
     return api.PlanCost(
         label=label,
         num_layers=cfg.num_layers,
         width=D,
         seq_len=T,
         vocab_size=cfg.vocab_size,
-        activations=layer_activations(D, F, NT),
+        activations=activations,
         attention_flops=12.0 * D * T,
         scores=cfg.num_heads * T,
         attention=cfg.attention,

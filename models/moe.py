@@ -60,7 +60,7 @@ def route(h: jax.Array, router: jax.Array, k: int) -> tuple[jax.Array, jax.Array
     assignments each expert got."""
     logits = jnp.einsum("btd,de->bte", h.astype(jnp.float32), router.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
-    w, idx = jax.lax.top_k(probs, k)
+    w, idx = top_k(probs, k)
     if k > 1:
         w = w / jnp.sum(w, axis=-1, keepdims=True)
     E = router.shape[-1]
@@ -73,6 +73,20 @@ def route(h: jax.Array, router: jax.Array, k: int) -> tuple[jax.Array, jax.Array
         "moe_load": jax.lax.stop_gradient(load),
     }
     return w, idx, stats
+
+
+def top_k(p: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the last axis of p >= 0, as k argmaxes: the same values and indices
+    (ties to the lower index), but reductions that XLA's SPMD partitioner keeps split along the
+    token axes, where it all-gathers `top_k`'s operand (the router probabilities [B, T, E] of the
+    whole batch on every device under data parallelism, seen in the compiled step)."""
+    idx, left = [], p
+    for _ in range(k):
+        i = jnp.argmax(left, axis=-1)
+        idx.append(i)
+        left = jnp.where(jax.nn.one_hot(i, p.shape[-1], dtype=bool), -1.0, left)
+    idx = jnp.stack(idx, axis=-1).astype(jnp.int32)
+    return jnp.take_along_axis(p, idx, axis=-1), idx
 
 
 def capacity(n: int, k: int, num_experts: int, factor: float) -> int:
@@ -158,12 +172,26 @@ def experts(x, w, idx, wg, wu, wd, *, factor: float) -> tuple[jax.Array, jax.Arr
     ep = int(mesh.shape.get(AXIS, 1))
     tok = P(tuple(a for a in TOKEN_AXES if a in axes), "context" if "context" in axes else None)
     wspec = P(AXIS if ep > 1 else None)
+    dt = wg.dtype
+
+    def local(x, w, idx, *ws):
+        # The weights come in as float32 and are cast here, after they are marked varying over
+        # the token axes: the transpose of that mark, the gradient's sum over those axes, then
+        # runs in float32 as every other parameter's gradient reduction does. In the compute
+        # dtype (bf16) XLA's CPU backend aborts compiling it ("Invalid binary instruction opcode
+        # copy": its all-reduce promotion meets the sum's copy root), on any multi-device mesh.
+        if not mapped:  # (over `expert` they vary already when they are split over it)
+            over = tuple(a for a in axes if not (a == AXIS and ep > 1))
+            ws = [jax.lax.pcast(v, over, to="varying") for v in ws]
+        ws = [v.astype(dt) for v in ws]
+        return _local_experts(x, w, idx, *ws, ep=ep, factor=factor, axes=axes, grouped=not mapped)
+
     fn = jax.shard_map(
-        lambda *a: _local_experts(*a, ep=ep, factor=factor, axes=axes, grouped=not mapped),
+        local,
         mesh=mesh,
         in_specs=(tok, tok, tok, wspec, wspec, wspec),
         out_specs=(tok, P()),
         axis_names={*axes, *mapped},
         check_vma=not mapped,  # vmap's batched values vary over `mapped`, unbatched ones not
     )
-    return fn(x, w, idx, wg, wu, wd)
+    return fn(x, w, idx, *(v.astype(jnp.float32) for v in (wg, wu, wd)))

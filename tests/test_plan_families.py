@@ -38,12 +38,16 @@ def _family(name: str):
 
 
 MODELLED = tuple(n for n in FAMILIES if _family(n).plan_cost is not None)
-# Families whose own rules refuse the tiny GPT's fields (the MoE ones need experts) are planned in
-# their own tests (tests/test_mixtral.py, tests/test_qwen3_moe.py), not compared with a compiled
-# step here: with 8 experts, top-2, the prediction's temp is 46% under the compiled step's on data8
-# and fsdp8 (parameters, optimizer state and arguments exact), beyond the tolerances below.
-OWN_FIELDS = ("mixtral", "qwen3_moe")
-COMPARED = tuple(n for n in MODELLED if n not in OWN_FIELDS)
+# The MoE families run with 8 experts, top-2, on the capacity path (`model.moe_capacity_factor`
+# 1.25: dense [E, C, D] buffers on every backend), on the data and FSDP layouts. Not yet modelled
+# for them: tensor parallelism (the experts' all-reduces: 20% more bytes than the dense MLP's on
+# data4_tensor2), and the temp of accumulation, bf16 remat and pipeline layouts (10-20% off).
+# Their dropless path is planned the same way, but on a CPU the compiled temp is about twice the
+# prediction: XLA's CPU backend expands each `ragged_dot` densely ([E, n·k, F] masks and selects,
+# 57 such buffers in a 2-layer step), which GPUs and TPUs lower natively.
+MOE = ("mixtral", "qwen3_moe")
+MOE_LAYOUTS = ("data8", "fsdp8")
+PAIRS = [(f, n) for f in MODELLED for n in NAMES if f not in MOE or n in MOE_LAYOUTS]
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +60,9 @@ def _toy_registered():
 def _family_config(family: str, layout: str):
     c = _config(*LAYOUTS[layout])
     c.model.name, c.model.seq_len = family, 64
+    if family in MOE:
+        c.model.num_experts, c.model.experts_per_token = 8, 2
+        c.model.moe_capacity_factor = 1.25
     return c
 
 
@@ -81,8 +88,7 @@ def test_family_is_modelled_or_says_so_in_one_line(family):
     assert plan.refuse_if_far_over_memory(c, 8) is None  # not modelled: no refusal either
 
 
-@pytest.mark.parametrize("layout", NAMES)
-@pytest.mark.parametrize("family", COMPARED)
+@pytest.mark.parametrize(("family", "layout"), PAIRS)
 def test_prediction_matches_compiled_step_for_every_family(family, layout):
     c = _family_config(family, layout)
     record = _compiled_record(c)
