@@ -188,7 +188,7 @@ def _restore_fast(engine, fast: FastTier, latest: int | None, main: bool, clock,
             )
         return None
     if main and note is not None:
-        print(f"checkpoint tier: {note[1]}; using its step {step}", flush=True)
+        print(f"checkpoint tier: {note[1]}; using fast tier step {step} instead", flush=True)
     with clock.charge("restart") if clock is not None else contextlib.nullcontext():
         got = fast.restore(step, listing, engine.abstract_state)
     if got is None:

@@ -8,9 +8,9 @@ every `--every` steps) twice: with `checkpoint.local_every=0` and with `--local_
 process 1 is killed with SIGKILL once the job has logged step `--kill_after`; the launcher
 restarts the job (`--elastic`: on the processes that remain, one fewer, the fast tier then
 reassembled onto the new layout), which resumes from the newest checkpoint of either tier. Prints
-a table and writes JSON rows: the step reached before the kill, the step resumed from, steps lost, the job's
-goodput record (`restart` and `recomputed` seconds, goodput), and the fast tier's save time per
-save and bytes per process (from its `fast_tier` records).
+a table and writes JSON rows: the step reached before the kill, the step resumed from, steps lost,
+the job's goodput record (`restart` and `recomputed` seconds, goodput), and the fast tier's save
+time per save and bytes per process (from its `fast_tier` records).
 """
 
 from __future__ import annotations

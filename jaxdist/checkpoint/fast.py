@@ -279,7 +279,8 @@ class FastTier:
                 )
                 if not blob:
                     raise ValueError(
-                        f"process {holder[s][0]} holding step {step} of process {s} could not read it"
+                        f"process {holder[s][0]}, holding process {s}'s step {step}, could not "
+                        "read it"
                     )
                 _check_crc(blob, manifest)
                 blobs[s] = (blob, manifest)
@@ -303,7 +304,7 @@ class FastTier:
             )
             return None
         manifest = next(iter(blobs.values()))[1]
-        from_peer = {s: q for s, (q, kind) in holder.items() if kind == "held"}
+        from_peer = {s: q for s, (q, kind) in sorted(holder.items()) if kind == "held"}
         return state, manifest, from_peer
 
     def _read(self, kind: str, step: int, source: int | None = None) -> tuple[bytes, dict]:
