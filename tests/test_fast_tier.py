@@ -179,6 +179,20 @@ def test_saved_slices_are_put_together_onto_another_layout(tmp_path):
         np.testing.assert_array_equal(np.asarray(got["w"]), w)
         assert int(got["n"]) == 7
 
+    # A global shape the save does not have (a per-replica state on fewer replicas): refused,
+    # though the saved slices cover the smaller array.
+    smaller = {
+        **abstract,
+        "w": jax.ShapeDtypeStruct((8, 6), w.dtype, sharding=abstract["w"].sharding),
+    }
+    step, _, note = tier.newest_complete(smaller)
+    assert step is None
+    assert note == (
+        3,
+        "fast tier step 3 holds w as (16, 6), the run needs (8, 6) (another model "
+        "or replica count)",
+    ), note
+
     for drop in (3, 2):  # step 3 lacks a slice: step 2 is used; then step 2 too: none is
         folder = tmp_path / "local" / "p0" / "own" / str(drop)
         m = json.loads((folder / "manifest.json").read_text())

@@ -155,7 +155,7 @@ class FastTier:
                 seen.add(key)
                 name = f"a{len(arrays)}"
                 arrays[name] = np.asarray(shard.data)
-                shards.append({"path": path, "index": key, "name": name})
+                shards.append({"path": path, "index": key, "name": name, "shape": leaf.shape})
         buf = io.BytesIO()
         np.savez(buf, **arrays)
         blob = buf.getvalue()
@@ -203,6 +203,7 @@ class FastTier:
                     "count": int(m["process_count"]),
                     "data_position": int(m["data_position"]),
                     "shards": [[s["path"], s["index"]] for s in m["shards"]],
+                    "shapes": {s["path"]: s["shape"] for s in m["shards"] if "shape" in s},
                 }
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # an unreadable manifest: that copy does not count
@@ -231,7 +232,7 @@ class FastTier:
             if missing is None:
                 return step, listing, note
             if note is None:
-                note = (step, f"fast tier step {step} lacks {missing}")
+                note = (step, f"fast tier step {step} {missing}")
         return None, listing, note
 
     def restore(
@@ -394,29 +395,39 @@ def _regions(leaf) -> dict[str, list[int]]:
 
 
 def _missing_slice(copies: dict[int, dict], abstract_state: PyTree) -> str | None:
-    """None when the saved slices cover every slice of `abstract_state`, else the first missing
-    one, named (tree path, global slice, and the saving processes of which no copy is here)."""
+    """None when the saved slices cover every slice of `abstract_state`, else what is missing:
+    `lacks slice PATH[SLICE] (...)` naming the saving processes of which no copy is here, or
+    `holds PATH as SHAPE, ...` when an array's global shape differs (another model, or a
+    per-replica state saved with another replica count, which only the persistent tier resizes).
+    """
     if not copies:
-        return "every slice (no copy)"
+        return "lacks every slice (no copy)"
     counts = {e["count"] for c in copies.values() for e in c.values()}
     if len(counts) > 1:
-        return f"a consistent save (copies from jobs of {sorted(counts)} processes)"
+        return f"lacks a consistent save (copies from jobs of {sorted(counts)} processes)"
     lost = sorted(set(range(counts.pop())) - set(copies))
     pieces = _pieces(copies)
+    shapes = {
+        p: tuple(sh) for c in copies.values() for e in c.values() for p, sh in e["shapes"].items()
+    }
     for path, leaf in flatten(abstract_state).items():
+        if path in shapes and shapes[path] != tuple(leaf.shape):
+            return (
+                f"holds {path} as {shapes[path]}, the run needs {tuple(leaf.shape)} (another "
+                "model or replica count)"
+            )
         saved = [_ranges(k) for k in pieces.get(path, {})]
         for key in _regions(leaf):
             region = _ranges(key)
             covered = sum(_size(o) for p in saved if (o := _overlap(region, p)) is not None)
             if covered < _size(region):
                 n = len(copies) + len(lost)
-                if not lost:
-                    return f"slice {path}[{key}] (in none of the shards saved by {n} process(es))"
-                whose = ", ".join(map(str, lost))
-                return (
-                    f"slice {path}[{key}] (no surviving copy of the shards of process(es) "
-                    f"{whose} of {n})"
-                )
+                if lost:
+                    whose = ", ".join(map(str, lost))
+                    why = f"no surviving copy of the shards of process(es) {whose} of {n}"
+                else:
+                    why = f"in none of the shards saved by {n} process(es)"
+                return f"lacks slice {path}[{key}] ({why})"
     return None
 
 
