@@ -288,6 +288,8 @@ class FastTier:
         except Exception as err:  # unreadable, corrupt, or a peer that never sent
             error = error or one_line_error(err)
         state = None
+        if error is None and not blobs:
+            error = f"no copy of step {step} for process {self.process}"
         if error is None:
             try:
                 state = _assemble(blobs, abstract_state)
