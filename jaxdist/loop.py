@@ -172,38 +172,47 @@ def _restore_fast(engine, fast: FastTier, latest: int | None, main: bool, clock,
 
     Every process calls it (the tiers' steps are agreed on); prints which tier is used.
     """
-    step, listing = fast.newest_complete()
+    step, listing, note = fast.newest_complete(engine.abstract_state)
+    persistent = "none" if latest is None else f"step {latest}"
     if step is None or (latest is not None and step <= latest):
-        if main:
+        if main and note is not None and (latest is None or note[0] > latest):
+            print(
+                f"checkpoint tier: {note[1]}; falling back to the persistent tier ({persistent})",
+                flush=True,
+            )
+        elif main:
             newest = "none" if step is None else f"step {step}"
-            persistent = "none" if latest is None else f"step {latest}"
             print(
                 f"checkpoint tier: persistent ({persistent}; fast tier newest complete: {newest})",
                 flush=True,
             )
         return None
+    if main and note is not None:
+        print(f"checkpoint tier: {note[1]}; using fast tier step {step} instead", flush=True)
     with clock.charge("restart") if clock is not None else contextlib.nullcontext():
         got = fast.restore(step, listing, engine.abstract_state)
     if got is None:
         if main:
             print(
                 f"checkpoint tier: fast tier step {step} unreadable; falling back to the "
-                f"persistent tier ({'none' if latest is None else f'step {latest}'})",
+                f"persistent tier ({persistent})",
                 flush=True,
             )
         return None
-    state, manifest, _ = got
+    state, manifest, from_peer = got
     checkpoint.check_config_compatible(
         manifest.get("config"), cfg_json, fields=tuple(RESUME_MUST_MATCH), why=RESUME_MUST_MATCH
     )
     if main:
-        n = len(listing)
-        peers = [q for q in range(n) if step not in listing[q]["own"]]
         how = (
-            "; process(es) " + ", ".join(f"{q} from process {(q + 1) % n}'s copy" for q in peers)
-            if peers
+            "; process(es) "
+            + ", ".join(f"{s} from process {q}'s copy" for s, q in from_peer.items())
+            if from_peer
             else ""
         )
+        saved_by = int(manifest["process_count"])
+        if saved_by != len(listing):
+            how += f"; saved by {saved_by} processes, reassembled onto {len(listing)}"
         print(
             f"checkpoint tier: fast (step {step} from process-local copies in {fast.root}{how})",
             flush=True,
@@ -566,7 +575,7 @@ def _rollback(engine, setup: _Setup, console, writer, clock, spike_step: int):
     fast, order = setup.fast, setup.order
     bad = order.index(spike_step - 1)  # the batch the spike step trained on
     with clock.charge("restart"):
-        step, listing = fast.newest_complete()
+        step, listing, _ = fast.newest_complete(engine.abstract_state)
         got = None
         if step is not None and step < spike_step:
             got = fast.restore(step, listing, engine.abstract_state)

@@ -6,10 +6,11 @@
 Runs the same small multi-process GPT job (`scripts/launch.py --max_restarts=1`, persistent saves
 every `--every` steps) twice: with `checkpoint.local_every=0` and with `--local_every`. In each,
 process 1 is killed with SIGKILL once the job has logged step `--kill_after`; the launcher
-restarts the job, which resumes from the newest checkpoint of either tier. Prints a table and
-writes JSON rows: the step reached before the kill, the step resumed from, steps lost, the job's
-goodput record (`restart` and `recomputed` seconds, goodput), and the fast tier's save time per
-save and bytes per process (from its `fast_tier` records).
+restarts the job (`--elastic`: on the processes that remain, one fewer, the fast tier then
+reassembled onto the new layout), which resumes from the newest checkpoint of either tier. Prints
+a table and writes JSON rows: the step reached before the kill, the step resumed from, steps lost,
+the job's goodput record (`restart` and `recomputed` seconds, goodput), and the fast tier's save
+time per save and bytes per process (from its `fast_tier` records).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def run_one(args, root: pathlib.Path, local_every: int) -> dict:
         f"--devices_per_process={args.devices_per_process}",
         "--grace_s=2",
         "--max_restarts=1",
+        *(["--elastic"] if args.elastic else []),
         "--",
         "python",
         "scripts/train.py",
@@ -124,6 +126,7 @@ def run_one(args, root: pathlib.Path, local_every: int) -> dict:
         "local_every": local_every,
         "checkpoint_every": args.every,
         "processes": args.num_processes,
+        "restarted_on": args.num_processes - 1 if args.elastic else args.num_processes,
         "killed_after_step": killed_at,
         "resumed_from_step": resumed_step,
         "steps_lost": killed_at - resumed_step,
@@ -142,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=20, help="persistent saves (steps)")
     parser.add_argument("--local_every", type=int, default=2, help="fast-tier saves (steps)")
     parser.add_argument("--kill_after", type=int, default=9, help="kill once this step is logged")
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="restart on the processes that remain (launch.py --elastic): one fewer",
+    )
     parser.add_argument("--deadline_s", type=float, default=400.0)
     parser.add_argument("--out", default="", help="JSON file for the rows")
     args = parser.parse_args(argv)

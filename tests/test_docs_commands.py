@@ -334,6 +334,10 @@ NOT_RUN = {
         "a benchmark: two 4-process jobs, each killed and restarted (minutes); "
         "tests/test_fast_tier.py runs the same kill -9 and fast-tier restore with 2 processes"
     ),
+    "python scripts/restart_bench.py --num_processes=2 --elastic --out=runs/restart_elastic.json": (
+        "a benchmark: two 2-process jobs, each killed and restarted on 1 process (minutes); "
+        "tests/test_fast_tier.py runs the same reassembly onto 1 process"
+    ),
     "python3 -m venv .venv": _SETUP,
     ". .venv/bin/activate": _SETUP,
     "pip install -e .": _SETUP,
