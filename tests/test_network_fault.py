@@ -20,11 +20,61 @@ from jaxdist.network import namespaces
 from tests.test_multihost import ROOT, records
 from tests.test_netem import _env_no_cache, clean, needs_namespaces  # noqa: F401 (fixture)
 
-pytestmark = [pytest.mark.slow, pytest.mark.bitwise]  # two programs' parameters to the bit
-
 HANG_S = 15
 
+# A stand-in for train.py (no JAX): reports steps to the launcher's watchdog, then blocks as a
+# process waiting in a collective would. One process, `BEHIND`, reports a step less than the
+# others, so "the one furthest behind" would name it: only the link check names the right one.
+STAND_IN = """
+import os, socket, sys, time
+rank, n = int(os.environ["JAXDIST_PROCESS_ID"]), int(os.environ["JAXDIST_NUM_PROCESSES"])
+print(f"rank={rank} of {n} on {socket.gethostname()} via {os.environ['JAXDIST_COORDINATOR']}")
+if n < 3:
+    sys.exit(0)
+for step in range(1, (2 if rank == int(sys.argv[1]) else 3) + 1):
+    with open(os.environ["JAXDIST_PROGRESS_FILE"], "w") as f:
+        f.write(f"{step}\\n")
+    time.sleep(0.3)
+time.sleep(120)
+"""
 
+
+@needs_namespaces
+@pytest.mark.parametrize("down", [1, 0], ids=["host1", "coordinator host0"])
+def test_watchdog_names_the_host_whose_link_is_down_and_elastic_leaves_it_out(
+    tmp_path,
+    clean,  # noqa: F811
+    down,
+):
+    """3 hosts; host `down`'s link goes down once step 3 is reported; every process then blocks.
+    The watchdog names that host's process (not the one furthest behind), and the elastic
+    restart runs on the two other hosts, its coordinator on the first of them."""
+    script = tmp_path / "worker.py"
+    script.write_text(STAND_IN)
+    behind = (down + 1) % 3
+    cmd = [sys.executable, "scripts/launch.py", "--network=rate=100mbit", "--num_processes=3"]
+    cmd += ["--platform=cpu", "--grace_s=1", "--hang_s=2", "--max_restarts=1", "--elastic"]
+    cmd += [f"--network_fault={down}:3", "--", "python", str(script), str(behind)]
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=_env_no_cache(), capture_output=True, text=True, timeout=120
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert f"--network_fault: host{down}'s link is down" in done.stderr, out[-3000:]
+    assert (
+        f"launch.py: process {down} made no progress for 2 s (--hang_s): it is cut off "
+        f"(host{down}'s link is down: its switch port has no carrier) at step 3" in done.stderr
+    ), out[-3000:]
+    assert f"launch.py: leaving out host{down}" in done.stderr
+    assert "on 2 process(es) (those that remain) (restart 1 of 1)" in done.stderr
+    remain = [h for h in range(3) if h != down]
+    coordinator = f"198.18.0.{remain[0] + 1}:8477"  # the second attempt's port
+    for rank, host in enumerate(remain):
+        assert f"rank={rank} of 2 on host{host} via {coordinator}" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise  # two programs' parameters to the bit
 @needs_namespaces
 def test_link_down_is_named_and_the_elastic_restart_equals_a_resumed_run(tmp_path, clean):  # noqa: F811
     """Host 2's link goes down after step 5 is reported: the watchdog names process 2 (its host's
