@@ -125,3 +125,18 @@ def test_link_down_is_named_and_the_elastic_restart_equals_a_resumed_run(tmp_pat
         assert v.tobytes() == params["reference"][k].tobytes(), k
     assert row["equal_params"] and row["equal_losses"], row
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--network=rate=1gbit", "--network_fault=2:5"], "must be HOST:STEP with HOST in 0..1"),
+        (["--network=rate=1gbit", "--network_fault=1:0"], "STEP at least 1"),
+        (["--network_fault=1:5"], "--network_fault need --network"),
+    ],
+)
+def test_bad_network_fault_is_refused_before_anything_starts(flags, says):
+    cmd = [sys.executable, "scripts/launch.py", "--num_processes=2", *flags, "--", "true"]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env_no_cache(), capture_output=True, text=True)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert "emulated host(s)" not in done.stderr  # refused before a cluster was built
