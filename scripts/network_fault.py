@@ -94,6 +94,12 @@ def _run(cmd: list[str], log: pathlib.Path) -> tuple[int, list[tuple[float, str]
         return proc.wait(), lines
 
 
+def _shown(cmd: list[str]) -> str:
+    """`cmd` as a user would type it: `python`, paths relative to the repository."""
+    words = ["python" if w == sys.executable else w for w in cmd]
+    return " ".join(w.replace(f"{ROOT}{os.sep}", "") for w in words)
+
+
 def _first(lines: list[tuple[float, str]], pattern: str, after: float = -1.0):
     """(seconds, match) of the first line after `after` matching `pattern`, else (None, None)."""
     for t, line in lines:
@@ -163,7 +169,7 @@ def measure(a: argparse.Namespace) -> dict:
         "steps_logged_before_fault": max(attempts[0], default=0) if attempts else None,
         "steps_reached_before_fault": int(fault.group(1)) if fault else None,
         "resumed_from": int(resumed.group(1)) if resumed else None,
-        "elastic_command": " ".join(cmd),
+        "elastic_command": _shown(cmd),
     }
     if row["resumed_from"] is not None and row["steps_reached_before_fault"] is not None:
         # the steps trained (reported to the launcher) before the fault that were trained again
@@ -176,7 +182,7 @@ def measure(a: argparse.Namespace) -> dict:
     shutil.copytree(elastic / "checkpoints" / str(step), reference / "checkpoints" / str(step))
     ref = [*launch, f"--num_processes={a.hosts - 1}", *train, f"--workdir={reference}"]
     ref_rc, _ = _run(ref, root / "reference.log")
-    row.update(reference_rc=ref_rc, reference_command=" ".join(ref))
+    row.update(reference_rc=ref_rc, reference_command=_shown(ref))
     if ref_rc != 0:
         return row
     after = _attempts(elastic)[-1]
