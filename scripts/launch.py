@@ -59,6 +59,7 @@ FAILURE_GRACE_S = 5.0  # after a failure the others cannot save (their peer is g
 HANG_EXIT_CODE = 124  # as `timeout` reports a command it stopped
 PREEMPTED_EXIT_CODE = 143  # jaxdist.loop.PREEMPTED_EXIT_CODE: stopped after a preemption save
 ENV_PROGRESS_FILE = "JAXDIST_PROGRESS_FILE"
+ENV_ENDED_PIDS = "JAXDIST_ENDED_PIDS"  # jaxdist.workdir_lock: an ended attempt's lock is taken over
 PIPE_DRAIN_S = 2.0  # bound on waiting for a dead process's pipes (grandchildren may hold them)
 NAME = "launch.py"
 
@@ -580,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     snapshots: list[tuple[str, float, float]] = []  # goodput file, start, end (job_goodput.py)
     per = args.processes_per_host
     live = list(range(args.num_processes // per))  # the emulated hosts the job runs on
+    ended: list[int] = []  # pids of the processes of earlier attempts (all ended)
     try:
         for attempt in range(args.max_restarts + 1):
             wrap, host, fault, unreachable = None, "127.0.0.1", None, None
@@ -609,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
             snapshot = os.path.join(progress_dir, f"goodput-{attempt}.json")
             for env in envs:
                 env[job_goodput.ENV_GOODPUT_FILE] = snapshot
+                if ended:
+                    env[ENV_ENDED_PIDS] = ",".join(map(str, ended))
             launcher = Launcher(
                 command,
                 envs,
@@ -624,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
                 code = launcher.run()
             finally:
                 snapshots.append((snapshot, started, time.time()))
+            ended += [p.pid for p in launcher.procs]  # run() returns once every one has ended
             if code == 0 or launcher.signalled is not None or attempt == args.max_restarts:
                 return code
             if args.elastic and cluster is not None:
