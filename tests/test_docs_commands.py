@@ -415,6 +415,9 @@ NOT_RUN = {
     + "; tests/test_netem.py tests the straggler rule on a switch table",
     "python scripts/network_fault.py --hosts=4 --out=docs/data/network_fault4.json": _NETEM
     + "; tests/test_network_fault.py runs it with 3 hosts",
+    "python scripts/network_fault.py --hosts=4 --fault_host=0 "
+    "--out=docs/data/network_fault4_host0.json": _NETEM
+    + "; tests/test_network_fault.py runs it with 3 hosts",
 }
 
 

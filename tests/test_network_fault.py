@@ -77,14 +77,22 @@ def test_watchdog_names_the_host_whose_link_is_down_and_elastic_leaves_it_out(
 @pytest.mark.bitwise  # two programs' parameters to the bit
 @needs_namespaces
 def test_link_down_is_named_and_the_elastic_restart_equals_a_resumed_run(tmp_path, clean):  # noqa: F811
-    """Host 2's link goes down after step 5 is reported: the watchdog names process 2 (its host's
-    switch port lost its carrier) within `--hang_s`, the job restarts on hosts 0 and 1 from its
-    newest checkpoint and finishes; its losses after the resume and its final parameters equal, to
-    the bit, those of a 2-host run started from a copy of that checkpoint."""
+    """The link of host 0 (the coordinator's, and process 0's, which writes the metrics and holds
+    the workdir lock) goes down after step 5 is reported: the watchdog names process 0 (its host's
+    switch port lost its carrier) within `--hang_s`, the job restarts on hosts 1 and 2 (the
+    coordinator on host 1; the lock taken over) from its newest checkpoint and finishes; its losses
+    after the resume and its final parameters equal, to the bit, those of a 2-host run started
+    from a copy of that checkpoint."""
     before = set(namespaces.leftovers())
     work, out = tmp_path / "nf", tmp_path / "row.json"
     cmd = [sys.executable, "scripts/network_fault.py", "--hosts=3", "--steps=8", "--every=2"]
-    cmd += ["--fault_step=5", f"--hang_s={HANG_S}", f"--workdir={work}", f"--out={out}"]
+    cmd += [
+        "--fault_host=0",
+        "--fault_step=5",
+        f"--hang_s={HANG_S}",
+        f"--workdir={work}",
+        f"--out={out}",
+    ]
     done = subprocess.run(
         cmd, cwd=ROOT, env=_env_no_cache(), capture_output=True, text=True, timeout=900
     )
@@ -93,12 +101,14 @@ def test_link_down_is_named_and_the_elastic_restart_equals_a_resumed_run(tmp_pat
     assert row["elastic_rc"] == 0, log[-4000:]
     assert row["reference_rc"] == 0, (work / "reference.log").read_text()[-4000:]
     assert (
-        f"launch.py: process 2 made no progress for {HANG_S} s (--hang_s): it is cut off "
-        "(host2's link is down: its switch port has no carrier) at step" in log
+        f"launch.py: process 0 made no progress for {HANG_S} s (--hang_s): it is cut off "
+        "(host0's link is down: its switch port has no carrier) at step" in log
     ), log[-4000:]
     assert row["detect_s"] <= HANG_S + 5, row
-    assert "launch.py: leaving out host2" in log
+    assert "launch.py: leaving out host0" in log
     assert "on 2 process(es) (those that remain) (restart 1 of 1)" in log, log[-4000:]
+    assert "coordinator 198.18.0.2:8477" in log
+    assert "a process of this job's earlier attempt (ended)" in log  # the lock, from host 0
     assert set(namespaces.leftovers()) <= before
 
     elastic, reference = work / "elastic", work / "reference"
