@@ -6,6 +6,9 @@ other's steps through `checkpoint.keep`. `acquire(workdir)` takes `WORKDIR/jaxdi
 - held by a live run: ConfigError, one line naming the holder;
 - left by a run that died on this host (its pid is gone, or reused by another program): taken
   over, and the returned note says so;
+- left by a process of an earlier attempt of this launch, on any (emulated) host: taken over
+  (`scripts/launch.py` names the processes it started and saw end in `JAXDIST_ENDED_PIDS`: after
+  `--elastic` leaves a host out, process 0 may run on another host than the lock's holder);
 - several processes: process 0 holds it; every process learns the outcome from one all-gather,
   so they all refuse together.
 
@@ -33,6 +36,13 @@ from jax.experimental import multihost_utils
 from jaxdist.errors import ConfigError
 
 LOCK_NAME = "jaxdist.lock"
+ENV_ENDED_PIDS = "JAXDIST_ENDED_PIDS"  # set by scripts/launch.py: pids of its ended processes
+
+
+def _ended_pids() -> set[int]:
+    """Pids the launcher started in an earlier attempt of this job and saw end."""
+    text = os.environ.get(ENV_ENDED_PIDS, "")
+    return {int(p) for p in text.split(",") if p.strip().isdigit()}
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -142,7 +152,12 @@ def _try_acquire(workdir: str) -> WorkdirLock:
     if holder:
         pid = holder.get("pid")
         same_host = holder.get("host") == host
-        if same_host and isinstance(pid, int) and pid != os.getpid():
+        if isinstance(pid, int) and pid in _ended_pids() and pid != os.getpid():
+            note = (
+                f"took over the lock of --workdir={workdir} from {_describe(holder)}, a process "
+                "of this job's earlier attempt (ended)"
+            )
+        elif same_host and isinstance(pid, int) and pid != os.getpid():
             if _alive(pid, holder.get("start")):  # alive, yet no flock: a file system without it
                 os.close(fd)
                 raise ConfigError(busy.format(_describe(holder)))

@@ -28,7 +28,8 @@ Faults it handles:
 The emulated cluster (`--network=PROFILE`, needs root): the processes run on N / P emulated hosts
 (`--processes_per_host=P`), each host a network namespace with its own hostname and address on a
 switch, its link shaped both ways (`jaxdist.network`); the coordinator is on host 0. `--link=H:...`
-changes host H's link. Everything it creates is removed when the launcher ends, however it ends
+changes host H's link. `--network_fault=H:STEP` takes host H's link down once a process has
+reported step STEP (a fault to test `--hang_s` and `--elastic` against). Everything it creates is removed when the launcher ends, however it ends
 (docs/MULTIHOST.md).
 """
 
@@ -46,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxdist import job_goodput  # noqa: E402
@@ -57,6 +59,7 @@ FAILURE_GRACE_S = 5.0  # after a failure the others cannot save (their peer is g
 HANG_EXIT_CODE = 124  # as `timeout` reports a command it stopped
 PREEMPTED_EXIT_CODE = 143  # jaxdist.loop.PREEMPTED_EXIT_CODE: stopped after a preemption save
 ENV_PROGRESS_FILE = "JAXDIST_PROGRESS_FILE"
+ENV_ENDED_PIDS = "JAXDIST_ENDED_PIDS"  # jaxdist.workdir_lock: an ended attempt's lock is taken over
 PIPE_DRAIN_S = 2.0  # bound on waiting for a dead process's pipes (grandchildren may hold them)
 NAME = "launch.py"
 
@@ -122,6 +125,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default=[],
         help="with --network: HOST:field=value,... changes one host's link, e.g. 1:rate=10mbit",
     )
+    parser.add_argument(
+        "--network_fault",
+        default="",
+        help="with --network: HOST:STEP takes host HOST's link down (ip link set eth0 down) once "
+        "a process has reported step STEP, e.g. 2:6",
+    )
     args = parser.parse_args(own)
     if not command:
         parser.error("no command: put it after '--', e.g. -- python scripts/train.py")
@@ -138,8 +147,18 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             f"--processes_per_host={args.processes_per_host}: must be at least 1 and divide "
             f"--num_processes={args.num_processes}"
         )
-    if not args.network and (args.link or args.processes_per_host != 1):
-        parser.error("--link and --processes_per_host need --network")
+    if not args.network and (args.link or args.processes_per_host != 1 or args.network_fault):
+        parser.error("--link, --processes_per_host and --network_fault need --network")
+    args.fault = None
+    if args.network_fault:
+        hosts = args.num_processes // args.processes_per_host
+        m = re.fullmatch(r"(\d+):(\d+)", args.network_fault)
+        if not m or int(m.group(1)) >= hosts or int(m.group(2)) < 1:
+            parser.error(
+                f"--network_fault={args.network_fault}: must be HOST:STEP with HOST in "
+                f"0..{hosts - 1} (the emulated hosts) and STEP at least 1, e.g. {hosts - 1}:5"
+            )
+        args.fault = (int(m.group(1)), int(m.group(2)))
     if not 0 <= args.coordinator_port < 65536:
         parser.error(f"--coordinator_port={args.coordinator_port}: must be 0..65535")
     if command[0] in ("python", "python3"):
@@ -268,6 +287,8 @@ class Launcher:
         hang_s: float = 0.0,
         progress_dir: str | None = None,
         wrap=None,
+        fault: tuple[int, Callable[[], str]] | None = None,
+        unreachable: Callable[[], dict[int, str]] | None = None,
     ):
         self.command = command
         # rank -> the command that process runs (inside its emulated host, with --network)
@@ -283,6 +304,10 @@ class Launcher:
         self.kill_deadline: float | None = None
         self.killed = False
         self.failed_ranks: list[int] = []  # failed or stalled, not stopped by us
+        # (step, action): the action runs once, when a process has reported that step
+        self.fault = fault
+        # rank -> why it cannot be reached (its host's link is down), asked only to blame
+        self.unreachable = unreachable
         self.progress: list[str] = []
         if progress_dir is not None:
             for rank, env in enumerate(envs):
@@ -378,6 +403,10 @@ class Launcher:
             if proc.poll() is None and _proc_state(proc.pid) == "T":
                 last = reports[rank][0] if reports[rank] else None
                 return rank, f"is stopped (state T) at step {last}"
+        cut_off = self.unreachable() if self.unreachable is not None else {}
+        for rank in sorted(cut_off):
+            last = reports[rank][0] if reports[rank] else None
+            return rank, f"is cut off ({cut_off[rank]}) at step {last}"
         started = [(r[0], r[1], rank) for rank, r in enumerate(reports) if r is not None]
         if len(started) < len(reports):  # one never reported a step: it is furthest behind
             rank = next(rank for rank, r in enumerate(reports) if r is None)
@@ -421,11 +450,23 @@ class Launcher:
                 failed = min(dead, key=lambda rc: (rc[1] >= 0, rc[0]))
                 rank = failed[0]
                 culprit = self._culprit([_read_progress(p) for p in self.progress])
-                if self.progress and culprit[0] != rank and "state T" in culprit[1]:
+                certain = "state T" in culprit[1] or "cut off" in culprit[1]
+                if self.progress and culprit[0] != rank and certain:
                     blame = f"process {culprit[0]} {culprit[1]}: it stalled first; "
                     self.failed_ranks.append(culprit[0])
                 self.failed_ranks.append(rank)
                 self._stop_all()
+            if self.fault is not None and self.progress:
+                reports = [_read_progress(p) for p in self.progress]
+                reached = max((r[0] for r in reports if r is not None), default=0)
+                if reached >= self.fault[0]:
+                    what = self.fault[1]()
+                    print(
+                        f"{NAME}: --network_fault: {what} (a process reported step {reached})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    self.fault = None
             if failed is None and hung is None and self.signalled is None:
                 hung = self._stalled()
                 if hung is not None:
@@ -478,6 +519,22 @@ def _cluster(args: argparse.Namespace) -> namespaces.Cluster:
     return cluster
 
 
+def _cut_off(cluster: namespaces.Cluster, on: list[int], per: int) -> dict[int, str]:
+    """rank -> why, for the ranks (rank r on host on[r // per]) whose host's link is down."""
+    down = set(cluster.hosts_without_carrier())
+    return {
+        rank: f"host{on[rank // per]}'s link is down: its switch port has no carrier"
+        for rank in range(len(on) * per)
+        if on[rank // per] in down
+    }
+
+
+def _link_down(cluster: namespaces.Cluster, host: int) -> str:
+    """`--network_fault`'s action: host `host`'s link goes down; returns what was done."""
+    cluster.set_link(host, up=False)
+    return f"host{host}'s link is down (ip link set eth0 down in {cluster.hosts[host].netns})"
+
+
 def _job_goodput(snapshots: list[tuple[str, float, float]]) -> None:
     """Sums the attempts' goodput records into the job's: one line, and a `goodput_job` record
     in the run's metrics.jsonl (when the command was a training run that wrote one).
@@ -522,16 +579,22 @@ def main(argv: list[str] | None = None) -> int:
     # Progress files also let a failure be blamed on a process that had stalled before it.
     progress_dir = tempfile.mkdtemp(prefix="jaxdist-progress-")
     snapshots: list[tuple[str, float, float]] = []  # goodput file, start, end (job_goodput.py)
+    per = args.processes_per_host
+    live = list(range(args.num_processes // per))  # the emulated hosts the job runs on
+    ended: list[int] = []  # pids of the processes of earlier attempts (all ended)
     try:
         for attempt in range(args.max_restarts + 1):
-            wrap, host = None, "127.0.0.1"
+            wrap, host, fault, unreachable = None, "127.0.0.1", None, None
             if cluster is None:
                 port = args.coordinator_port or _free_port()
             else:  # a fresh namespace: any port is free; a new one per attempt (TIME_WAIT)
                 port = (args.coordinator_port or 8476) + attempt
-                host = cluster.hosts[0].address
-                per = args.processes_per_host
-                wrap = lambda rank, cmd, per=per: cluster.wrap(rank // per, cmd)  # noqa: E731
+                host = cluster.hosts[live[0]].address
+                on = list(live)  # rank r runs on host on[r // per]
+                wrap = lambda rank, cmd, on=on: cluster.wrap(on[rank // per], cmd)  # noqa: E731
+                unreachable = lambda on=on: _cut_off(cluster, on, per)  # noqa: E731
+                if args.fault is not None and attempt == 0:
+                    fault = (args.fault[1], lambda h=args.fault[0]: _link_down(cluster, h))
             envs, what = _child_envs(args, port, host)
             if cluster is not None:
                 for env in envs:
@@ -548,15 +611,38 @@ def main(argv: list[str] | None = None) -> int:
             snapshot = os.path.join(progress_dir, f"goodput-{attempt}.json")
             for env in envs:
                 env[job_goodput.ENV_GOODPUT_FILE] = snapshot
-            launcher = Launcher(command, envs, args.grace_s, args.hang_s, progress_dir, wrap=wrap)
+                if ended:
+                    env[ENV_ENDED_PIDS] = ",".join(map(str, ended))
+            launcher = Launcher(
+                command,
+                envs,
+                args.grace_s,
+                args.hang_s,
+                progress_dir,
+                wrap=wrap,
+                fault=fault,
+                unreachable=unreachable,
+            )
             started = time.time()
             try:
                 code = launcher.run()
             finally:
                 snapshots.append((snapshot, started, time.time()))
+            ended += [p.pid for p in launcher.procs]  # run() returns once every one has ended
             if code == 0 or launcher.signalled is not None or attempt == args.max_restarts:
                 return code
-            if args.elastic:
+            if args.elastic and cluster is not None:
+                # A host is left out whole: its link, not only one process, is what failed.
+                gone = {live[rank // per] for rank in launcher.failed_ranks}
+                live = [h for h in live if h not in gone]
+                remaining = len(live) * per
+                if remaining < 1:
+                    print(f"{NAME}: no host left to restart on", file=sys.stderr, flush=True)
+                    return code
+                args = argparse.Namespace(**{**vars(args), "num_processes": remaining})
+                left_out = ", ".join(f"host{h}" for h in sorted(gone))
+                print(f"{NAME}: leaving out {left_out}", file=sys.stderr, flush=True)
+            elif args.elastic:
                 remaining = args.num_processes - len(set(launcher.failed_ranks))
                 if remaining < 1:
                     print(f"{NAME}: no process left to restart on", file=sys.stderr, flush=True)

@@ -417,6 +417,11 @@ NOT_RUN = {
     "--config.data.max_bytes=2000000 --config.mesh.data=4 --config.mesh.fsdp=1 "
     "--config.mesh.tensor=1 --config.mesh.dcn_data=4": _NETEM
     + "; tests/test_netem.py tests the straggler rule on a switch table",
+    "python scripts/network_fault.py --hosts=4 --out=docs/data/network_fault4.json": _NETEM
+    + "; tests/test_network_fault.py runs it with 3 hosts",
+    "python scripts/network_fault.py --hosts=4 --fault_host=0 "
+    "--out=docs/data/network_fault4_host0.json": _NETEM
+    + "; tests/test_network_fault.py runs it with 3 hosts",
 }
 
 

@@ -80,6 +80,27 @@ def test_a_lock_from_another_host_is_refused_with_how_to_clear_it(tmp_path):
     assert json.loads(path.read_text())["host"] == "node-7"  # left as it was
 
 
+def test_a_lock_left_by_the_launchers_earlier_attempt_is_taken_over_on_any_host(
+    tmp_path, monkeypatch
+):
+    """After `launch.py --elastic` leaves out process 0's host, process 0 runs on another host;
+    the launcher names the pids of its ended attempt, so their lock is taken over, and only
+    theirs."""
+    pid = _dead_pid()
+    path = tmp_path / workdir_lock.LOCK_NAME
+    path.write_text(json.dumps({"pid": pid, "host": "host0", "since": "2026-01-01T00:00:00+00:00"}))
+    monkeypatch.setenv(workdir_lock.ENV_ENDED_PIDS, f"{pid + 1},{pid + 2}")
+    with pytest.raises(ConfigError, match=rf"pid {pid} on host host0 .* if that run is gone"):
+        workdir_lock.acquire(str(tmp_path))
+    monkeypatch.setenv(workdir_lock.ENV_ENDED_PIDS, f"{pid + 1},{pid}")
+    with workdir_lock.acquire(str(tmp_path)) as lock:
+        assert lock.note == (
+            f"took over the lock of --workdir={tmp_path} from pid {pid} on host host0 since "
+            "2026-01-01T00:00:00+00:00, a process of this job's earlier attempt (ended)"
+        )
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+
+
 def _train(workdir: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     env.pop("XLA_FLAGS", None)

@@ -40,6 +40,7 @@ NETNS_ETC = "/etc/netns"
 ENV_NO_PRIVILEGE = "JAXDIST_NETEM_DENY"  # tests: behave as if CAP_NET_ADMIN were missing
 CAP_NET_ADMIN = 12
 _TAG = re.compile(rf"^({PREFIX}(\d+))-")
+_PORT_LINE = re.compile(r"^\d+:\s+h(\d+)@\S*:\s+<([^>]*)>")  # `ip -o link show` in the switch
 
 # The reaper: waits for EOF on stdin (the launcher gone, however it ended), then deletes every
 # namespace and /etc/netns folder of its tag. Self-contained: it runs in a bare interpreter.
@@ -302,6 +303,25 @@ class Cluster:
             "ip", "netns", "exec", h.netns, "unshare", "--uts", "--",
             sys.executable, "-c", _SET_HOSTNAME, h.hostname, *command,
         ]  # fmt: skip
+
+    def set_link(self, host: int, up: bool) -> None:
+        """Takes host `host`'s link down (or up again): `ip link set eth0 down` in its namespace,
+        as a pulled cable or a failed NIC would; its switch port then loses its carrier."""
+        self._run(
+            ["ip", "-n", self.hosts[host].netns, "link", "set", "eth0", "up" if up else "down"]
+        )
+
+    def hosts_without_carrier(self) -> list[int]:
+        """Hosts whose switch port has no carrier (their link is down), as the switch sees them."""
+        out = subprocess.run(
+            ["ip", "-n", self.switch, "-o", "link", "show"], capture_output=True, text=True
+        ).stdout
+        down = []
+        for line in out.splitlines():
+            m = _PORT_LINE.match(line)
+            if m and ("NO-CARRIER" in m.group(2).split(",") or "LOWER_UP" not in m.group(2)):
+                down.append(int(m.group(1)))
+        return sorted(down)
 
     @property
     def counters_path(self) -> str:
