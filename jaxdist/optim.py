@@ -100,6 +100,11 @@ def scale_by_layerwise_trust_ratio(
 # Optimizer state in a narrower dtype (`train.opt_state_dtype`).
 
 STATE_DTYPES = ("float32", "bfloat16")
+# `train.opt_state_rounding`: how float32 moments are written back into bfloat16.
+STATE_ROUNDINGS = ("nearest", "stochastic")
+# The stochastic rounding's key is jax.random.key(ROUNDING_SEED) folded with the update count and
+# the leaf's index: a function of the step alone, so runs and resumed runs round identically.
+ROUNDING_SEED = 0x5EED
 
 
 def _is_moment(x: Any) -> bool:
@@ -107,9 +112,45 @@ def _is_moment(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and jnp.ndim(x) >= 1
 
 
-def with_state_dtype(tx: optax.GradientTransformation, dtype: str) -> optax.GradientTransformation:
+def stochastic_round_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
+    """`x` rounded to one of its two bfloat16 neighbours, up with probability equal to its distance
+    from the lower one in units of their gap: unbiased, E[round(x)] = x.
+
+    The float32 bits plus 16 uniform random bits, truncated to the upper 16 (the bfloat16 bits), as
+    in "Revisiting BFloat16 Training" (Zamirai et al. 2020) and torchao's bf16 stochastic
+    rounding. Works on the magnitude, so negative values round symmetrically; inf and nan are
+    rounded to nearest (they stay inf and nan). The random bits come from `jax.random.bits`, whose
+    values do not depend on how `x` is sharded.
+
+    Args:
+      x: float32 (or narrower) array.
+      key: a jax.random key.
+
+    Returns:
+      The bfloat16 array of `x`'s shape.
+    """
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    noise = jax.random.bits(key, x.shape, jnp.uint16).astype(jnp.uint32)
+    upper = ((bits + noise) >> 16).astype(jnp.uint16)
+    rounded = jax.lax.bitcast_convert_type(upper, jnp.bfloat16)
+    return jnp.where(jnp.isfinite(x), rounded, x.astype(jnp.bfloat16))
+
+
+class StochasticRoundState(NamedTuple):
+    """The state of `with_state_dtype(..., rounding="stochastic")`."""
+
+    count: jax.Array  # int32[]: updates written; the rounding key is derived from it
+    inner: Any  # the wrapped optimizer's state, moments in bfloat16
+
+
+def with_state_dtype(
+    tx: optax.GradientTransformation, dtype: str, rounding: str = "nearest"
+) -> optax.GradientTransformation:
     """`tx` with its moments stored in `dtype`: read up to float32 for the update, written back
-    rounded to nearest. The identity for float32; the state keeps `tx`'s tree structure, so it is
+    rounded to nearest (`rounding="nearest"`) or stochastically (`"stochastic"`, bfloat16 only:
+    `stochastic_round_bf16` with a key derived from the update count, which the state then keeps
+    beside `tx`'s). The identity for float32; the moments keep `tx`'s tree structure, so they are
     sharded like the parameters exactly as before."""
     if jnp.dtype(dtype) == jnp.float32:
         return tx
@@ -117,18 +158,42 @@ def with_state_dtype(tx: optax.GradientTransformation, dtype: str) -> optax.Grad
     def cast(tree: Any, to: Any) -> Any:
         return jax.tree.map(lambda x: x.astype(to) if _is_moment(x) else x, tree)
 
-    def init_fn(params):
-        return cast(tx.init(params), dtype)
+    if rounding == "nearest":
 
-    def update_fn(updates, state, params=None):
-        out, new = tx.update(updates, cast(state, jnp.float32), params)
-        return out, cast(new, dtype)
+        def init_fn(params):
+            return cast(tx.init(params), dtype)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+        def update_fn(updates, state, params=None):
+            out, new = tx.update(updates, cast(state, jnp.float32), params)
+            return out, cast(new, dtype)
+
+        return optax.GradientTransformation(init_fn, update_fn)
+
+    if rounding != "stochastic" or jnp.dtype(dtype) != jnp.bfloat16:
+        raise ValueError(f"no {rounding!r} rounding into {dtype}")
+
+    def sr_init(params):
+        return StochasticRoundState(jnp.zeros((), jnp.int32), cast(tx.init(params), dtype))
+
+    def sr_update(updates, state, params=None):
+        out, new = tx.update(updates, cast(state.inner, jnp.float32), params)
+        key = jax.random.fold_in(jax.random.key(ROUNDING_SEED), state.count)
+        leaves, treedef = jax.tree.flatten(new)
+        leaves = [
+            stochastic_round_bf16(x, jax.random.fold_in(key, i)) if _is_moment(x) else x
+            for i, x in enumerate(leaves)
+        ]
+        count = optax.safe_int32_increment(state.count)
+        return out, StochasticRoundState(count, jax.tree.unflatten(treedef, leaves))
+
+    return optax.GradientTransformation(sr_init, sr_update)
 
 
 # --------------------------------------------------------------------------------------------------
 # Optimizer specs: one frozen dataclass per `train.optimizer` name, registered below.
+
+# Spec fields read from a `train` key of another name.
+CONFIG_KEYS = {"state_dtype": "opt_state_dtype", "state_rounding": "opt_state_rounding"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,13 +214,14 @@ class OptimizerSpec:
 
     weight_decay: float = 0.01
     state_dtype: str = "float32"  # train.opt_state_dtype
+    state_rounding: str = "nearest"  # train.opt_state_rounding
 
     @classmethod
     def from_config(cls, train_cfg: Any) -> OptimizerSpec:
         """The spec with every field from `train_cfg` (absent ones keep the default)."""
         values = {}
         for f in dataclasses.fields(cls):
-            key = "opt_state_dtype" if f.name == "state_dtype" else f.name
+            key = CONFIG_KEYS.get(f.name, f.name)
             node = train_cfg.get(cls.section) if f.name in cls.own else train_cfg
             if node is not None and key in node:
                 values[f.name] = node[key]
@@ -182,7 +248,7 @@ class OptimizerSpec:
             `distribution`); None leaves the layout to XLA.
         """
         tx = self.transform(lr, _matrix_mask(axes_tree), axes_tree, mesh)
-        return with_state_dtype(tx, self.state_dtype)
+        return with_state_dtype(tx, self.state_dtype, self.state_rounding)
 
     # Abilities and costs, per parameter with logical axes `axes` (the planner's hooks).
     def moments(self, axes: tuple) -> int:
@@ -208,6 +274,17 @@ class OptimizerSpec:
             t.get("opt_state_dtype", "float32") in STATE_DTYPES,
             f"train.opt_state_dtype={t.get('opt_state_dtype')!r} is not valid; choose one of "
             + ", ".join(STATE_DTYPES),
+        )
+        _need(
+            self.state_rounding in STATE_ROUNDINGS,
+            f"train.opt_state_rounding={self.state_rounding!r} is not valid; choose one of "
+            + ", ".join(STATE_ROUNDINGS),
+        )
+        _need(
+            self.state_rounding == "nearest" or self.state_dtype == "bfloat16",
+            f"train.opt_state_rounding={self.state_rounding!r} rounds bfloat16 moments; "
+            f"train.opt_state_dtype={self.state_dtype!r} keeps them unrounded (set "
+            "train.opt_state_dtype=bfloat16, or train.opt_state_rounding=nearest)",
         )
         _need(self.weight_decay >= 0, f"train.weight_decay={self.weight_decay} must be >= 0")
         if self.needs_full_gradient:

@@ -121,6 +121,7 @@ def _train_fields(c: ml_collections.ConfigDict) -> None:
     c.train.momentum = 0.9
     c.train.nesterov = False  # sgd: Nesterov momentum
     c.train.opt_state_dtype = "float32"  # or "bfloat16": the optimizer's moments (jaxdist/optim.py)
+    c.train.opt_state_rounding = "nearest"  # or "stochastic" (bfloat16 moments: unbiased writes)
     # train.optimizer=muon's own fields (jaxdist/optim.py `Muon`, whose defaults these are).
     c.train.muon = ml_collections.ConfigDict()
     c.train.muon.momentum = 0.95

@@ -11,8 +11,8 @@ Studies:
   batch     statistical efficiency: steps and examples to reach --target_loss on `stdlib` validation
             data for each global batch, adamw vs lamb, learning rate scaled by train.lr_scaling
             (sqrt by default here) from the smallest batch, warmup on. Table, JSON and a PNG plot.
-  moments   the config's job (train.steps, its schedule) with train.opt_state_dtype float32 and
-            bfloat16: mean training loss of the last 10 steps, validation loss, Δ, and the optimizer
+  moments   the config's job (train.steps, its schedule) with train.opt_state_dtype float32, and
+            bfloat16 rounded to nearest and stochastically (train.opt_state_rounding): mean training loss of the last 10 steps, validation loss, Δ, and the optimizer
             state / argument bytes per device from the compiled step's memory_analysis().
   compression  for each grad_sync.compression (and local SGD) on the config's mesh (data=8 is the
             usual choice): bytes on the wire per step (compiled HLO, steady state after any
@@ -566,13 +566,18 @@ def study_moments(config) -> dict:
         "runs": [],
     }
     print(
-        f"{'opt_state_dtype':<16}{'loss':>8}{'val':>8}{'Δ loss':>9}{'state B/dev':>13}"
+        f"{'opt_state_dtype':<26}{'loss':>8}{'val':>8}{'Δ loss':>9}{'state B/dev':>13}"
         f"{'B/param':>9}{'args B/dev':>12}{'step ms':>9}"
     )
-    for dtype in ("float32", "bfloat16"):
+    for dtype, rounding in (
+        ("float32", "nearest"),
+        ("bfloat16", "nearest"),
+        ("bfloat16", "stochastic"),
+    ):
         cfg = config.copy_and_resolve_references()
         with cfg.unlocked():
             cfg.train.opt_state_dtype = dtype
+            cfg.train.opt_state_rounding = rounding
             cfg.train.steps = steps
         engine, batches = _build(cfg, m, ds)
         compiled = engine.train_step.lower(engine.abstract_state, batches.get(0)).compile()
@@ -587,6 +592,7 @@ def study_moments(config) -> dict:
         val_loss = float(np.mean([float(engine.eval_step(state, v)["loss"]) for v in val]))
         run = {
             "opt_state_dtype": dtype,
+            "opt_state_rounding": rounding,
             "final_loss": float(np.mean(losses[-10:])),  # steps steps-9 .. steps
             "val_loss": val_loss,
             "opt_state_bytes_per_device": mem["opt_state"],
@@ -601,7 +607,7 @@ def study_moments(config) -> dict:
         run["val_vs_float32"] = run["val_loss"] / base["val_loss"] - 1
         out["runs"].append(run)
         print(
-            f"{dtype:<16}{run['final_loss']:>8.4f}{val_loss:>8.4f}{run['loss_vs_float32']:>+9.2%}"
+            f"{dtype + (' ' + rounding if dtype != 'float32' else ''):<26}{run['final_loss']:>8.4f}{val_loss:>8.4f}{run['loss_vs_float32']:>+9.2%}"
             f"{mem['opt_state']:>13,}{run['state_bytes_per_param']:>9.2f}"
             f"{mem['arguments']:>12,}{run['step_time_s'] * 1e3:>9.1f}",
             flush=True,

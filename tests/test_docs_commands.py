@@ -141,7 +141,18 @@ SHORTENED = {
     "--tuned=adamw=0.003 --out=docs/data/batch_study_adamw_retune.json": _BATCH_STUDY,
     "python scripts/bench.py --study=moments --out=docs/data/moments_default.json": (
         "--max_steps=4",
-        "the default job's 300 steps twice (float32, bfloat16 moments) take minutes on 2 cores",
+        "the default job's 300 steps three times (float32, bfloat16 nearest and stochastic) take "
+        "minutes on 2 cores",
+    ),
+    "python scripts/bench.py --study=moments --config.train.seed=1 "
+    "--out=docs/data/moments_default_seed1.json": (
+        "--max_steps=4",
+        "the moments study's 300 steps three times (another seed) take minutes on 2 cores",
+    ),
+    "python scripts/bench.py --study=moments --config.train.seed=2 "
+    "--out=docs/data/moments_default_seed2.json": (
+        "--max_steps=4",
+        "the moments study's 300 steps three times (another seed) take minutes on 2 cores",
     ),
     "python scripts/bench.py --study=fp8 --out=docs/data/fp8_default.json": (
         "--max_steps=2",

@@ -356,7 +356,7 @@ def test_spec_defaults_are_the_schema():
         if cls.section:
             assert dict(train[cls.section]) == cls.defaults(), name
         for f in (f.name for f in dataclasses.fields(cls)):
-            key = "opt_state_dtype" if f == "state_dtype" else f
+            key = optim.CONFIG_KEYS.get(f, f)
             assert key in (train[cls.section] if f in cls.own else train), (name, f)
 
 

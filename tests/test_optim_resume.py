@@ -1,6 +1,7 @@
 """Muon's state (a partitioned optax state: Muon's momentum, AdamW's two moments) and bf16 moments
-survive a checkpoint: a run stopped at step 3 and resumed by the same command to step 6 ends
-bit-identical to an uninterrupted 6-step run (every loss, every array of the final checkpoint)."""
+(rounded to nearest or stochastically) survive a checkpoint: a run stopped at step 3 and resumed by
+the same command to step 6 ends bit-identical to an uninterrupted 6-step run (every loss, every
+array of the final checkpoint)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,17 @@ def _losses(workdir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_muon_resume_is_bit_identical(tmp_path, dtype):
-    flags = (*FLAGS, f"--config.train.opt_state_dtype={dtype}")
+@pytest.mark.parametrize(
+    "dtype, rounding",
+    [("float32", "nearest"), ("bfloat16", "nearest"), ("bfloat16", "stochastic")],
+)
+def test_muon_resume_is_bit_identical(tmp_path, dtype, rounding):
+    """With stochastic rounding the state also keeps the update count its random bits come from."""
+    flags = (
+        *FLAGS,
+        f"--config.train.opt_state_dtype={dtype}",
+        f"--config.train.opt_state_rounding={rounding}",
+    )
     ref, run = tmp_path / "ref", tmp_path / "run"
     run_script("scripts/train.py", *flags, "--config.train.steps=6", f"--workdir={ref}")
     run_script("scripts/train.py", *flags, "--config.train.steps=3", f"--workdir={run}")
