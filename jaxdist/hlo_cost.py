@@ -18,6 +18,7 @@ call graph.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -144,7 +145,14 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
         loop containing collectives has a trip count that is neither in its backend_config nor
         readable from an ``i < constant`` loop condition.
     """
-    return _Analysis(_parse_module(hlo_text)).run()
+    return list(_collective_ops(hlo_text))
+
+
+@functools.lru_cache(maxsize=4)
+def _collective_ops(hlo_text: str) -> tuple[CollectiveOp, ...]:
+    """`collective_ops`, read once per module text: a layout record asks three questions
+    (bytes, phases, bytes across hosts) of the same compiled step."""
+    return tuple(_Analysis(_parse_module(hlo_text)).run())
 
 
 def conditional_ops(hlo_text: str) -> list[list[CollectiveOp]]:

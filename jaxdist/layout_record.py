@@ -28,8 +28,9 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
         for x in jax.tree.leaves(tree)
     )
+    hlo_text = compiled.as_text()  # one text, read once by the three questions below
     phases, busiest = metrics.collective_phases(
-        compiled.as_text(),
+        hlo_text,
         mesh_lib.mesh_shape(engine.mesh),
         [d.process_index for d in engine.mesh.devices.flat],
         conditional_period=local_steps,
@@ -51,7 +52,7 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         },
         # Local SGD averages inside a conditional taken every H-th step: bytes are per step on average.
         "collective_bytes_per_step": metrics.collective_bytes(
-            compiled.as_text(), conditional_period=local_steps
+            hlo_text, conditional_period=local_steps
         ),
         # Per phase (kind × mesh axes × tier): op executions per step and the busiest device's
         # sent + received bytes (a parameter server's hot spot); their per-step total below.
@@ -59,7 +60,7 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         "busiest_device_bytes_per_step": busiest,
         # What each process sends to other processes (its host's link, one process per host).
         "cross_process_bytes_per_step": hlo_cost.cross_host_bytes(
-            compiled.as_text(),
+            hlo_text,
             [d.process_index for d in engine.mesh.devices.flat],
             conditional_period=local_steps,
         ),

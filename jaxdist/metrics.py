@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -25,6 +27,30 @@ from jaxdist.hlo_cost import (
     collective_phases,
     ring_wire_bytes,
 )
+
+_IMPORT_LOCK = threading.Lock()
+
+
+def _summary_writer() -> type:
+    """tensorboardX's `SummaryWriter`, imported without importing torch.
+
+    tensorboardX's `writer` module imports torch whenever it is installed (the `hf` extra), only to
+    name `torch.Tensor` in type hints; its torch features import torch again where they are used.
+    jaxdist writes float scalars, so that import is ~2 s of CPU in every process that writes metrics
+    for nothing. While tensorboardX is first imported, `import torch` fails as if torch were
+    absent; torch stays importable before and after.
+    """
+    with _IMPORT_LOCK:
+        if "tensorboardX" in sys.modules or "torch" in sys.modules:
+            from tensorboardX import SummaryWriter
+
+            return SummaryWriter
+        sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` -> ImportError
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            del sys.modules["torch"]
+        return SummaryWriter
 
 
 def human_duration(seconds: float) -> str:
@@ -130,9 +156,7 @@ class MetricsWriter:
         clean = self._write({"step": int(step), **metrics})
         if self._tensorboard is None:
             # Imported late: tensorboardX pulls in protobuf, which disabled processes never need.
-            from tensorboardX import SummaryWriter
-
-            self._tensorboard = SummaryWriter(logdir=self.workdir)
+            self._tensorboard = _summary_writer()(logdir=self.workdir)
         for tag, value in _scalars({k: v for k, v in clean.items() if k != "step"}):
             self._tensorboard.add_scalar(tag, value, global_step=int(step))
         self._tensorboard.flush()

@@ -12,6 +12,8 @@ import math
 import os
 import re
 import struct
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -504,6 +506,24 @@ def test_metrics_writer_jsonl_and_tensorboard(tmp_path):
         (2, "loss", 0.25),
         (2, "tokens", 4096.0),
     ]
+
+
+def test_metrics_writer_does_not_import_torch(tmp_path):
+    """TensorBoard scalars without torch's ~2 s import (tensorboardX imports it when installed,
+    for type hints); torch stays importable afterwards, and the scalars are in the event file."""
+    code = (
+        "import sys\n"
+        "from jaxdist.metrics import MetricsWriter\n"
+        f"with MetricsWriter({str(tmp_path)!r}) as w:\n"
+        "    w.write_step(1, {'loss': 0.5})\n"
+        "assert 'tensorboardX' in sys.modules and 'torch' not in sys.modules, 'torch imported'\n"
+        "import importlib.util\n"
+        "assert importlib.util.find_spec('torch') is None or __import__('torch')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _event_scalars(str(tmp_path)) == [(1, "loss", 0.5)]
 
 
 def test_metrics_writer_appends_and_flushes_each_line(tmp_path):
