@@ -618,12 +618,14 @@ def _finish(
         setup.fast.remove()  # the final persistent save supersedes the process-local copies
     _report_progress(step)
     console.close()  # first: `done:` gets its own line, not the bar's
+    # What is left to do after the record is printing: the record covers the whole run.
+    outputs = outputs_lines(workdir, str(ckpt.directory), ckpt.all_steps()) if console.main else []
     record = ends.write()
     if console.main:
         loss = logger.last.get("loss", float("nan"))
         print(done_line(step, loss, final_eval, record, ends.items_trained()), flush=True)
         print(goodput.summary_line(record), flush=True)
-        print("\n".join(outputs_lines(workdir, str(ckpt.directory), ckpt.all_steps())), flush=True)
+        print("\n".join(outputs), flush=True)
     return logger.last
 
 
