@@ -1,11 +1,14 @@
 """FP8 matmuls for the transformer blocks (`train.matmul_precision`), dynamic per-tensor scaling.
 
 The recipe is torchao's "tensorwise" Float8 training with power-of-two scales
-(`Float8LinearConfig(round_scales_to_power_of_2=True)`), written as the quantize-dequantize
-pattern XLA's GPU GEMM rewriter is written to turn into cuBLASLt FP8 GEMMs (as Flax's
-`linen.fp8_ops` does; measured on jax 0.11.2 / H200 it did not: docs/PERFORMANCE.md, and
-`set_lowering` selects the other form, FP8 operands fed to the dot itself):
-for y = x·w,
+(`Float8LinearConfig(round_scales_to_power_of_2=True)`). The FP8 operands go to the dot itself
+(`preferred_element_type` the compute dtype) and its output is rescaled: XLA's GPU GEMM rewriter
+turns each such dot into one cuBLASLt FP8 GEMM with the scales folded in (measured with
+`scripts/fp8_probe.py` on jax 0.11.2 / H100: 3 FP8 GEMMs for a linear layer's forward and two
+gradients). The quantize-dequantize form Flax's `linen.fp8_ops` writes is kept as a study
+lowering (`set_lowering("qdq")`): on that XLA it compiles to bf16 GEMMs, and the FP8 rounding
+itself is gone from the compiled program (no convert into FP8 survives), docs/FP8.md.
+For y = x·w,
 
   forward   s_x = 2^⌊log2(448 / amax(|x|))⌋, s_w likewise    (float32; e4m3's max is 448)
             x8 = e4m3(clip(x·s_x, ±448)), w8 = e4m3(clip(w·s_w, ±448))   (round to nearest even)
@@ -49,20 +52,21 @@ EPS = 1e-12  # amax floor (torchao's `EPS`): an all-zero tensor gets a finite sc
 MIN_K, MIN_N = 4096, 1024  # `fp8` skips a matmul with K <= MIN_K and N <= MIN_N
 ALIGN = 16  # FP8 GEMMs need K and N multiples of 16
 
-# How the FP8 GEMM reaches XLA (`set_lowering`): "qdq" dequantizes each FP8 operand (convert, then
-# divide by its scale) right before a dot in the compute dtype, the pattern openxla's GPU GEMM
-# rewriter folds into a cuBLASLt FP8 GEMM; "direct" feeds the FP8 operands to the dot itself
-# (`preferred_element_type` the compute dtype) and scales its output. Both compute the same
-# values (power-of-two scales: every dequantize and rescale is exact).
-LOWERINGS = ("qdq", "direct")
-_lowering = "qdq"
+# How the FP8 GEMM reaches XLA (`set_lowering`): "direct" (the default) feeds the FP8 operands to
+# the dot itself (`preferred_element_type` the compute dtype) and scales its output; "qdq"
+# dequantizes each FP8 operand (convert, then divide by its scale) right before a dot in the
+# compute dtype, the pattern openxla's GPU GEMM rewriter was written to fold (on jax 0.11.2's XLA
+# it does not, and the FP8 rounding is simplified away). Both compute the same values
+# (power-of-two scales: every dequantize and rescale is exact).
+LOWERINGS = ("direct", "qdq")
+_lowering = "direct"
 
 _state = threading.local()
 
 
 def set_lowering(name: str) -> None:
-    """Selects `LOWERINGS`' form for the FP8 matmuls traced from now on (a study knob: on
-    jax 0.11.2 / H200 neither form has yet been seen to give FP8 GEMMs, docs/PERFORMANCE.md)."""
+    """Selects `LOWERINGS`' form for the FP8 matmuls traced from now on (a study knob: only
+    "direct" gives FP8 GEMMs on jax 0.11.2 / H100, `scripts/fp8_probe.py`)."""
     global _lowering
     if name not in LOWERINGS:
         raise ValueError(f"FP8 lowering {name!r} is not one of {LOWERINGS}")
@@ -85,6 +89,17 @@ def precision(mode: str) -> Iterator[None]:
 def current() -> str:
     """The mode of the innermost `precision` block ("default" outside any)."""
     return getattr(_state, "mode", "default")
+
+
+@contextlib.contextmanager
+def traced() -> Iterator[list[tuple[str, bool]]]:
+    """Collects (spec, in FP8?) for every block matmul `einsum` traces inside it: what the
+    compiled program should hold (3 FP8 GEMMs per FP8 matmul, forward and both gradients)."""
+    old, _state.calls = getattr(_state, "calls", None), []
+    try:
+        yield _state.calls
+    finally:
+        _state.calls = old
 
 
 def _sizes(spec: str, x_shape, w_shape) -> tuple[int, int]:
@@ -188,10 +203,11 @@ def einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
       w: the weight (e4m3, cast per tensor).
     """
     mode = current()
-    if (
-        mode == "default"
-        or not _transposable(spec)
-        or not eligible(mode, *_sizes(spec, x.shape, w.shape))
-    ):
-        return jnp.einsum(spec, x, w)
-    return _fp8_einsum(spec, x, w)
+    cast = (
+        mode != "default"
+        and _transposable(spec)
+        and eligible(mode, *_sizes(spec, x.shape, w.shape))
+    )
+    if getattr(_state, "calls", None) is not None:
+        _state.calls.append((spec, cast))
+    return _fp8_einsum(spec, x, w) if cast else jnp.einsum(spec, x, w)

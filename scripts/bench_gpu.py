@@ -69,8 +69,8 @@ _FIT_LAYERS = flags.DEFINE_integer(
 )
 _FP8_LOWERING = flags.DEFINE_enum(
     "fp8_lowering",
-    "qdq",
-    ["qdq", "direct"],
+    "direct",
+    ["direct", "qdq"],
     "--phase=point: how FP8 matmuls reach XLA (jaxdist.fp8.LOWERINGS); rows with "
     "train.matmul_precision=fp8 also save their compiled HLO (gzip) under OUT_DIR/hlo.",
 )
@@ -340,59 +340,6 @@ def _predict(config, n: int, device_kind: str) -> dict:
     }
 
 
-# FP8 GEMMs as XLA's GPU backend emits them: cuBLASLt's FP8 matmul custom call (e4m3 / e5m2
-# operands with their scales), the target openxla's gemm rewriter gives a dequantize-free q-dq.
-FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
-GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
-
-
-def gemm_counts(hlo: str) -> dict[str, int]:
-    """GEMMs in a compiled HLO module's text: FP8 cuBLASLt custom calls, the other cuBLAS GEMM
-    custom calls, XLA's Triton GEMM fusions, and dots with an FP8 operand left to XLA itself."""
-    import re
-
-    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
-    fp8 = sum(t == FP8_GEMM_TARGET for t in targets)
-    cublas = sum(t in GEMM_TARGETS for t in targets)
-    triton = len(re.findall(r'"kind":"__triton_gemm"', hlo))
-    fp8_dots = sum(
-        1
-        for line in hlo.splitlines()
-        if " dot(" in line and re.search(r"f8e(4m3|5m2)", line.split(" dot(", 1)[1])
-    )
-    return {
-        "fp8_cublaslt": fp8,
-        "cublas_other": cublas,
-        "triton_gemm": triton,
-        "fp8_dot_ops": fp8_dots,
-    }
-
-
-def f8_census(hlo: str) -> dict[str, int]:
-    """Instructions of a compiled HLO module whose result is FP8, by opcode (converts into FP8,
-    fusions, custom calls, ...) and the instructions that take an FP8 operand: where the FP8
-    values went when no FP8 GEMM came out."""
-    import re
-
-    made: dict[str, int] = {}
-    used: dict[str, int] = {}
-    f8 = re.compile(r"f8e(4m3fn|5m2)\[")
-    rows = []
-    for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT )?(%?[\w.-]+) = (.+?) ([a-z][\w-]*)\((.*)", line)
-        if m:
-            rows.append(m.groups())
-    f8_names = {name.lstrip("%") for name, result, _, _ in rows if f8.search(result)}
-    for _, result, op, operands in rows:
-        if f8.search(result):
-            made[op] = made.get(op, 0) + 1
-        elif f8.search(operands) or any(
-            n in f8_names for n in re.findall(r"%([\w.-]+)", operands.split("),", 1)[0])
-        ):
-            used[op] = used.get(op, 0) + 1
-    return {"results": made, "consumers": used}
-
-
 def block_matmuls_per_layer(params, num_layers: int) -> int:
     """The blocks' dense weights: stacked parameters [L, ...] of 3 or more dimensions (norms and
     biases are [L, D]); each is one forward and two backward matmuls per layer."""
@@ -464,7 +411,8 @@ def phase_point() -> dict:
         engine, batches = benchlib.build(config, m, ds)
         batch = batches.get(0)
         t0 = time.perf_counter()
-        lowered = engine.train_step.lower(engine.abstract_state, batch)
+        with fp8.traced() as matmuls:  # the block matmuls, and which of them run in FP8
+            lowered = engine.train_step.lower(engine.abstract_state, batch)
         _progress(f"lowered in {time.perf_counter() - t0:.1f}s")
         compiled = lowered.compile()
         record["compile_s"] = time.perf_counter() - t0
@@ -474,7 +422,7 @@ def phase_point() -> dict:
         record["compiled_bytes"] = layout["bytes_per_device"]
         hlo = compiled.as_text()
         if record["matmul_precision"].startswith("fp8"):
-            record["f8_census"] = f8_census(hlo)
+            record["f8_census"] = benchlib.f8_census(hlo)
             _progress(f"FP8 in the compiled HLO: {record['f8_census']}")
             os.makedirs(os.path.join(_OUT_DIR.value, "hlo"), exist_ok=True)
             with gzip.open(
@@ -490,15 +438,21 @@ def phase_point() -> dict:
             + hlo.count('custom_call_target="__cudnn$fmhaSoftmaxDropout"'),
             "backward": hlo.count('custom_call_target="__cudnn$fmhaSoftmaxBackward'),
         }
-        record["gemms"] = gemm_counts(hlo)
+        record["gemms"] = benchlib.gemm_counts(hlo)
         record["block_matmuls_per_layer"] = block_matmuls_per_layer(
             engine.abstract_state["params"], c.num_layers
         )
         if record["matmul_precision"].startswith("fp8"):
-            fp8 = record["gemms"]["fp8_cublaslt"]
-            expected = 3 * record["block_matmuls_per_layer"] * c.num_layers
-            record["fp8_gemms_per_layer"] = fp8 / c.num_layers
-            record["fp8_all_blocks"] = fp8 >= expected  # every block matmul, both gradients too
+            # `fp8.traced` saw each layer body once (a scan) or once per layer: FP8 matmuls
+            # per layer = those cast × the blocks' matmuls per layer / the matmuls traced.
+            cast = sum(c8 for _, c8 in matmuls)
+            per_layer = cast * record["block_matmuls_per_layer"] / max(len(matmuls), 1)
+            record["fp8_matmuls_per_layer"] = per_layer
+            record["fp8_gemms_expected"] = round(3 * per_layer * c.num_layers)
+            fp8_gemms = record["gemms"]["fp8_gemms"]
+            record["fp8_gemms_per_layer"] = fp8_gemms / c.num_layers
+            # every matmul the size rule casts, forward and both gradients
+            record["fp8_all_blocks"] = fp8_gemms >= record["fp8_gemms_expected"] > 0
         if _PROFILE.value:
             state, record["profile"] = _trace_kernels(compiled, state, batch, _PROFILE.value)
         loss = float(jax.device_get(compiled(state, batch)[1]["loss"]))
@@ -602,7 +556,7 @@ def _fp8_cell(r: dict) -> str:
     g = r.get("gemms")
     if not g:
         return "—"
-    n = g["fp8_cublaslt"]
+    n = g.get("fp8_gemms", g["fp8_cublaslt"])
     cell = f"{n} ({n / max(r['layers'], 1):.1f})"
     if r.get("matmul_precision", "").startswith("fp8"):
         cell += " all blocks" if r.get("fp8_all_blocks") else " **not all blocks**"
@@ -670,12 +624,14 @@ def _findings(points: list[dict]) -> list[str]:
             lines.append(line + ".")
         if r.get("matmul_precision", "").startswith("fp8"):
             g = r["gemms"]
+            per_layer = r["fp8_matmuls_per_layer"]
             line = (
-                f"- `{r['label']}`: {g['fp8_cublaslt']} FP8 cuBLASLt GEMMs "
-                f"({r['fp8_gemms_per_layer']:.1f} a layer; 3 × {r['block_matmuls_per_layer']} "
-                f"block matmuls = {3 * r['block_matmuls_per_layer']} expected), other GEMMs: "
-                f"{g['cublas_other']} cuBLAS + {g['triton_gemm']} Triton, {g['fp8_dot_ops']} FP8 "
-                "dots left to XLA"
+                f"- `{r['label']}`: {g['fp8_gemms']} FP8 GEMMs ({g['fp8_cublaslt']} cuBLASLt + "
+                f"{g['fp8_triton']} Triton; {r['fp8_gemms_per_layer']:.1f} a layer, "
+                f"{r['fp8_gemms_expected'] / max(r['layers'], 1):.1f} expected: 3 × "
+                f"{per_layer:g} of the {r['block_matmuls_per_layer']} block matmuls pass the "
+                f"size rule), other GEMMs: {g['cublas_other']} cuBLAS + "
+                f"{g['triton_gemm'] - g['fp8_triton']} Triton"
             )
             twin = _twin(points, r["label"].split("_fp8")[0] + "_bf16")
             if twin:

@@ -1,10 +1,12 @@
-"""What the benchmark scripts share: timing, spread, and the hand-written step they compare with.
+"""What the benchmark scripts share: timing, spread, the hand-written step they compare with, and
+the GEMM census of a compiled HLO module.
 
 No flags are defined here, so `bench.py` and `bench_gpu.py` can both import it.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 import time
@@ -96,3 +98,70 @@ def run_main(main) -> None:
     from jaxdist.errors import run_command
 
     sys.exit(run_command(app.run, main))
+
+
+# FP8 GEMMs as XLA's GPU backend emits them: cuBLASLt's FP8 matmul custom call (e4m3 / e5m2
+# operands with their scales), or a Triton GEMM fusion whose dot takes FP8 operands (the autotuner
+# picks Triton for some shapes: seen on jax 0.11.2 / H100 for gpt_1b's MLP down-projection).
+FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
+GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
+TRITON_GEMM_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion")
+
+
+def _triton_gemms(hlo: str) -> tuple[int, int]:
+    """(Triton GEMM fusions, those whose fused computation has a dot with an FP8 operand)."""
+    f8_dot_computations, name = set(), None
+    for line in hlo.splitlines():
+        header = re.match(r"(?:ENTRY )?%?([\w.-]+) \(.*\) -> .* \{$", line)
+        if header:
+            name = header.group(1)
+        elif name and " dot(" in line:
+            params = re.findall(r"%([\w.-]+)", line.split(" dot(", 1)[1].split(")", 1)[0])
+            if any(re.search(rf"%{re.escape(p)} = f8e(4m3fn|5m2)\[", hlo) for p in params):
+                f8_dot_computations.add(name)
+    total = f8 = 0
+    for line in hlo.splitlines():
+        if " fusion(" in line and any(f'"kind":"{k}"' in line for k in TRITON_GEMM_KINDS):
+            total += 1
+            called = re.search(r"calls=%([\w.-]+)", line)
+            f8 += bool(called and called.group(1) in f8_dot_computations)
+    return total, f8
+
+
+def gemm_counts(hlo: str) -> dict[str, int]:
+    """GEMMs in a compiled HLO module's text: FP8 cuBLASLt custom calls, the other cuBLAS GEMM
+    custom calls, XLA's Triton GEMM fusions (and how many of them multiply FP8 operands), and
+    FP8 GEMMs of either kind."""
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    fp8 = sum(t == FP8_GEMM_TARGET for t in targets)
+    triton, triton_fp8 = _triton_gemms(hlo)
+    return {
+        "fp8_cublaslt": fp8,
+        "cublas_other": sum(t in GEMM_TARGETS for t in targets),
+        "triton_gemm": triton,
+        "fp8_triton": triton_fp8,
+        "fp8_gemms": fp8 + triton_fp8,
+    }
+
+
+def f8_census(hlo: str) -> dict[str, int]:
+    """Instructions of a compiled HLO module whose result is FP8, by opcode (converts into FP8,
+    fusions, custom calls, ...) and the instructions that take an FP8 operand: where the FP8
+    values went when no FP8 GEMM came out."""
+    made: dict[str, int] = {}
+    used: dict[str, int] = {}
+    f8 = re.compile(r"f8e(4m3fn|5m2)\[")
+    rows = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?(%?[\w.-]+) = (.+?) ([a-z][\w-]*)\((.*)", line)
+        if m:
+            rows.append(m.groups())
+    f8_names = {name.lstrip("%") for name, result, _, _ in rows if f8.search(result)}
+    for _, result, op, operands in rows:
+        if f8.search(result):
+            made[op] = made.get(op, 0) + 1
+        elif f8.search(operands) or any(
+            n in f8_names for n in re.findall(r"%([\w.-]+)", operands.split("),", 1)[0])
+        ):
+            used[op] = used.get(op, 0) + 1
+    return {"results": made, "consumers": used}

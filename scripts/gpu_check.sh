@@ -114,10 +114,10 @@ if [ $FP8 = 1 ]; then
       *_bf16) twins+=("${r%%_bf16|*}_fp8|${r#*|} --config.train.matmul_precision=$FP8_MODE") ;;
     esac
   done
-  # and one row of the other FP8 lowering (jaxdist.fp8.LOWERINGS), after the twins
+  # and one row of the study lowering (jaxdist.fp8.LOWERINGS), after the twins
   first="${twins[0]}"
-  direct="${first%%_fp8|*}_fp8_direct|${first#*|} --fp8_lowering=direct"
-  ROWS=("${ROWS[@]:0:3}" "${twins[@]}" "$direct" "${ROWS[@]:3}")  # after the three bf16 rows
+  qdq="${first%%_fp8|*}_fp8_qdq|${first#*|} --fp8_lowering=qdq"
+  ROWS=("${ROWS[@]:0:3}" "${twins[@]}" "$qdq" "${ROWS[@]:3}")  # after the three bf16 rows
 else
   note "FP8 rows skipped: this tree's config schema has no train.matmul_precision"
 fi

@@ -85,7 +85,7 @@ def _torchao(x, w, g):
 def lowering(request):
     fp8.set_lowering(request.param)
     yield request.param
-    fp8.set_lowering("qdq")
+    fp8.set_lowering("direct")
 
 
 def test_matches_torchao_tensorwise_within_float32_rounding(lowering):
@@ -141,20 +141,27 @@ def test_eligibility_follows_torchaos_tensorwise_filter():
     assert fp8._sizes("btnh,nhd->btd", (2, 8, 4, 16), (4, 16, 64)) == (64, 64)
 
 
-def _e4m3_casts(mode: str) -> int:
-    """Conversions to e4m3 in the lowered (not compiled) train step of a tiny GPT."""
+def _e4m3_casts(mode: str) -> tuple[int, list[tuple[str, bool]], int]:
+    """Conversions to e4m3 in the lowered (not compiled) train step of a tiny GPT, the block
+    matmuls `fp8.traced` saw (spec, cast?), and the number of layers."""
     c = helpers.tiny_gpt_config(data=1)
     c.train.matmul_precision = mode
     eng, batches = helpers.engine_for(c)
     shapes, dtypes = batches.global_shapes(), {"inputs": np.int32, "targets": np.int32}
-    text = eng.train_step.lower(eng.abstract_state, eng.abstract_batch(shapes, dtypes)).as_text()
-    return text.count("xf8E4M3FN>")
+    with fp8.traced() as calls:
+        text = eng.train_step.lower(
+            eng.abstract_state, eng.abstract_batch(shapes, dtypes)
+        ).as_text()
+    return text.count("xf8E4M3FN>"), calls, c.model.num_layers
 
 
 def test_block_matmuls_cast_only_under_the_mode():
-    assert _e4m3_casts("default") == 0
-    assert _e4m3_casts("fp8") == 0  # d_model 32: every block matmul is below torchao's bar
-    assert _e4m3_casts("fp8_all") > 0
+    for mode, casts in (("default", False), ("fp8", False), ("fp8_all", True)):
+        n, calls, layers = _e4m3_casts(mode)  # "fp8": d_model 32 is below torchao's bar
+        assert (n > 0) == casts, (mode, n)
+        # a GPT block's four matmuls (qkv, out, up, down): once (the layer scan traces its body
+        # once) or once per layer
+        assert len(calls) in (4, 4 * layers) and {c for _, c in calls} == {casts}, calls
 
 
 def _losses(mode: str, **mesh):

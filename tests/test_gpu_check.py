@@ -108,11 +108,17 @@ def test_llama_rows_and_the_8b_proxy(dry_run):
             points[n]["ok"] and points[n]["matmul_precision"] == "fp8_all" for n in fp8_rows()
         )
         lowering = {n: points[n]["fp8_lowering"] for n in fp8_rows()}
-        assert lowering == {n: "direct" if n.endswith("_direct") else "qdq" for n in fp8_rows()}
+        assert lowering == {n: "qdq" if n.endswith("_qdq") else "direct" for n in fp8_rows()}
         for n in fp8_rows():  # where the FP8 values went, and the HLO to read it from
             assert points[n]["f8_census"]["results"].get("convert", 0) > 0, points[n]["f8_census"]
             assert (out / "hlo" / f"{n}.txt.gz").stat().st_size > 0
-        assert "`tiny_gpt_fp8_direct`: 0 FP8 cuBLASLt GEMMs" in md  # its twin is tiny_gpt_bf16
+        # fp8_all casts every block matmul: 3 GEMMs each expected, none on a CPU
+        assert (
+            "`tiny_gpt_fp8_qdq`: 0 FP8 GEMMs (0 cuBLASLt + 0 Triton; 0.0 a layer, 12.0 "
+            "expected: 3 × 4 of the 4 block matmuls pass the size rule)" in md
+        ), md
+        assert points["tiny_llama_fp8"]["fp8_matmuls_per_layer"] == 7
+        assert not any(points[n]["fp8_all_blocks"] for n in fp8_rows())
     else:
         skip = "FP8 rows skipped: this tree's config schema has no train.matmul_precision"
         assert skip in proc.stdout and skip in md
@@ -132,20 +138,16 @@ def test_decode_row_beside_transformers(dry_run):
 
 
 def fp8_rows() -> list[str]:
-    return ["tiny_gpt_fp8", "tiny_llama_fp8", "tiny_8b_proxy_fp8", "tiny_gpt_fp8_direct"]
+    return ["tiny_gpt_fp8", "tiny_llama_fp8", "tiny_8b_proxy_fp8", "tiny_gpt_fp8_qdq"]
 
 
 def test_gemm_counts_read_the_compiled_hlo(monkeypatch):
-    """FP8 GEMMs are cuBLASLt custom calls with their own target; other GEMMs are counted apart,
-    so an FP8 recipe whose matmuls fell back to bf16 shows as other GEMMs, not FP8 ones."""
-    import importlib.util
+    """FP8 GEMMs are cuBLASLt custom calls with their own target, or Triton GEMM fusions whose
+    dot takes FP8 operands; other GEMMs are counted apart, so an FP8 recipe whose matmuls fell
+    back to bf16 shows as other GEMMs, not FP8 ones."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    import benchlib
 
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))  # its `import benchlib`
-    spec = importlib.util.spec_from_file_location(
-        "bench_gpu", os.path.join(ROOT, "scripts/bench_gpu.py")
-    )
-    bench_gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_gpu)
     hlo = "\n".join(
         [
             "%a = (bf16[16,64]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[16,32]{1,0} %x, "
@@ -162,13 +164,47 @@ def test_gemm_counts_read_the_compiled_hlo(monkeypatch):
             "%s = bf16[16,32]{1,0} convert(%q)",  # operands named without their types
         ]
     )
-    assert bench_gpu.f8_census(hlo) == {
+    assert benchlib.f8_census(hlo) == {
         "results": {"convert": 1, "fusion": 1},
         "consumers": {"custom-call": 1, "dot": 1, "convert": 1},
     }
-    assert bench_gpu.gemm_counts(hlo) == {
+    assert benchlib.gemm_counts(hlo) == {
         "fp8_cublaslt": 1,
         "cublas_other": 1,
         "triton_gemm": 1,
-        "fp8_dot_ops": 1,
+        "fp8_triton": 0,
+        "fp8_gemms": 1,
+    }
+    # a Triton GEMM fusion of FP8 operands, as XLA on an H100 printed one (jax 0.11.2)
+    fused = "\n".join(
+        [
+            "%gemm_fusion_dot.1_computation (parameter_0: f8e4m3fn[16,32], parameter_1: "
+            "f8e4m3fn[32,64]) -> bf16[16,64] {",
+            "  %parameter_0 = f8e4m3fn[16,32]{1,0} parameter(0)",
+            "  %parameter_1 = f8e4m3fn[32,64]{0,1} parameter(1)",
+            "  ROOT %dot.9 = bf16[16,64]{1,0} dot(%parameter_0, %parameter_1), "
+            "lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+            "}",
+            "%gemm_fusion_dot.2_computation (parameter_0: bf16[16,32], parameter_1: "
+            "bf16[32,64]) -> bf16[16,64] {",
+            "  %parameter_0.1 = bf16[16,32]{1,0} parameter(0)",
+            "  %parameter_1.1 = bf16[32,64]{1,0} parameter(1)",
+            "  ROOT %dot.10 = bf16[16,64]{1,0} dot(%parameter_0.1, %parameter_1.1)",
+            "}",
+            "ENTRY %main (x: bf16[16,32]) -> bf16[16,64] {",
+            "  %k = bf16[16,64]{1,0} fusion(%x8, %w8), kind=kCustom, "
+            'calls=%gemm_fusion_dot.1_computation, backend_config={"fusion_backend_config":'
+            '{"kind":"__triton_nested_gemm_fusion"}}',
+            "  %l = bf16[16,64]{1,0} fusion(%x, %w), kind=kCustom, "
+            'calls=%gemm_fusion_dot.2_computation, backend_config={"fusion_backend_config":'
+            '{"kind":"__triton_gemm"}}',
+            "}",
+        ]
+    )
+    assert benchlib.gemm_counts(fused) == {
+        "fp8_cublaslt": 0,
+        "cublas_other": 0,
+        "triton_gemm": 2,
+        "fp8_triton": 1,
+        "fp8_gemms": 1,
     }
