@@ -44,6 +44,7 @@ from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 MODES = ("default", "fp8", "fp8_all")
 E4M3 = jnp.float8_e4m3fn  # inputs and weights
@@ -51,6 +52,10 @@ E5M2 = jnp.float8_e5m2  # output gradients
 EPS = 1e-12  # amax floor (torchao's `EPS`): an all-zero tensor gets a finite scale
 MIN_K, MIN_N = 4096, 1024  # `fp8` skips a matmul with K <= MIN_K and N <= MIN_N
 ALIGN = 16  # FP8 GEMMs need K and N multiples of 16
+# The forward's scales, named for `jax.checkpoint`: every `train.remat` policy keeps them
+# (models/api.py), so a backward that recomputes a layer casts again with the forward's scales
+# instead of reading each operand once more for its amax (4 bytes each).
+SCALE_NAME = "fp8_scale"
 
 # How the FP8 GEMM reaches XLA (`set_lowering`): "direct" (the default) feeds the FP8 operands to
 # the dot itself (`preferred_element_type` the compute dtype) and scales its output; "qdq"
@@ -171,7 +176,7 @@ def _fp8_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _fp8_fwd(spec, x, w):
-    sx, sw = scale(x, E4M3), scale(w, E4M3)
+    sx, sw = (checkpoint_name(scale(t, E4M3), SCALE_NAME) for t in (x, w))
     x8, w8 = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
     y = _scaled_einsum(spec, x8, sx, w8, sw, x.dtype)
     # Zero-size markers carry the operands' dtypes (residuals must be arrays).

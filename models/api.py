@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdist import fp8
+
 Params = dict[str, Any]
 Batch = dict[str, jax.Array]
 
@@ -102,8 +104,16 @@ REMAT: dict[str, RematPolicy] = {
         ),
     )
 }
-# name → jax.checkpoint policy, for the policies that checkpoint.
-REMAT_POLICIES = {name: p.policy for name, p in REMAT.items() if p.policy is not None}
+# name → jax.checkpoint policy, for the policies that checkpoint; each also keeps the FP8 scales
+# (`fp8.SCALE_NAME`: one float32 per cast operand), so a recomputed layer does not take the
+# amax of its operands again.
+REMAT_POLICIES = {
+    name: jax.checkpoint_policies.save_from_both_policies(
+        p.policy, jax.checkpoint_policies.save_only_these_names(fp8.SCALE_NAME)
+    )
+    for name, p in REMAT.items()
+    if p.policy is not None
+}
 
 
 def remat_names() -> tuple[str, ...]:

@@ -22,6 +22,7 @@ import pytest
 
 from jaxdist import fp8
 from jaxdist.errors import ConfigError
+from models import api
 from tests import helpers
 
 M, K, N = 64, 64, 48  # tokens, in features, out features (multiples of 16)
@@ -162,6 +163,27 @@ def test_block_matmuls_cast_only_under_the_mode():
         # a GPT block's four matmuls (qkv, out, up, down): once (the layer scan traces its body
         # once) or once per layer
         assert len(calls) in (4, 4 * layers) and {c for _, c in calls} == {casts}, calls
+
+
+def _amax_reductions(remat: str) -> int:
+    """Max-reductions in the lowered train step of a tiny GPT at `fp8_all` and `remat` (the
+    amaxes of the FP8 operands, and the softmax's and the loss's own maxima)."""
+    c = helpers.tiny_gpt_config(data=1)
+    c.train.matmul_precision, c.train.remat = "fp8_all", remat
+    eng, batches = helpers.engine_for(c)
+    shapes, dtypes = batches.global_shapes(), {"inputs": np.int32, "targets": np.int32}
+    text = eng.train_step.lower(eng.abstract_state, eng.abstract_batch(shapes, dtypes)).as_text()
+    return text.count("applies stablehlo.maximum")
+
+
+def test_a_recomputed_layer_casts_with_the_forwards_scales(monkeypatch):
+    """Every remat policy keeps the FP8 scales (`fp8.SCALE_NAME`): the backward's recomputation
+    casts again but takes no amax again. Without them it takes all 8 (x and w of the GPT block's 4
+    matmuls, in the scanned layer body) once more."""
+    kept = _amax_reductions("dots_no_batch")
+    plain = {n: p.policy for n, p in api.REMAT.items() if p.policy is not None}
+    monkeypatch.setattr(api, "REMAT_POLICIES", plain)
+    assert _amax_reductions("dots_no_batch") == kept + 8
 
 
 def _losses(mode: str, **mesh):
