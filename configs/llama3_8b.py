@@ -10,8 +10,12 @@ planner's recommended layout for one node of 8 H100s (`python scripts/plan.py
 --config=configs/llama3_8b.py --devices=8 --hardware=h100_nvlink_ib`) is FSDP over all 8
 (`mesh.fsdp=8`): float32 parameters (32 GB), gradients (32 GB) and Adam's moments (64 GB) do not
 fit one 80 GB device; sharded 8 ways they are 16 GB per device, and FSDP's all-gathers and
-reduce-scatters stay inside NVLink. Predicted (not measured): 51.5 GiB per device, 0.75 s per step
-of 8 × 8192 tokens, 10,890 tokens/s per GPU in bf16 (torchtitan reports 6,667 measured).
+reduce-scatters stay inside NVLink. Predicted (not measured): 59.0 GiB per device, 0.752 s per
+step of 8 × 8192 tokens, 10,890 tokens/s per GPU in bf16 (torchtitan reports 6,667 measured), and
+with `--config.train.matmul_precision=fp8` 0.599 s, 13,680 tokens/s per GPU in FP8 (torchtitan
+reports 8,532 and Megatron-Bridge 14,451 measured in FP8). The planner's FP8 term (FP8 GEMMs at
+twice the bf16 rate, the casts' bytes) is fitted to one H100's gpt_1b, llama_1b and 8B-proxy rows
+(docs/PERFORMANCE.md, "FP8 GEMMs on an H100"), where FP8 ran 1.14-1.17x bf16.
 This config sets that layout with `mesh.fsdp=-1` (every device), so it also runs on
 several nodes, where docs/CLUSTER.md says when to add `mesh.dcn_data`. Activations are
 rematerialised except the matmul outputs without batch dimensions; the layers are scanned. To

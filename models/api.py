@@ -251,6 +251,9 @@ class PlanCost:
         (models/attention.py, reading `model.num_kv_heads`, `model.head_dim`,
         `model.context_attention`); the planner searches `mesh.context` only then.
       idle_params: parameters a token does not pass through (an MoE's unchosen experts).
+      block_matmuls: (K, N) of each matmul of one layer that goes through `fp8.einsum` (K the
+        contracted size, N the weight's output size, global): what `train.matmul_precision`
+        may run in FP8 (`fp8.eligible`); empty: none.
     """
 
     label: str
@@ -265,6 +268,7 @@ class PlanCost:
     tensor_all_reduces: tuple[int, int, int] = (0, 0, 0)
     context_parallel: bool = False
     idle_params: int = 0
+    block_matmuls: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -268,7 +268,7 @@ def plan_cost(cfg, params: dict[str, Any]) -> api.PlanCost:
     """The planner's accounting (`api.PlanCost`): per layer, 2 tensor-parallel all-reduces
     forward (attention and MLP outputs), 2 backward (QKV and up-projection input grads) and the
     attention output's again when the dots are not kept (its norm needs it)."""
-    D, T = cfg.d_model, cfg.seq_len
+    D, T, F = cfg.d_model, cfg.seq_len, cfg.mlp_dim or 4 * cfg.d_model
     NT = cfg.num_heads * T if cfg.attention != "cudnn" else 0
     return api.PlanCost(
         label="GPT",
@@ -276,11 +276,12 @@ def plan_cost(cfg, params: dict[str, Any]) -> api.PlanCost:
         width=D,
         seq_len=T,
         vocab_size=cfg.vocab_size,
-        activations=layer_activations(D, cfg.mlp_dim or 4 * D, NT),
+        activations=layer_activations(D, F, NT),
         attention_flops=12.0 * D * T,
         scores=cfg.num_heads * T,
         attention=cfg.attention,
         tensor_all_reduces=(2, 2, 1),
+        block_matmuls=((D, 3 * D), (D, D), (D, F), (F, D)),  # wqkv, wo, w_up, w_down
     )
 
 

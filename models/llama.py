@@ -534,6 +534,11 @@ def plan_cost(cfg, params: dict[str, Any]) -> api.PlanCost:
     before summing them, as the compiled step shows); the attention output again without dots."""
     D, T = cfg.d_model, cfg.seq_len
     F, idle, label = cfg.mlp_dim or 4 * D, 0, "Llama"
+    d = dims(cfg)
+    q, kv = d["N"] * d["H"], d["K"] * d["H"]
+    matmuls = ((D, q), (D, kv), (D, kv), (q, D))  # wq, wk, wv, wo
+    if not cfg.num_experts or cfg.moe_shared_expert:  # the dense (or shared expert's) SwiGLU
+        matmuls += ((D, F), (D, F), (F, D))
     if cfg.num_experts:  # a token's MLP activations: k experts' (+ the shared one's)
         k, E = cfg.experts_per_token, cfg.num_experts
         experts = sum(math.prod(params["layers"][w].shape) for w in ("e_gate", "e_up", "e_down"))
@@ -556,6 +561,7 @@ def plan_cost(cfg, params: dict[str, Any]) -> api.PlanCost:
         tensor_all_reduces=(2, 5, 1),
         context_parallel=True,
         idle_params=idle,
+        block_matmuls=matmuls,
     )
 
 

@@ -95,6 +95,32 @@ def test_planner_recommends_fsdp_within_the_node_and_data_across_nodes(tmp_path)
     assert "--config.mesh.dcn_data=4" in stdout  # the data axis is the one across the 4 hosts
 
 
+def test_docstring_quotes_the_planners_bf16_and_fp8_predictions():
+    """configs/llama3_8b.py's predicted tokens/s per GPU on 8 H100s, bf16 and FP8, are what the
+    planner gives for its layout today (so the docstring cannot go stale), FP8 the faster."""
+    import re
+
+    import configs.llama3_8b
+    from jaxdist import plan
+
+    per_gpu = {}
+    for mode in ("default", "fp8"):
+        c = load()
+        c.train.matmul_precision = mode
+        p = plan.predict(c, num_devices=8, hw="h100_nvlink_ib")
+        per_gpu[mode] = c.train.batch_size * c.model.seq_len / p.step_s / 8
+    doc = " ".join(configs.llama3_8b.__doc__.split())
+    quoted = {
+        mode: float(
+            re.search(rf"([\d,]+) tokens/s per GPU in {word}", doc).group(1).replace(",", "")
+        )
+        for mode, word in (("default", "bf16"), ("fp8", "FP8"))
+    }
+    for mode in per_gpu:
+        assert quoted[mode] == pytest.approx(per_gpu[mode], abs=10), (mode, per_gpu)
+    assert per_gpu["fp8"] > 1.2 * per_gpu["default"]
+
+
 def test_cluster_files_carry_the_planners_layout():
     """scripts/k8s/llama3_8b.yaml and docs/CLUSTER.md's sbatch line: 4 processes of 8 GPUs, the
     flags `plan.py --devices=32` prints, processes = parallelism = completions = mesh.dcn_data."""

@@ -51,6 +51,8 @@ class Hardware:
         each way) that whichever of its devices crosses uses whole, the devices crossing at the
         same time sharing it (an emulated host's veth; a CPU host's NIC). False: each device has
         its own `inter_bandwidth` (one NIC per GPU).
+      fp8_speedup: how many times the bf16 FLOP rate an FP8 GEMM runs at (`train.matmul_precision`,
+        jaxdist/fp8.py); 0 = no FP8 GEMMs (the CPU emulates FP8: its FP8 time is not modelled).
       wire_efficiency: payload bytes per byte the cross-host link carries (1: not modelled). TCP
         over Ethernet: (MTU - 52) / (MTU + 14 + 33) for a host that sends and receives as much
         (headers of full segments, one 66-byte ACK per two segments received), 0.936 at 1500.
@@ -76,6 +78,7 @@ class Hardware:
     xla_allreduce: str = "two_level"
     host_link: bool = False
     wire_efficiency: float = 1.0
+    fp8_speedup: float = 0.0
 
     def __post_init__(self):
         if self.xla_allreduce not in ("two_level", "flat_ring"):
@@ -101,6 +104,9 @@ PROFILES: dict[str, Hardware] = {
     # per GPU (50 GB/s). Compute constants measured on one H100 (docs/PERFORMANCE.md, "GPU"): the
     # profiler's matmul kernels ran gpt_1b's 6·N·tokens at 0.75 of the dense peak, cuDNN flash
     # attention its 12·L·d·T·tokens at 0.65, and the rest of the step moved bytes at ~3.0 TB/s.
+    # FP8 GEMMs at twice the bf16 rate (the dense FP8 peak is twice bf16's; gpt_1b's matmul
+    # kernels went from 351.4 to 183.2 ms with 92% of their FLOPs in FP8, docs/PERFORMANCE.md,
+    # "FP8 GEMMs on an H100": 2.0× predicts 189.6).
     "h100_nvlink_ib": Hardware(
         name="h100_nvlink_ib",
         peak_flops=flops.PEAK_FLOPS["H100"],
@@ -115,6 +121,7 @@ PROFILES: dict[str, Hardware] = {
         attention_efficiency=0.65,
         hbm_bandwidth=3.0e12,
         fused_attention=True,
+        fp8_speedup=2.0,
     ),
     # 8×A100 80GB per node with NVLink (~240 GB/s effective per direction), nodes joined by one
     # 100 Gb/s Ethernet link shared by the 8 GPUs (1.56 GB/s each), TCP latencies.

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from jaxdist import config as config_lib
-from jaxdist import hlo_cost, pipeline
+from jaxdist import fp8, hlo_cost, pipeline
 from jaxdist.plan.hardware import Hardware, hardware
 from jaxdist.plan.layouts import Layout, hosts_of, layout_of
 from jaxdist.plan.model import ModelInfo, model_info
@@ -114,6 +114,13 @@ ELEMENTWISE_PASSES = 115
 # Bytes per token of the loss over the vocabulary: float32 logits written, read for the log-sum-exp,
 # the softmax and its gradient (6 passes of 4 bytes).
 LOSS_BYTES_PER_VOCAB = 24
+# Bytes an FP8 matmul's casts move per element of its input (K) and of its output gradient (N),
+# per token (`train.matmul_precision`, jaxdist/fp8.py): the amax passes, the casts, the backward's
+# transposes of FP8 operands (cuBLASLt's layout) and a recomputing policy's second cast. Fitted, at
+# `hbm_bandwidth`, to the non-matmul time the FP8 rows added on an H100 (gpt_1b +99.3 ms, llama_1b
+# +68.9, the 8B proxy +24.6: 11.5, 10.1 and 15.7 bytes; least squares 11.1), before the remat
+# policies kept the scales (docs/PERFORMANCE.md, "FP8 GEMMs on an H100").
+FP8_CAST_BYTES = 11
 # Passes over the float32 [heads, T] scores per token-layer when attention is not fused (scores,
 # probabilities and their gradients, forward recomputed in the backward): gpt_1b and gpt_small
 # with `model.attention=xla` on an H100 moved 15–18.
@@ -142,14 +149,30 @@ def _compute_time(
     if not hw.hbm_bandwidth:  # every FLOP at one calibrated rate (the CPU profile)
         flops = (dense + (attn + recompute) * L) * tokens
         return flops / (hw.peak_flops * hw.matmul_efficiency)
-    matmul_s = (dense + recompute * L) * tokens / (hw.peak_flops * hw.matmul_efficiency)
+    fp8_saved, cast_bytes = _fp8_terms(config, model, hw, policy)
+    matmul_flops = dense + recompute * L - fp8_saved * L
+    matmul_s = matmul_flops * tokens / (hw.peak_flops * hw.matmul_efficiency)
     attn_eff = hw.attention_efficiency or hw.matmul_efficiency
     attn_s = attn * L * tokens / (hw.peak_flops * (attn_eff if flash else hw.matmul_efficiency))
     act_bytes = np.dtype(config.train.compute_dtype).itemsize
     moved = ELEMENTWISE_PASSES * D * act_bytes * L + LOSS_BYTES_PER_VOCAB * model.vocab_size
+    moved += cast_bytes * L
     if not flash:
         moved += SCORE_PASSES * cost.scores * 4 * L
     return matmul_s + attn_s + moved * tokens / hw.hbm_bandwidth
+
+
+def _fp8_terms(config, model: ModelInfo, hw: Hardware, policy: RematPolicy) -> tuple[float, float]:
+    """Per token and layer: (bf16-equivalent FLOPs the FP8 GEMMs save, bytes their casts move),
+    for the block matmuls `train.matmul_precision` casts (`fp8.eligible`); (0, 0) at `default` or
+    where the hardware has no FP8 GEMMs."""
+    mode = config.train.get("matmul_precision", "default")
+    if mode == "default" or not hw.fp8_speedup:
+        return 0.0, 0.0
+    cast = [(k, n) for k, n in model.cost.block_matmuls if fp8.eligible(mode, k, n)]
+    passes = 3 + ("dot" not in policy.keeps)  # forward, two gradients; a forward again
+    flops = 2 * passes * sum(k * n for k, n in cast)
+    return flops * (1 - 1 / hw.fp8_speedup), FP8_CAST_BYTES * sum(k + n for k, n in cast)
 
 
 def _lockstep(s: Step) -> tuple[float, float]:
