@@ -144,7 +144,7 @@ def _topk_stage(count: jax.Array, densities: list[float], warmup_steps: int) -> 
 def _topk_leaf(i, g, b, e, u, es, *, densities, stage, send, r, momentum):
     """One float leaf of `topk`'s update, each of its layers (`b` stacked axes) on its own: g its
     gradient, e / u / es its [1, ...] residual, velocity, server residual (or None). Returns
-    (mean, new e, new u, new es), the state as [1, ...] in its own dtype."""
+    (mean, new e, new u, new es), each state [1, ...] (e and u in their own dtype)."""
     del i
     size = math.prod(g.shape[b:])  # one layer's
     ks = [topk_k(d, size) for d in densities]
