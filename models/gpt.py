@@ -303,12 +303,7 @@ def _need(cond: bool, msg: str) -> None:
 def check(m, mesh: Mapping[str, int]) -> None:
     """Shape fields the mesh must split evenly: heads and MLP over `tensor`, `embed` over `fsdp`."""
     t = mesh["tensor"]
-    for name in ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size"):
-        value = m[name]
-        _need(
-            isinstance(value, int) and value > 0,
-            f"model.{name}={value!r} must be a positive integer",
-        )
+    check_sizes(m)
     _need(
         m.d_model % m.num_heads == 0,
         f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads}",
@@ -318,6 +313,23 @@ def check(m, mesh: Mapping[str, int]) -> None:
     )
     mlp_dim = m.mlp_dim or 4 * m.d_model
     _need(mlp_dim % t == 0, f"model.mlp_dim={mlp_dim} must be divisible by mesh.tensor={t}")
+    check_embed_split(m, mesh)
+    check_lowering(m)
+
+
+def check_sizes(m) -> None:
+    """The shape fields every decoder has (layers, width, heads, length, vocabulary): positive."""
+    for name in ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size"):
+        value = m[name]
+        _need(
+            isinstance(value, int) and value > 0,
+            f"model.{name}={value!r} must be a positive integer",
+        )
+
+
+def check_embed_split(m, mesh: Mapping[str, int]) -> None:
+    """The vocabulary over `tensor` and `embed` over `fsdp`: the embedding's and head's splits."""
+    t = mesh["tensor"]
     _need(
         m.vocab_size % t == 0,
         f"model.vocab_size={m.vocab_size} must be divisible by mesh.tensor={t}",
@@ -327,6 +339,10 @@ def check(m, mesh: Mapping[str, int]) -> None:
         f"model.d_model={m.d_model} must be divisible by mesh.fsdp={mesh['fsdp']} "
         "(parameters are sharded over fsdp along embed)",
     )
+
+
+def check_lowering(m) -> None:
+    """How the embedding's gradient (`embed_grad`) and the layer loop (`scan_unroll`) lower."""
     _need(
         m.embed_grad in ("scatter", "matmul"),
         f"model.embed_grad={m.embed_grad!r} must be 'scatter' or 'matmul'",

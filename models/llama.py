@@ -572,12 +572,7 @@ def _need(cond: bool, msg: str) -> None:
 
 def check(m, mesh: Mapping[str, int]) -> None:
     """The GPT's shape rules, plus grouped-query heads and the rotary settings."""
-    for name in ("num_layers", "d_model", "num_heads", "seq_len", "vocab_size"):
-        value = m[name]
-        _need(
-            isinstance(value, int) and value > 0,
-            f"model.{name}={value!r} must be a positive integer",
-        )
+    gpt.check_sizes(m)
     for name in ("num_kv_heads", "head_dim", "mlp_dim"):
         _need(
             isinstance(m[name], int) and m[name] >= 0,
@@ -597,15 +592,7 @@ def check(m, mesh: Mapping[str, int]) -> None:
     for name, value in (("num_heads", d["N"]), ("num_kv_heads", d["K"])):
         _need(value % t == 0, f"model.{name}={value} must be divisible by mesh.tensor={t}")
     _need(d["F"] % t == 0, f"model.mlp_dim={d['F']} must be divisible by mesh.tensor={t}")
-    _need(
-        m.vocab_size % t == 0,
-        f"model.vocab_size={m.vocab_size} must be divisible by mesh.tensor={t}",
-    )
-    _need(
-        m.d_model % mesh["fsdp"] == 0,
-        f"model.d_model={m.d_model} must be divisible by mesh.fsdp={mesh['fsdp']} "
-        "(parameters are sharded over fsdp along embed)",
-    )
+    gpt.check_embed_split(m, mesh)
     _check_context(m, mesh)
     _check_experts(m, mesh)
     _need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
@@ -614,15 +601,7 @@ def check(m, mesh: Mapping[str, int]) -> None:
         m.rope_scaling.type in ("none", "llama3"),
         f"model.rope_scaling.type={m.rope_scaling.type!r} is not valid; choose one of none, llama3",
     )
-    _need(
-        m.embed_grad in ("scatter", "matmul"),
-        f"model.embed_grad={m.embed_grad!r} must be 'scatter' or 'matmul'",
-    )
-    _need(
-        isinstance(m.scan_unroll, int) and m.scan_unroll >= 1,
-        f"model.scan_unroll={m.scan_unroll!r} must be an integer >= 1 (1 = a rolled layer loop; "
-        f"model.num_layers={m.num_layers}: no loop)",
-    )
+    gpt.check_lowering(m)
 
 
 def _check_context(m, mesh: Mapping[str, int]) -> None:

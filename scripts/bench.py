@@ -273,8 +273,6 @@ def study_batch(config) -> dict:
     with --retune, each larger batch also tries those multipliers of the rule's rate, and the best
     is reported beside it.
     """
-    import jax
-
     from jaxdist import data, mesh
 
     if _MERGE.value:
@@ -289,27 +287,7 @@ def study_batch(config) -> dict:
         )
     grid = [float(x) for x in _LR_GRID.value]
     retune = [float(x) for x in _RETUNE.value]
-    out = {
-        "study": "batch",
-        "device": jax.devices()[0].device_kind,
-        "devices": jax.device_count(),
-        "mesh": None,
-        "model": {k: config.model[k] for k in ("name", "num_layers", "d_model", "seq_len")},
-        "schedule": config.train.schedule,
-        "warmup_steps": config.train.warmup_steps,
-        "target_loss": _TARGET.value,
-        "base_batch_size": base_batch,
-        "lr_rules": {o: LR_RULES[o] for o in optimizers},
-        "lr_grid": grid,
-        "retune": retune,
-        "max_steps": _MAX_STEPS.value,
-        "max_examples": _MAX_EXAMPLES.value,
-        "val_examples": _VAL_EXAMPLES.value,
-        "eval_every": _EVAL_EVERY.value,
-        "eval_every_examples": _EVAL_EXAMPLES.value,
-        "load_average_start": list(os.getloadavg()),
-        "runs": [],
-    }
+    out = _batch_header(config, base_batch, optimizers, grid, retune)
     ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
     m = mesh.make_mesh(config.mesh)
     out["mesh"] = mesh.mesh_shape(m)
@@ -364,6 +342,33 @@ def study_batch(config) -> dict:
         return out
     _plot_batch(out)
     return out
+
+
+def _batch_header(config, base_batch: int, optimizers: list[str], grid, retune) -> dict:
+    """--study=batch's JSON before its runs: the machine, the model and every setting."""
+    import jax
+
+    return {
+        "study": "batch",
+        "device": jax.devices()[0].device_kind,
+        "devices": jax.device_count(),
+        "mesh": None,
+        "model": {k: config.model[k] for k in ("name", "num_layers", "d_model", "seq_len")},
+        "schedule": config.train.schedule,
+        "warmup_steps": config.train.warmup_steps,
+        "target_loss": _TARGET.value,
+        "base_batch_size": base_batch,
+        "lr_rules": {o: LR_RULES[o] for o in optimizers},
+        "lr_grid": grid,
+        "retune": retune,
+        "max_steps": _MAX_STEPS.value,
+        "max_examples": _MAX_EXAMPLES.value,
+        "val_examples": _VAL_EXAMPLES.value,
+        "eval_every": _EVAL_EVERY.value,
+        "eval_every_examples": _EVAL_EXAMPLES.value,
+        "load_average_start": list(os.getloadavg()),
+        "runs": [],
+    }
 
 
 def _merge_batch(paths: list[str]) -> dict:

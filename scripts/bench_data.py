@@ -37,6 +37,7 @@ Every figure is a median over --repeats runs (10th–90th percentile alongside),
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -341,8 +342,6 @@ def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
 
 def study_decode_vs_transformers(args) -> dict:
     """jaxdist's `generate` beside transformers' `generate` on the same exported weights."""
-    import importlib.metadata as md
-
     import jax
     import numpy as np
 
@@ -378,41 +377,11 @@ def study_decode_vs_transformers(args) -> dict:
     model.generation_config.disable_compile = args.hf_compile == "off"
     export_s = time.perf_counter() - t0
 
-    def hf_generate(prompts: np.ndarray) -> list[list[int]]:
-        ids = torch.tensor(prompts, device=device)
-        kwargs = {"cache_implementation": "static"} if args.hf_cache == "static" else {}
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=args.new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-                **kwargs,
-            )
-        if gpu:
-            torch.cuda.synchronize()
-        return out[:, prompts.shape[1] :].tolist()
-
+    hf_generate = functools.partial(_hf_generate, model, args=args, device=device, gpu=gpu)
     rng = np.random.default_rng(args.seed)
     rows = {}
-    record = {
-        "study": "decode_vs_transformers",
-        "config": args.config,
-        "device": jax.devices()[0].device_kind,
-        "torch_device": str(device),
-        "dtype": args.dtype,
-        "hf_cache": args.hf_cache,
-        "hf_compile": args.hf_compile,
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "repeats": args.repeats,
-        "tokens_per_s": "batch × new tokens / median wall seconds of one generate (prefill + "
-        "decode; compile and warm-up excluded)",
-        "export_and_load_s": export_s,
-        "versions": {p: md.version(p) for p in ("jax", "jaxlib", "torch", "transformers")},
-        "rows": rows,
-    }
+    record = _decode_header(args, str(device), export_s)
+    record["rows"] = rows
     for batch in _batch_sizes(args, "1,8,64"):
         prompts = rng.integers(0, m.vocab_size, (batch, args.prompt_len), dtype=np.int64)
         t0 = time.perf_counter()
@@ -420,21 +389,8 @@ def study_decode_vs_transformers(args) -> dict:
             family.decoder(m), params, prompts.tolist(), args.new_tokens, cache_dtype=dtype
         )
         ours_compile_s = time.perf_counter() - t0
-        ours, ours_s = None, []
-        for r in range(args.repeats):
-            res = run(r)
-            ours = res.tokens
-            ours_s.append(res.prefill_s + res.decode_s)
-        t0 = time.perf_counter()
-        hf_generate(prompts)  # warm-up: torch.compile of the static cache's forward, if any
-        theirs_warmup_s = time.perf_counter() - t0
-        theirs, theirs_s = None, []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            theirs = hf_generate(prompts)
-            theirs_s.append(time.perf_counter() - t0)
-        if any(len(r) != args.new_tokens for r in theirs):
-            raise RuntimeError(f"transformers stopped early: {[len(r) for r in theirs]}")
+        ours, ours_s = _time_jaxdist(run, args.repeats)
+        theirs, theirs_s, theirs_warmup_s = _time_transformers(hf_generate, prompts, args)
         new = batch * args.new_tokens
         row = {
             "batch": batch,
@@ -463,6 +419,75 @@ def study_decode_vs_transformers(args) -> dict:
             f"rows identical {a['rows_identical']}/{a['rows']}"
         )
     return record
+
+
+def _decode_header(args, torch_device: str, export_s: float) -> dict:
+    """--vs_transformers' JSON before its rows: the settings, the versions, the export's time."""
+    import importlib.metadata as md
+
+    import jax
+
+    return {
+        "study": "decode_vs_transformers",
+        "config": args.config,
+        "device": jax.devices()[0].device_kind,
+        "torch_device": torch_device,
+        "dtype": args.dtype,
+        "hf_cache": args.hf_cache,
+        "hf_compile": args.hf_compile,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "tokens_per_s": "batch × new tokens / median wall seconds of one generate (prefill + "
+        "decode; compile and warm-up excluded)",
+        "export_and_load_s": export_s,
+        "versions": {p: md.version(p) for p in ("jax", "jaxlib", "torch", "transformers")},
+    }
+
+
+def _hf_generate(model, prompts, *, args, device, gpu: bool) -> list[list[int]]:
+    """transformers' greedy `generate` of --new_tokens after each row of prompts [B, T]."""
+    import torch
+
+    ids = torch.tensor(prompts, device=device)
+    kwargs = {"cache_implementation": "static"} if args.hf_cache == "static" else {}
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    if gpu:
+        torch.cuda.synchronize()
+    return out[:, prompts.shape[1] :].tolist()
+
+
+def _time_jaxdist(run, repeats: int) -> tuple[list[list[int]], list[float]]:
+    """(tokens, prefill + decode seconds of each of `repeats` runs of a prepared generate)."""
+    ours, times = None, []
+    for r in range(repeats):
+        res = run(r)
+        ours = res.tokens
+        times.append(res.prefill_s + res.decode_s)
+    return ours, times
+
+
+def _time_transformers(hf_generate, prompts, args) -> tuple[list[list[int]], list[float], float]:
+    """(tokens, wall seconds of each of --repeats generates, the warm-up's seconds)."""
+    t0 = time.perf_counter()
+    hf_generate(prompts)  # warm-up: torch.compile of the static cache's forward, if any
+    warmup_s = time.perf_counter() - t0
+    theirs, times = None, []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        theirs = hf_generate(prompts)
+        times.append(time.perf_counter() - t0)
+    if any(len(r) != args.new_tokens for r in theirs):
+        raise RuntimeError(f"transformers stopped early: {[len(r) for r in theirs]}")
+    return theirs, times, warmup_s
 
 
 def _write(path: str, result: dict) -> None:

@@ -191,29 +191,11 @@ def _lr_lambda(t):
     return f
 
 
-def main(argv: list[str]) -> int:
-    args, cfg = _parse(argv)
-    # OpenMP's idle threads sleep rather than spin, as XLA:CPU's pool does: with spinning, two
-    # 2-thread processes on this 2-core machine (shared with other jobs) took 3 s a step, not 0.3.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP
-    import numpy as np
-    import torch
-    import torch.distributed as dist
+def _ddp(model, args: argparse.Namespace):
+    """`model` in DDP, with --ddp_hook's communication hook (fp16 or PowerSGD) if any."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    from jaxdist import data
-    from jaxdist.network import counters
-
-    threads = args.torch_threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
-    rank, world = _rendezvous()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(cfg.train.seed)  # the same initial parameters on every rank
-    model = _model(cfg)
-    params_total = sum(p.numel() for p in model.parameters())
-    expected = gpt_param_count(cfg)
-    assert params_total == expected, f"{params_total} parameters, jaxdist's GPT has {expected}"
     # PowerSGD in one bucket (an explicit cap: DDP's default makes the first bucket 1 MiB). With
     # two, this job hung at step 4 on loopback: our reading is that bucket 0's Q all-reduce (issued
     # from gloo's completion callback of its P all-reduce) and bucket 1's P all-reduce (issued by
@@ -232,8 +214,13 @@ def main(argv: list[str]) -> int:
             warm_start=True,
         )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp
 
-    t = cfg.train
+
+def _adamw(model, t):
+    """jaxdist's AdamW in torch (weight decay on matrices only) and its warm-up + cosine schedule."""
+    import torch
+
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -246,8 +233,38 @@ def main(argv: list[str]) -> int:
         eps=1e-8,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(t))
+    return opt, sched
 
-    m = cfg.model
+
+def _layout(args, world: int, per_host: int, params_total: int, threads: int, ring: float) -> dict:
+    """The `layout` record scripts/network_study.py reads of a jaxdist run, for this DDP job."""
+    import torch
+
+    hosts = max(world // per_host, 1)
+    return {
+        "kind": "layout",
+        "framework": "ddp",
+        "ddp_hook": args.ddp_hook,
+        "params_total": params_total,
+        "processes": world,
+        "torch_threads": threads,
+        "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+        "torch_version": torch.__version__,
+        # what gloo's ring all-reduce of the float32 gradient sends per host per step
+        "cross_process_bytes_per_step": [ring] * hosts,
+        "collective_bytes_per_step": {"all-reduce": 4.0 * params_total},
+    }
+
+
+def _rank_batches(cfg, rank: int, world: int):
+    """`local(step, split="train")`: this rank's contiguous rows of jaxdist's global batch of
+    `step`, as torch (inputs, targets)."""
+    import numpy as np
+    import torch
+
+    from jaxdist import data
+
+    t, m = cfg.train, cfg.model
     ds = data.load(cfg.data, seq_len=m.seq_len, vocab_size=m.vocab_size)
     batches = data.Batches(
         ds, batch_size=t.batch_size, seq_len=m.seq_len, seed=t.seed, shardings={}
@@ -262,6 +279,48 @@ def main(argv: list[str]) -> int:
             torch.from_numpy(np.ascontiguousarray(b[k][rows])).long() for k in ("inputs", "targets")
         )
 
+    return local
+
+
+def _metrics(args, rank: int, world: int, params_total: int, threads: int):
+    """(metrics.jsonl opened with its `layout` record, the link counters' window) on rank 0;
+    (None, None) on the other ranks."""
+    from jaxdist.network import counters
+
+    per_host = int(os.environ.get(counters.ENV_PROCESSES_PER_HOST, "1"))
+    ring = 2 * (world - 1) / world * 4 * params_total * per_host if world > 1 else 0.0
+    if rank != 0:
+        return None, None
+    os.makedirs(args.workdir, exist_ok=True)
+    writer = open(os.path.join(args.workdir, "metrics.jsonl"), "w", encoding="utf-8")
+    layout = _layout(args, world, per_host, params_total, threads, ring)
+    writer.write(json.dumps(layout) + "\n")
+    return writer, counters.Window.from_env()
+
+
+def main(argv: list[str]) -> int:
+    args, cfg = _parse(argv)
+    # OpenMP's idle threads sleep rather than spin, as XLA:CPU's pool does: with spinning, two
+    # 2-thread processes on this 2-core machine (shared with other jobs) took 3 s a step, not 0.3.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP
+    import torch
+    import torch.distributed as dist
+
+    threads = args.torch_threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    rank, world = _rendezvous()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(cfg.train.seed)  # the same initial parameters on every rank
+    model = _model(cfg)
+    params_total = sum(p.numel() for p in model.parameters())
+    expected = gpt_param_count(cfg)
+    assert params_total == expected, f"{params_total} parameters, jaxdist's GPT has {expected}"
+    ddp = _ddp(model, args)
+    t = cfg.train
+    opt, sched = _adamw(model, t)
+
+    local = _rank_batches(cfg, rank, world)
+
     def evaluate() -> float:
         with torch.no_grad():
             losses = [float(model(*local(i, "val"))) for i in range(t.eval_batches)]
@@ -269,29 +328,7 @@ def main(argv: list[str]) -> int:
         dist.all_reduce(total)
         return float(total) / world
 
-    per_host = int(os.environ.get(counters.ENV_PROCESSES_PER_HOST, "1"))
-    ring = 2 * (world - 1) / world * 4 * params_total * per_host if world > 1 else 0.0
-    writer = None
-    net = None
-    if rank == 0:
-        os.makedirs(args.workdir, exist_ok=True)
-        writer = open(os.path.join(args.workdir, "metrics.jsonl"), "w", encoding="utf-8")
-        hosts = max(world // per_host, 1)
-        layout = {
-            "kind": "layout",
-            "framework": "ddp",
-            "ddp_hook": args.ddp_hook,
-            "params_total": params_total,
-            "processes": world,
-            "torch_threads": threads,
-            "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
-            "torch_version": torch.__version__,
-            # what gloo's ring all-reduce of the float32 gradient sends per host per step
-            "cross_process_bytes_per_step": [ring] * hosts,
-            "collective_bytes_per_step": {"all-reduce": 4.0 * params_total},
-        }
-        writer.write(json.dumps(layout) + "\n")
-        net = counters.Window.from_env()
+    writer, net = _metrics(args, rank, world, params_total, threads)
     eval_every = t.eval_every or t.steps
 
     def write(record: dict) -> None:

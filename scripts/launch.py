@@ -70,6 +70,18 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         own, command = argv[:cut], argv[cut + 1 :]
     else:
         own, command = argv, []
+    parser = _parser()
+    args = parser.parse_args(own)
+    if not command:
+        parser.error("no command: put it after '--', e.g. -- python scripts/train.py")
+    _check(parser, args)
+    if command[0] in ("python", "python3"):
+        command = [sys.executable, *command[1:]]
+    return args, command
+
+
+def _parser() -> argparse.ArgumentParser:
+    """launch.py's own flags (those before `--`)."""
     parser = argparse.ArgumentParser(
         prog="launch.py",
         description="Start N local processes forming one JAX distributed job.",
@@ -131,9 +143,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="with --network: HOST:STEP takes host HOST's link down (ip link set eth0 down) once "
         "a process has reported step STEP, e.g. 2:6",
     )
-    args = parser.parse_args(own)
-    if not command:
-        parser.error("no command: put it after '--', e.g. -- python scripts/train.py")
+    return parser
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses (parser.error) flags out of range or that need --network; sets `args.fault`
+    (HOST, STEP) from --network_fault, or None."""
     if args.num_processes < 1:
         parser.error(f"--num_processes={args.num_processes}: must be at least 1")
     if args.devices_per_process < 1:
@@ -161,9 +176,6 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         args.fault = (int(m.group(1)), int(m.group(2)))
     if not 0 <= args.coordinator_port < 65536:
         parser.error(f"--coordinator_port={args.coordinator_port}: must be 0..65535")
-    if command[0] in ("python", "python3"):
-        command = [sys.executable, *command[1:]]
-    return args, command
 
 
 def _port_in_use(port: int) -> bool:
@@ -556,6 +568,53 @@ def _job_goodput(snapshots: list[tuple[str, float, float]]) -> None:
         print(f"{NAME}: cannot append the job's goodput record: {err}", file=sys.stderr)
 
 
+def _wiring(args: argparse.Namespace, cluster, live: list[int], attempt: int):
+    """How attempt `attempt` is wired: (coordinator port, coordinator host, wrap, fault,
+    unreachable), the last three None on this host's loopback (no --network)."""
+    if cluster is None:
+        return args.coordinator_port or _free_port(), "127.0.0.1", None, None, None
+    per = args.processes_per_host
+    # a fresh namespace: any port is free; a new one per attempt (TIME_WAIT)
+    port = (args.coordinator_port or 8476) + attempt
+    on = list(live)  # rank r runs on host on[r // per]
+    wrap = lambda rank, cmd: cluster.wrap(on[rank // per], cmd)  # noqa: E731
+    unreachable = lambda: _cut_off(cluster, on, per)  # noqa: E731
+    fault = None
+    if args.fault is not None and attempt == 0:
+        fault = (args.fault[1], lambda h=args.fault[0]: _link_down(cluster, h))
+    return port, cluster.hosts[live[0]].address, wrap, fault, unreachable
+
+
+def _add_counters_env(envs: list[dict], cluster, processes_per_host: int) -> None:
+    """Where each process of an emulated cluster reads its host's link counters and rates."""
+    for env in envs:
+        env[counters.ENV_COUNTERS] = cluster.counters_path
+        env[counters.ENV_PROCESSES_PER_HOST] = str(processes_per_host)
+        env[counters.ENV_RATES] = ",".join(f"{h.link.rate_bps:g}" for h in cluster.hosts)
+
+
+def _without_failed(args: argparse.Namespace, cluster, live: list[int], failed_ranks):
+    """--elastic: (args for the processes that remain, the hosts they run on), or None (after
+    saying so) when none remains. On an emulated cluster a failed process's host is left out
+    whole: its link, not only one process, is what failed."""
+    per = args.processes_per_host
+    if cluster is not None:
+        gone = {live[rank // per] for rank in failed_ranks}
+        live = [h for h in live if h not in gone]
+        remaining = len(live) * per
+        if remaining < 1:
+            print(f"{NAME}: no host left to restart on", file=sys.stderr, flush=True)
+            return None
+        left_out = ", ".join(f"host{h}" for h in sorted(gone))
+        print(f"{NAME}: leaving out {left_out}", file=sys.stderr, flush=True)
+    else:
+        remaining = args.num_processes - len(set(failed_ranks))
+        if remaining < 1:
+            print(f"{NAME}: no process left to restart on", file=sys.stderr, flush=True)
+            return None
+    return argparse.Namespace(**{**vars(args), "num_processes": remaining}), live
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--network=list" in argv[: argv.index("--") if "--" in argv else len(argv)]:
@@ -579,30 +638,14 @@ def main(argv: list[str] | None = None) -> int:
     # Progress files also let a failure be blamed on a process that had stalled before it.
     progress_dir = tempfile.mkdtemp(prefix="jaxdist-progress-")
     snapshots: list[tuple[str, float, float]] = []  # goodput file, start, end (job_goodput.py)
-    per = args.processes_per_host
-    live = list(range(args.num_processes // per))  # the emulated hosts the job runs on
+    live = list(range(args.num_processes // args.processes_per_host))  # the emulated hosts
     ended: list[int] = []  # pids of the processes of earlier attempts (all ended)
     try:
         for attempt in range(args.max_restarts + 1):
-            wrap, host, fault, unreachable = None, "127.0.0.1", None, None
-            if cluster is None:
-                port = args.coordinator_port or _free_port()
-            else:  # a fresh namespace: any port is free; a new one per attempt (TIME_WAIT)
-                port = (args.coordinator_port or 8476) + attempt
-                host = cluster.hosts[live[0]].address
-                on = list(live)  # rank r runs on host on[r // per]
-                wrap = lambda rank, cmd, on=on: cluster.wrap(on[rank // per], cmd)  # noqa: E731
-                unreachable = lambda on=on: _cut_off(cluster, on, per)  # noqa: E731
-                if args.fault is not None and attempt == 0:
-                    fault = (args.fault[1], lambda h=args.fault[0]: _link_down(cluster, h))
+            port, host, wrap, fault, unreachable = _wiring(args, cluster, live, attempt)
             envs, what = _child_envs(args, port, host)
             if cluster is not None:
-                for env in envs:
-                    env[counters.ENV_COUNTERS] = cluster.counters_path
-                    env[counters.ENV_PROCESSES_PER_HOST] = str(args.processes_per_host)
-                    env[counters.ENV_RATES] = ",".join(
-                        f"{h.link.rate_bps:g}" for h in cluster.hosts
-                    )
+                _add_counters_env(envs, cluster, args.processes_per_host)
             print(
                 f"{NAME}: {args.num_processes} process(es) x {what}, coordinator {host}:{port}",
                 file=sys.stderr,
@@ -631,23 +674,11 @@ def main(argv: list[str] | None = None) -> int:
             ended += [p.pid for p in launcher.procs]  # run() returns once every one has ended
             if code == 0 or launcher.signalled is not None or attempt == args.max_restarts:
                 return code
-            if args.elastic and cluster is not None:
-                # A host is left out whole: its link, not only one process, is what failed.
-                gone = {live[rank // per] for rank in launcher.failed_ranks}
-                live = [h for h in live if h not in gone]
-                remaining = len(live) * per
-                if remaining < 1:
-                    print(f"{NAME}: no host left to restart on", file=sys.stderr, flush=True)
+            if args.elastic:
+                narrowed = _without_failed(args, cluster, live, launcher.failed_ranks)
+                if narrowed is None:
                     return code
-                args = argparse.Namespace(**{**vars(args), "num_processes": remaining})
-                left_out = ", ".join(f"host{h}" for h in sorted(gone))
-                print(f"{NAME}: leaving out {left_out}", file=sys.stderr, flush=True)
-            elif args.elastic:
-                remaining = args.num_processes - len(set(launcher.failed_ranks))
-                if remaining < 1:
-                    print(f"{NAME}: no process left to restart on", file=sys.stderr, flush=True)
-                    return code
-                args = argparse.Namespace(**{**vars(args), "num_processes": remaining})
+                args, live = narrowed
             where = " (those that remain)" if args.elastic else ""
             print(
                 f"{NAME}: restarting the job from its last checkpoint on {args.num_processes} "

@@ -339,6 +339,32 @@ def side_by_side(result: dict) -> str:
     return head + "\n".join(out)
 
 
+def _record(method: str, link: str, devices: int, row: dict, base: dict, target: float) -> dict:
+    """The study's row of `method` over `link`: its run `row` set against `base`, the same
+    method's run on loopback (the compute-only step time)."""
+    return {
+        "framework": framework(method),
+        "method": method,
+        "link": link,
+        "hosts": HOSTS,
+        "devices_per_host": devices,
+        "step_time_s": row["step_time_s"],
+        "step_time_p10_s": row["step_time_p10_s"],
+        "step_time_p90_s": row["step_time_p90_s"],
+        "compute_only_step_time_s": base["step_time_s"],
+        "exposed_comm_s": row["step_time_s"] - base["step_time_s"],
+        "kernel_bytes_per_step": row.get("kernel_bytes_per_step"),
+        "hlo_bytes_per_step": row["hlo_bytes_per_step"],
+        "time_to_target_s": _time_to(row, target),
+        "final_eval_loss": row["final_eval_loss"],
+        "params_total": row["params_total"],
+        "evals": row["evals"],
+        "step_times_s": row["step_times_s"],
+        "load_avg": row["load_avg"],
+        "compute_only_load_avg": base["load_avg"],
+    }
+
+
 def run(
     links: list[str],
     methods: list[str],
@@ -377,30 +403,7 @@ def run(
         for m in methods:
             workdir = os.path.join(out_dir, f"{link}_{m}".replace("=", "-"))
             row = _run(workdir, m, link, steps, eval_every, env, devices)
-            base = loopback[m]
-            runs.append(
-                {
-                    "framework": framework(m),
-                    "method": m,
-                    "link": link,
-                    "hosts": HOSTS,
-                    "devices_per_host": devices,
-                    "step_time_s": row["step_time_s"],
-                    "step_time_p10_s": row["step_time_p10_s"],
-                    "step_time_p90_s": row["step_time_p90_s"],
-                    "compute_only_step_time_s": base["step_time_s"],
-                    "exposed_comm_s": row["step_time_s"] - base["step_time_s"],
-                    "kernel_bytes_per_step": row.get("kernel_bytes_per_step"),
-                    "hlo_bytes_per_step": row["hlo_bytes_per_step"],
-                    "time_to_target_s": _time_to(row, target),
-                    "final_eval_loss": row["final_eval_loss"],
-                    "params_total": row["params_total"],
-                    "evals": row["evals"],
-                    "step_times_s": row["step_times_s"],
-                    "load_avg": row["load_avg"],
-                    "compute_only_load_avg": base["load_avg"],
-                }
-            )
+            runs.append(_record(m, link, devices, row, loopback[m], target))
             r = runs[-1]
             if partial_path:
                 with open(partial_path, "w", encoding="utf-8") as f:

@@ -64,16 +64,7 @@ def main(argv):
     F = flags.FLAGS
     config = F.config
     hw = plan_lib.hardware(F.hardware)
-    if F.devices < 1:
-        raise ConfigError(f"--devices={F.devices} must be >= 1")
-    if not 0 < F.compression_ratio <= 1:
-        raise ConfigError(f"--compression_ratio={F.compression_ratio} must be in (0, 1]")
-    if F.plot and F.plot_max_devices < plan_lib.SCALING_DEVICES[0]:
-        raise ConfigError(
-            f"--plot_max_devices={F.plot_max_devices} must be >= {plan_lib.SCALING_DEVICES[0]}"
-        )
-    if F.top < 0:
-        raise ConfigError(f"--top={F.top} must be >= 0 (0 = all)")
+    _check_flags(F, plan_lib.SCALING_DEVICES[0])
     model = plan_lib.model_info(config)
     result = plan_lib.plan(
         config,
@@ -108,34 +99,53 @@ def main(argv):
         for p in result.predictions
     ]
     if F.plot:
-        per_device = max(1, config.train.batch_size // F.devices)
-        names = [n for n in plan_lib.PROFILES if n != "cpu_here"]
-        if hw.name not in names:
-            names.insert(0, hw.name)
-        curves = {
-            name: plan_lib.scaling(
-                config,
-                plan_lib.hardware(name),
-                device_counts=[n for n in plan_lib.SCALING_DEVICES if n <= F.plot_max_devices],
-                per_device_batch=per_device,
-                model=model,
-            )
-            for name in names
-        }
-        title = (
-            f"{model.num_params / 1e9:.3g}B {model.cost.label}, {per_device} × {model.seq_len} "
-            "tokens per device "
-            "(weak scaling, best fitting layout)"
-        )
-        _makedirs(F.plot)
-        plan_lib.plot_scaling(curves, F.plot, title=title)
-        payload["scaling"] = curves
-        print(f"scaling plot: {F.plot}")
+        payload["scaling"] = _plot_scaling(F, config, hw, model)
     if F.out:
         _makedirs(F.out)
         with open(F.out, "w") as f:
             json.dump(payload, f, indent=1)
         print(f"plan: {F.out}")
+
+
+def _check_flags(F, fewest: int) -> None:
+    """Refuses (ConfigError) flags out of range; `fewest`: the plot's smallest device count."""
+    if F.devices < 1:
+        raise ConfigError(f"--devices={F.devices} must be >= 1")
+    if not 0 < F.compression_ratio <= 1:
+        raise ConfigError(f"--compression_ratio={F.compression_ratio} must be in (0, 1]")
+    if F.plot and F.plot_max_devices < fewest:
+        raise ConfigError(f"--plot_max_devices={F.plot_max_devices} must be >= {fewest}")
+    if F.top < 0:
+        raise ConfigError(f"--top={F.top} must be >= 0 (0 = all)")
+
+
+def _plot_scaling(F, config, hw, model) -> dict:
+    """Weak-scaling curves of every profile (and --hardware's) drawn to --plot; returns them."""
+    from jaxdist import plan as plan_lib
+
+    per_device = max(1, config.train.batch_size // F.devices)
+    names = [n for n in plan_lib.PROFILES if n != "cpu_here"]
+    if hw.name not in names:
+        names.insert(0, hw.name)
+    curves = {
+        name: plan_lib.scaling(
+            config,
+            plan_lib.hardware(name),
+            device_counts=[n for n in plan_lib.SCALING_DEVICES if n <= F.plot_max_devices],
+            per_device_batch=per_device,
+            model=model,
+        )
+        for name in names
+    }
+    title = (
+        f"{model.num_params / 1e9:.3g}B {model.cost.label}, {per_device} × {model.seq_len} "
+        "tokens per device "
+        "(weak scaling, best fitting layout)"
+    )
+    _makedirs(F.plot)
+    plan_lib.plot_scaling(curves, F.plot, title=title)
+    print(f"scaling plot: {F.plot}")
+    return curves
 
 
 def _makedirs(path: str) -> None:

@@ -56,29 +56,7 @@ def run(args: argparse.Namespace) -> int:
     labels = [*args.prompt, *id_prompts]  # what each output record names as its prompt
     encoder = tok if tok is not None else tokenizer.Bytes()  # lengths are checked first
     prompts = [encoder.encode(p) for p in args.prompt] + id_prompts
-    for label, ids in zip(labels, prompts):
-        flag = f"--prompt={label[:40]!r}" if isinstance(label, str) else "--prompt_ids"
-        if not ids:
-            raise ConfigError(f"{flag} is empty; a prompt needs at least one token")
-        if len(ids) + args.max_new_tokens > m.seq_len:
-            raise ConfigError(
-                f"{flag} is {len(ids)} tokens; with --max_new_tokens="
-                f"{args.max_new_tokens} that passes model.seq_len={m.seq_len}"
-            )
-    if tok is None and args.prompt:
-        raise ConfigError(
-            f"{args.checkpoint} has no tokenizer (no tokenizer.json, and it did not train on "
-            "bytes): give prompts as token ids, --prompt_ids='[5, 17, 33]', or encode the text "
-            "as UTF-8 bytes with --bytes"
-        )
-    for label, ids in zip(labels, prompts):
-        if max(ids) >= m.vocab_size or min(ids) < 0:
-            flag = f"--prompt={label[:40]!r}" if isinstance(label, str) else "--prompt_ids"
-            by = f"the tokenizer ({encoder.name}) gives" if isinstance(label, str) else "it has"
-            raise ConfigError(
-                f"{by} id {max(ids) if max(ids) >= m.vocab_size else min(ids)} for {flag}, "
-                f"but model.vocab_size={m.vocab_size} (ids 0 to {m.vocab_size - 1})"
-            )
+    _check_prompts(args, labels, prompts, tok, encoder, m)
     print(f"tokenizer: {why}")
     n = args.data * args.tensor
     if n > jax.device_count():
@@ -114,12 +92,50 @@ def run(args: argparse.Namespace) -> int:
         f"{result.decode_tokens_per_s:.1f} tokens/s"
     )
     if args.out:
-        tmp = f"{args.out}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
-        os.replace(tmp, args.out)
+        _write_records(args.out, records)
     return 0
+
+
+def _check_prompts(args, labels, prompts, tok, encoder, m) -> None:
+    """Refuses (ConfigError) an empty prompt, one that leaves no room for --max_new_tokens within
+    model.seq_len, text without a tokenizer, and ids outside the model's vocabulary."""
+    for label, ids in zip(labels, prompts):
+        flag = _prompt_flag(label)
+        if not ids:
+            raise ConfigError(f"{flag} is empty; a prompt needs at least one token")
+        if len(ids) + args.max_new_tokens > m.seq_len:
+            raise ConfigError(
+                f"{flag} is {len(ids)} tokens; with --max_new_tokens="
+                f"{args.max_new_tokens} that passes model.seq_len={m.seq_len}"
+            )
+    if tok is None and args.prompt:
+        raise ConfigError(
+            f"{args.checkpoint} has no tokenizer (no tokenizer.json, and it did not train on "
+            "bytes): give prompts as token ids, --prompt_ids='[5, 17, 33]', or encode the text "
+            "as UTF-8 bytes with --bytes"
+        )
+    for label, ids in zip(labels, prompts):
+        if max(ids) >= m.vocab_size or min(ids) < 0:
+            flag = _prompt_flag(label)
+            by = f"the tokenizer ({encoder.name}) gives" if isinstance(label, str) else "it has"
+            raise ConfigError(
+                f"{by} id {max(ids) if max(ids) >= m.vocab_size else min(ids)} for {flag}, "
+                f"but model.vocab_size={m.vocab_size} (ids 0 to {m.vocab_size - 1})"
+            )
+
+
+def _prompt_flag(label) -> str:
+    """The flag that gave a prompt, as an error names it: its text's start, or --prompt_ids."""
+    return f"--prompt={label[:40]!r}" if isinstance(label, str) else "--prompt_ids"
+
+
+def _write_records(path: str, records: list[dict]) -> None:
+    """One JSON line per prompt, written whole (a temporary file renamed over `path`)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
 
 
 def _tokenizer(src, force_bytes: bool):

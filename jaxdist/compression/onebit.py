@@ -122,48 +122,47 @@ def onebit_adam(
             jnp.zeros((1,), jnp.int32), momentum, tensors.worker_zeros(params), server
         )
 
+    warm = functools.partial(_warm_momentum, b1=b1, axis_name=axis_name)
+    comp = functools.partial(
+        _compressed_momentum, b1=b1, reduce=reduce, local_momentum=local_momentum, masking=masking
+    )
+
     def update(grads, state, params=None):
         del params
-        leaves, treedef = jax.tree.flatten(grads)
-        dims = tensors.leaf_batch_dims(batch_dims, treedef, len(leaves))
-        ms, ws, ss = (treedef.flatten_up_to(x) for x in state[1:])
         frozen = state.count[0] >= freeze_step
-        out, new_m, new_w, new_s = [], [], [], []
-        for g, m, ew, es, b in zip(leaves, ms, ws, ss, dims, strict=True):
-            if not tensors.is_float(g):
-                out.append(g)
-                new_m.append(m)
-                new_w.append(ew)
-                new_s.append(es)
-                continue
 
-            def warm(g, m, ew, es, like):
-                mean = jax.lax.pmean(g, replica.axes(axis_name))  # exact: Adam's warm-up
-                m = b1 * m + (1 - b1) * mean
-                return mean, replica.varying_like(m, ew), ew, es
+        def one(g, m, ew, es, like):
+            if freeze_step == 0:  # no warm-up: compiled without it (bytes of the steady state)
+                return comp(g, m, ew, es, like)
+            return jax.lax.cond(frozen, comp, warm, g, m, ew, es, like)
 
-            def comp(g, m, ew, es, like):
-                u = b1 * m + (1 - b1) * g  # m: the last synchronized momentum, or (DGC) u_i
-                mean, w, s, masked = reduce(u + ew, es, like, u)
-                m = (masked if masking else u) if local_momentum else mean.astype(jnp.float32)
-                return mean, replica.varying_like(m, ew), w, s
-
-            def one(g, m, ew, es, like):
-                if freeze_step == 0:  # no warm-up: compiled without it (bytes of the steady state)
-                    return comp(g, m, ew, es, like)
-                return jax.lax.cond(frozen, comp, warm, g, m, ew, es, like)
-
+        def leaf(i, g, b, m, ew, es):
             mean, m2, w, s = tensors.per_layer(one, b)(g.astype(jnp.float32), m[0], ew[0], es[0], g)
-            out.append(mean.astype(g.dtype))
-            new_m.append(m2[None])
-            new_w.append(w[None])
-            new_s.append(s[None])
-        new = OneBitAdamState(
-            state.count + 1, *(treedef.unflatten(x) for x in (new_m, new_w, new_s))
-        )
-        return treedef.unflatten(out), new
+            return mean.astype(g.dtype), m2[None], w[None], s[None]
+
+        out, (m, w, s) = tensors.map_float_leaves(leaf, grads, state[1:], batch_dims)
+        return out, OneBitAdamState(state.count + 1, m, w, s)
 
     return optax.GradientTransformation(init, update)
+
+
+def _warm_momentum(g, m, ew, es, like, *, b1: float, axis_name: AxisName):
+    """One layer of `onebit_adam` before the freeze: the exact f32 mean gradient (Adam's warm-up)
+    and Adam's momentum of it; both residuals as they were. Returns (mean, m, ew, es)."""
+    mean = jax.lax.pmean(g, replica.axes(axis_name))
+    m = b1 * m + (1 - b1) * mean
+    return mean, replica.varying_like(m, ew), ew, es
+
+
+def _compressed_momentum(g, m, ew, es, like, *, b1: float, reduce, local_momentum, masking):
+    """One layer of `onebit_adam` after the freeze: this replica's momentum u = b1 m + (1 - b1) g
+    plus its worker residual, through `reduce` (`_momentum_exchange`). Returns (mean, the next m:
+    the mean, or with `local_momentum` u itself, zeroed where sent if `masking`; the new worker
+    and server residuals)."""
+    u = b1 * m + (1 - b1) * g  # m: the last synchronized momentum, or (DGC) u_i
+    mean, w, s, masked = reduce(u + ew, es, like, u)
+    m = (masked if masking else u) if local_momentum else mean.astype(jnp.float32)
+    return mean, replica.varying_like(m, ew), w, s
 
 
 class FrozenAdamState(NamedTuple):

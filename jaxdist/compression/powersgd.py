@@ -81,28 +81,19 @@ def powersgd(
     if min_compression < 1:
         raise ValueError(f"powersgd: min_compression={min_compression} must be >= 1")
 
-    def matrices(tree):
-        leaves, treedef = jax.tree.flatten(tree)
-        dims = tensors.leaf_batch_dims(batch_dims, treedef, len(leaves))
-        return [
-            powersgd_shape(p.shape, rank, min_compression, d) if tensors.is_float(p) else None
-            for p, d in zip(leaves, dims, strict=True)
-        ]
+    matrices = functools.partial(
+        _powersgd_matrices, rank=rank, min_compression=min_compression, batch_dims=batch_dims
+    )
 
     def init(params):
         return _powersgd_init(params, matrices(params), rank, seed, error_feedback)
 
-    compress = functools.partial(
-        _powersgd_compress, axis_name=axis_name, epsilon=orthogonalization_epsilon
+    sync = functools.partial(
+        _dense_then_compressed,
+        start_iter=start_iter,
+        axis_name=axis_name,
+        epsilon=orthogonalization_epsilon,
     )
-
-    def dense(m_i, q):
-        mean = jax.lax.pmean(m_i, replica.axes(axis_name))
-        return mean, jnp.zeros_like(m_i), replica.varying_like(q, q)
-
-    def compressed(m_i, q):
-        mean, left, q_new = compress(m_i, q)
-        return mean, left, replica.varying_like(q_new, q)
 
     def update(grads, state, params=None):
         del params
@@ -116,15 +107,8 @@ def powersgd(
             m_i = g.reshape(bnm).astype(jnp.float32)
             if e is not None:
                 m_i = m_i + e[0].reshape(bnm).astype(jnp.float32)
-            q = q[0]
-            if not warm_start:  # a fresh Q each step, drawn alike on every replica
-                key = jax.random.fold_in(jax.random.PRNGKey(seed + 1), count)
-                fresh = jax.random.normal(jax.random.fold_in(key, i), q.shape[1:], jnp.float32)
-                q = replica.varying_like(jnp.broadcast_to(fresh, q.shape), q)
-            if start_iter > 0:
-                mean, left, q = jax.lax.cond(count < start_iter, dense, compressed, m_i, q)
-            else:
-                mean, left, q = compress(m_i, q)
+            q = q[0] if warm_start else _fresh_q(q[0], seed, count, i)
+            mean, left, q = sync(m_i, q, count)
             left = None if e is None else left.reshape(e.shape).astype(e.dtype)
             return mean.reshape(g.shape).astype(g.dtype), q[None], left
 
@@ -132,6 +116,44 @@ def powersgd(
         return out, PowerSGDState(state.count + 1, qs, res)
 
     return optax.GradientTransformation(init, update)
+
+
+def _powersgd_matrices(
+    tree: Any, *, rank: int, min_compression: float, batch_dims: Any
+) -> list[tuple[int, int, int] | None]:
+    """Per leaf of `tree`, the (b, n, m) it is compressed as, or None (see `powersgd_shape`)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    dims = tensors.leaf_batch_dims(batch_dims, treedef, len(leaves))
+    return [
+        powersgd_shape(p.shape, rank, min_compression, d) if tensors.is_float(p) else None
+        for p, d in zip(leaves, dims, strict=True)
+    ]
+
+
+def _fresh_q(q: jax.Array, seed: int, count: jax.Array, i: int) -> jax.Array:
+    """A fresh Gaussian Q like q [b, m, r] for leaf `i` at step `count`, drawn alike on every
+    replica (`warm_start=False`); one draw shared by the leaf's layers."""
+    key = jax.random.fold_in(jax.random.PRNGKey(seed + 1), count)
+    fresh = jax.random.normal(jax.random.fold_in(key, i), q.shape[1:], jnp.float32)
+    return replica.varying_like(jnp.broadcast_to(fresh, q.shape), q)
+
+
+def _dense_then_compressed(m_i, q, count, *, start_iter: int, axis_name: AxisName, epsilon):
+    """(mean, this replica's residual, new Q) of m_i [b, n, m]: an f32 pmean (residual zero, Q
+    kept) for the first `start_iter` steps, then `_powersgd_compress`."""
+    compress = functools.partial(_powersgd_compress, axis_name=axis_name, epsilon=epsilon)
+    if start_iter <= 0:
+        return compress(m_i, q)
+
+    def dense(m_i, q):
+        mean = jax.lax.pmean(m_i, replica.axes(axis_name))
+        return mean, jnp.zeros_like(m_i), replica.varying_like(q, q)
+
+    def compressed(m_i, q):
+        mean, left, q_new = compress(m_i, q)
+        return mean, left, replica.varying_like(q_new, q)
+
+    return jax.lax.cond(count < start_iter, dense, compressed, m_i, q)
 
 
 def _powersgd_init(params, shapes, rank: int, seed: int, error_feedback: bool) -> PowerSGDState:

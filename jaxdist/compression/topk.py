@@ -96,44 +96,67 @@ def topk(
     densities = topk_densities(ratio, warmup_steps)
     if dense_start and warmup_steps > 0:
         densities = [1.0, ratio]
-
-    def init(params):
-        residual = tensors.worker_zeros(params) if error_feedback else None
-        velocity = tensors.worker_zeros(params) if momentum_correction else None
-        server = None
-        if two_phase and error_feedback:
-            server = tensors.server_zeros(
-                params, batch_dims, lambda n: -(-n // num_replicas(axis_name))
-            )
-        return TopKState(jnp.zeros((1,), jnp.int32), residual, velocity, server)
-
+    init = functools.partial(
+        _topk_init,
+        axis_name=axis_name,
+        error_feedback=error_feedback,
+        momentum_correction=momentum_correction,
+        two_phase=two_phase,
+        batch_dims=batch_dims,
+    )
     send = functools.partial(topk_send, axis_name=axis_name, two_phase=two_phase)
 
     def update(grads, state, params=None):
         del params
         r = num_replicas(axis_name)
-        per = max(1, warmup_steps // max(1, len(densities) - 1))
-        stage = jnp.minimum(state.count[0] // per, len(densities) - 1)
-
-        def one(g, e, u, es):
-            ks = [topk_k(d, g.size) for d in densities]
-            return _topk_layer(g, e, u, es, ks=ks, stage=stage, send=send, r=r, momentum=momentum)
-
-        def leaf(i, g, b, e, u, es):
-            e0, u0, s0 = (None if x is None else x[0].astype(jnp.float32) for x in (e, u, es))
-            mean, left, v, s1 = tensors.per_layer(one, b)(g, e0, u0, s0)
-            return (
-                mean,
-                None if e is None else left[None].astype(e.dtype),
-                None if u is None else v[None].astype(u.dtype),
-                None if es is None else s1[None],
-            )
-
+        stage = _topk_stage(state.count[0], densities, warmup_steps)
+        leaf = functools.partial(
+            _topk_leaf, densities=densities, stage=stage, send=send, r=r, momentum=momentum
+        )
         parts = (state.residual, state.velocity, state.server)
         out, (residual, velocity, server) = tensors.map_float_leaves(leaf, grads, parts, batch_dims)
         return out, TopKState(state.count + 1, residual, velocity, server)
 
     return optax.GradientTransformation(init, update)
+
+
+def _topk_init(
+    params, *, axis_name: AxisName, error_feedback, momentum_correction, two_phase, batch_dims
+) -> TopKState:
+    """`topk`'s state: the residual (error feedback), the velocity (momentum correction) and the
+    server residual of the rows this replica reduces (two_phase with error feedback)."""
+    residual = tensors.worker_zeros(params) if error_feedback else None
+    velocity = tensors.worker_zeros(params) if momentum_correction else None
+    server = None
+    if two_phase and error_feedback:
+        server = tensors.server_zeros(
+            params, batch_dims, lambda n: -(-n // num_replicas(axis_name))
+        )
+    return TopKState(jnp.zeros((1,), jnp.int32), residual, velocity, server)
+
+
+def _topk_stage(count: jax.Array, densities: list[float], warmup_steps: int) -> jax.Array:
+    """The index into `densities` of step `count`: the warm-up's stages last equally long."""
+    per = max(1, warmup_steps // max(1, len(densities) - 1))
+    return jnp.minimum(count // per, len(densities) - 1)
+
+
+def _topk_leaf(i, g, b, e, u, es, *, densities, stage, send, r, momentum):
+    """One float leaf of `topk`'s update, each of its layers (`b` stacked axes) on its own: g its
+    gradient, e / u / es its [1, ...] residual, velocity, server residual (or None). Returns
+    (mean, new e, new u, new es), each state [1, ...] (e and u in their own dtype)."""
+    del i
+    size = math.prod(g.shape[b:])  # one layer's
+    ks = [topk_k(d, size) for d in densities]
+    one = functools.partial(_topk_layer, ks=ks, stage=stage, send=send, r=r, momentum=momentum)
+    e0, u0, s0 = (None if x is None else x[0].astype(jnp.float32) for x in (e, u, es))
+    mean, left, v, s1 = tensors.per_layer(one, b)(g, e0, u0, s0)
+    return (
+        mean,
+        None if e is None else left[None].astype(e.dtype),
+        None if u is None else v[None].astype(u.dtype),
+        None if es is None else s1[None],
+    )
 
 
 def _topk_layer(g, e, u, es, *, ks, stage, send, r, momentum):
