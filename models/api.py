@@ -448,7 +448,8 @@ class ModelFamily:
       plan_cost: (config.model, params or their shapes) -> `PlanCost`, or None for a family the
         planner does not model (it then says so, and predicts and guards nothing).
       packing: whether its `loss` takes packed batches (`data.packing=documents`): attention
-        within each `segment_ids` document, rotary `positions`, -1 targets skipped.
+        within each `segment_ids` document, rotary `positions`, -1 targets skipped; through the
+        pipeline its `Stages.block` takes `segments=` and `Stages.head_logits` is set.
       mesh_axes: the optional mesh axes ("context", "expert") its layers run over; config
         validation refuses `mesh.context`/`mesh.expert` > 1 for a family without them.
     """

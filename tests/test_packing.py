@@ -333,25 +333,31 @@ def test_training_with_packed_documents(tmp_path):
     assert len(losses) == 6 and np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
-def _engine_batch(name: str, pipeline_size: int, schedule: str = "1f1b"):
-    """(engine, the packed rows as a batch on its mesh) of a tiny `name`, packed documents,
-    mesh.pipeline=`pipeline_size` with 2 microbatches (1 row each: 13 and 10 targets)."""
+# The packed rows as a batch of 4 (row 0 three times): with 2 microbatches or 2 data replicas
+# the pieces hold different target counts (26 and 23).
+PIPE_ROWS = [0, 1, 0, 0]
+
+
+def _engine_batch(name: str, schedule: str = "1f1b", **mesh):
+    """(engine, the packed rows `PIPE_ROWS` as a batch on its mesh) of a tiny `name`, packed
+    documents, `mesh` sizes (default all 1), 2 pipeline microbatches."""
     c = _model_config(name)
-    c.mesh.pipeline = pipeline_size
+    for axis, size in mesh.items():
+        c.mesh[axis] = size
     c.data.packing = "documents"
-    c.train.batch_size = len(ROWS)
-    c.pipeline.schedule, c.pipeline.microbatches = schedule, len(ROWS)
+    c.train.batch_size = len(PIPE_ROWS)
+    c.pipeline.schedule, c.pipeline.microbatches = schedule, 2
     c.model.vocab_size = 256  # the data's (byte) vocabulary, which train.build checks
     eng, _ = engine_for(c)
     batch, _, _ = _packed(256)
-    put = lambda k, v: jax.device_put(jnp.asarray(v), eng.batch_shardings[k])
+    put = lambda k, v: jax.device_put(jnp.asarray(v[PIPE_ROWS]), eng.batch_shardings[k])
     return eng, {k: put(k, v) for k, v in batch.items()}
 
 
 @functools.cache
 def _one_device_grads(name: str):
     """The packed batch's loss and gradients on one device, no pipeline (host params too)."""
-    eng, batch = _engine_batch(name, 1)
+    eng, batch = _engine_batch(name)
     params = eng.init()["params"]
 
     def grads(params, batch):
@@ -363,14 +369,21 @@ def _one_device_grads(name: str):
 
 
 @pytest.mark.parametrize(
-    "name, schedule", [("llama", "1f1b"), ("qwen3", "1f1b"), ("gpt", "gpipe"), ("llama", "zb")]
+    "name, schedule, mesh",
+    [
+        ("llama", "1f1b", {}),
+        ("qwen3", "1f1b", {}),
+        ("gpt", "gpipe", dict(data=2)),
+        ("llama", "zb", dict(context=2)),
+    ],
 )
-def test_packed_documents_through_the_pipeline(name, schedule):
+def test_packed_documents_through_the_pipeline(name, schedule, mesh):
     """mesh.pipeline=2, two microbatches with different target counts: the packed batch's loss
     and gradients equal the one-device model's within 1e-5 (fp32): segment ids and positions
-    reach every stage, and the loss is the batch's masked mean, not a mean of microbatch means."""
+    reach every stage (ring context attention inside them too), and the loss is the batch's
+    masked mean, not a mean of microbatch (or replica) means."""
     ref_loss, ref_grads, host_params = _one_device_grads(name)
-    eng, batch = _engine_batch(name, 2, schedule)
+    eng, batch = _engine_batch(name, schedule, pipeline=2, **mesh)
     shardings = eng.state_shardings["params"]
     params = eng.to_storage(jax.device_put(host_params, shardings), shardings)
     fn, _ = pipeline.make_gradients(
@@ -382,7 +395,6 @@ def test_packed_documents_through_the_pipeline(name, schedule):
         float(np.max(np.abs(a - b)))
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True)
     )
-    print(
-        f"{name} {schedule} p=2 m=2: |Δloss|={abs(float(loss) - ref_loss):.2e} max|Δgrad|={d_grads:.2e}"
-    )
-    assert abs(float(loss) - ref_loss) <= 1e-5 and d_grads <= 1e-5
+    d_loss = abs(float(loss) - ref_loss)
+    print(f"{name} {schedule} pipeline=2 {mesh}: |Δloss|={d_loss:.2e} max|Δgrad|={d_grads:.2e}")
+    assert d_loss <= 1e-5 and d_grads <= 1e-5

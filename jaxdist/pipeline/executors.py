@@ -21,9 +21,7 @@ from jaxdist.pipeline.spmd import put, take, varying
 from jaxdist.pipeline.vjp import SplitVjp, StashedVjp
 
 
-def looped_forward(
-    stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtual, segments=None
-):
+def looped_forward(stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtual, segments=None):
     """Forward ticks of gpipe / interleaved on one stage; returns [m, ...] final activations.
 
     Args:
