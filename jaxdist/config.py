@@ -133,8 +133,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
 
 
 def _check_packing(config, mesh: Mapping[str, int]) -> None:
-    """`data.packing`: a known mode; `documents` needs a family that takes packed batches, one
-    token source, and no pipeline (its stages carry no segment ids)."""
+    """`data.packing`: a known mode; `documents` needs a family that takes packed batches (and,
+    through the pipeline, whose stages have a logits head for the masked loss)."""
     _choice(config, "data.packing", data.PACKINGS)
     if config.data.packing != "documents":
         return
@@ -144,14 +144,12 @@ def _check_packing(config, mesh: Mapping[str, int]) -> None:
         f"data.packing='documents' needs a decoder that attends per document; model.name="
         f"{name!r} does not (use data.packing=windows)",
     )
+    stages = models.get(name).stages
     _need(
-        not tuple(config.data.sources),
-        "data.packing='documents' takes one data.source, not a mixture (data.sources)",
-    )
-    _need(
-        mesh["pipeline"] == 1,
-        f"data.packing='documents' does not run through the pipeline (mesh.pipeline="
-        f"{mesh['pipeline']}): set mesh.pipeline=1 or data.packing=windows",
+        mesh["pipeline"] == 1 or (stages is not None and stages(config.model).head_logits),
+        f"data.packing='documents' through the pipeline (mesh.pipeline={mesh['pipeline']}) "
+        f"needs pipeline stages with a logits head; model.name={name!r} has none: set "
+        "mesh.pipeline=1 or data.packing=windows",
     )
 
 

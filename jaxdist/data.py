@@ -19,7 +19,9 @@ tokens across documents (a token attends to the previous document's tail, positi
 `targets`, `segment_ids` (1, 2, ... per document piece in the row, 0 = padding) and `positions`
 (restarting at 0 in each piece); a target that would cross into the next document, and padding,
 is -1 (the loss skips it). It needs the document starts: file boundaries for `stdlib` and text
-sources, `train.docs.npy` / `val.docs.npy` beside token shards (scripts/tokenize.py).
+sources, `train.docs.npy` / `val.docs.npy` beside token shards (scripts/tokenize.py). With a
+mixture each source is packed apart (rows of whole documents of one source); a row's source is
+drawn by `data.weights` as for windows, then one of that source's packed rows.
 
 Order is a pure function of (seed, batch index): batch `i` is the same whatever the process count or
 restart history, so the iterator position is one integer saved with each checkpoint. Each process
@@ -315,6 +317,8 @@ def load(data_cfg, *, seq_len: int, vocab_size: int) -> Dataset:
             raise ConfigError(
                 f"data.sources: {s!r} holds {part.kind}; a mixture mixes token sources"
             )
+        if data_cfg.get("packing", "windows") == "documents":
+            _check_documents(s, part)
     return Dataset(
         "tokens",
         parts[0].train,
@@ -577,13 +581,12 @@ class Batches:
     ):
         self.ds, self.batch_size, self.seq_len, self.seed = ds, batch_size, seq_len, seed
         self.shardings, self.packing = shardings, packing
-        self._plans: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._plans: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         if packing not in PACKINGS:
             raise ConfigError(f"data.packing={packing!r} is not valid; choose one of {PACKINGS}")
         if packing == "documents":
-            if ds.parts is not None:
-                raise ConfigError("data.packing='documents' does not take data.sources (a mixture)")
-            _check_documents("the dataset", ds)
+            for k, part in enumerate(ds.parts or [ds]):
+                _check_documents("the dataset" if ds.parts is None else f"source {k}", part)
         if ds.kind == "tokens":
             for part in ds.parts or [ds]:
                 for name, arr in (("train", part.train), ("validation", part.val)):
@@ -593,13 +596,18 @@ class Batches:
                             f"model.seq_len+1={seq_len + 1}"
                         )
 
-    def plan(self, split: str = "train") -> tuple[np.ndarray, np.ndarray]:
-        """`data.packing=documents`: the split's packed rows (`pack_rows`), computed once."""
-        if split not in self._plans:
-            docs = self.ds.train_docs if split == "train" else self.ds.val_docs
-            arr = self._split_of(self.ds, split)
-            self._plans[split] = pack_rows(len(arr), docs, self.seq_len)
-        return self._plans[split]
+    def _part(self, source: int) -> Dataset:
+        return self.ds if self.ds.parts is None else self.ds.parts[source]
+
+    def plan(self, split: str = "train", source: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """`data.packing=documents`: the split's packed rows (`pack_rows`) of one source (of a
+        mixture; the dataset's own otherwise), computed once."""
+        if (split, source) not in self._plans:
+            part = self._part(source)
+            docs = part.train_docs if split == "train" else part.val_docs
+            arr = self._split_of(part, split)
+            self._plans[split, source] = pack_rows(len(arr), docs, self.seq_len)
+        return self._plans[split, source]
 
     def _indices(self, step: int, split: str) -> np.ndarray:
         """Window starts or packed rows (tokens), example indices (images) for batch `step`."""
@@ -607,10 +615,15 @@ class Batches:
         if self.ds.kind == "tokens":
             stream = 0 if split == "train" else _VAL_STREAM
             rng = np.random.default_rng([self.seed, stream, step])
-            if self.packing == "documents":  # rows drawn with replacement, like windows
+            if self.packing == "documents" and self.ds.parts is None:  # drawn with replacement
                 return rng.integers(0, len(self.plan(split)[0]), size=B)
-            if self.ds.parts is not None:  # [B, 2]: (source, window start) per row
+            if self.ds.parts is not None:  # [B, 2]: (source, window start or packed row)
                 which = rng.choice(len(self.ds.parts), size=B, p=self.ds.weights)
+                if self.packing == "documents":
+                    rows = np.array(
+                        [len(self.plan(split, k)[0]) for k in range(len(self.ds.parts))]
+                    )
+                    return np.stack([which, (rng.random(B) * rows[which]).astype(np.int64)], 1)
                 sizes = np.array([len(self._split_of(p, split)) for p in self.ds.parts])
                 starts = (rng.random(B) * (sizes[which] - self.seq_len - 1)).astype(np.int64)
                 return np.stack([which, starts], axis=1)
@@ -635,9 +648,7 @@ class Batches:
         if self.ds.kind == "tokens":
             T = self.seq_len
             if self.packing == "documents":
-                docs = self.ds.train_docs if split == "train" else self.ds.val_docs
-                start, used = self.plan(split)
-                return packed_rows(self._split_of(self.ds, split), docs, start[idx], used[idx], T)
+                return self._packed(idx, split)
             if idx.ndim == 2:  # a mixture: (source, start)
                 arrs = [self._split_of(p, split) for p in self.ds.parts]
                 windows = [arrs[k][s : s + T + 1] for k, s in idx]
@@ -649,6 +660,20 @@ class Batches:
         x = self.ds.train if split == "train" else self.ds.val
         y = self.ds.train_labels if split == "train" else self.ds.val_labels
         return {"inputs": x[idx], "targets": y[idx]}
+
+    def _packed(self, idx: np.ndarray, split: str) -> dict[str, np.ndarray]:
+        """The packed rows `idx` ([B]: rows of the plan; a mixture's [B, 2]: (source, row))."""
+        which, rows = (np.zeros_like(idx), idx) if idx.ndim == 1 else (idx[:, 0], idx[:, 1])
+        out = {k: np.zeros((len(rows), self.seq_len), np.int32) for k in PACKED_KEYS}
+        for k in np.unique(which).tolist():
+            part, sel = self._part(k), which == k
+            docs = part.train_docs if split == "train" else part.val_docs
+            start, used = self.plan(split, k)
+            arr, T = self._split_of(part, split), self.seq_len
+            got = packed_rows(arr, docs, start[rows[sel]], used[rows[sel]], T)
+            for key, v in got.items():
+                out[key][sel] = v
+        return out
 
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
         B = self.batch_size

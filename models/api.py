@@ -15,6 +15,7 @@ the head's parts, and works on any tree with the same structure (the logical axe
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -168,11 +169,19 @@ def masked_token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Arr
     `data.packing=documents` marks a target that would cross a document boundary, and padding,
     with -1 (`jaxdist.data.NO_TARGET`): its one-hot row is zero and it is left out of the mean.
     """
+    valid = targets >= 0
+    total = summed_token_cross_entropy(logits, targets)
+    return total / jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+
+
+def summed_token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Summed cross-entropy over the [B, T] tokens whose target is >= 0, gather-free, float32
+    (the pipeline divides it by the whole batch's target count: `masked_token_cross_entropy`'s
+    mean however the batch is cut into microbatches)."""
     logits = logits.astype(jnp.float32)
     valid = targets >= 0
     label = jnp.sum(jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype) * logits, -1)
-    per_token = jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - label, 0.0)
-    return jnp.sum(per_token) / jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+    return jnp.sum(jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - label, 0.0))
 
 
 Segments = tuple[jax.Array, jax.Array]  # (segment_ids [B, T], positions [B, T]) of packed rows
@@ -281,9 +290,14 @@ class Stages:
       join: the inverse of `split`.
       embed: (embed part, batch["inputs"]) -> activations x, logical axes `activation_axes`.
       block: (one layer's params, x) -> x, shape-preserving; the layers are `split(params)[1]`
-        with their leading [L] axis taken off.
+        with their leading [L] axis taken off. A family with `ModelFamily.packing` also takes
+        `segments=` (a packed microbatch's `Segments`): attention per document, rotary positions
+        per document (`data.packing=documents` through the pipeline).
       head_loss: (head part, x, batch["targets"]) -> mean loss over the rows of x, float32, with
         no gather over a sharded axis (see `token_cross_entropy`).
+      head_logits: None, or (head part, x) -> logits [b, T, V]: the pipeline's head for packed
+        batches, whose loss skips the -1 targets and is weighted by the whole batch's target
+        count (`summed_token_cross_entropy`); needed to pipeline `data.packing=documents`.
       activation_axes: logical axes of x.
       aux_zero: None, or `like -> zero statistics` (a dict of float32 arrays, `like`'s manual
         axis types): `block` then returns (x, statistics of its layer), each a mean over the
@@ -305,18 +319,26 @@ class Stages:
     order: Callable[[int], Any] = lambda length: None
     aux_zero: Callable[[jax.Array], dict[str, jax.Array]] | None = None
     aux_loss: Callable[[dict[str, jax.Array]], tuple[jax.Array, dict]] | None = None
+    head_logits: Callable[[Params, jax.Array], jax.Array] | None = None
 
 
 def stage_layers(
-    stages: Stages, stacked: Params, x: jax.Array, *, remat: str = "none"
+    stages: Stages,
+    stacked: Params,
+    x: jax.Array,
+    *,
+    remat: str = "none",
+    segments: Segments | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`stages.block` over stacked layers (`scan_layers`): (x, the blocks' statistics summed over
-    the layers, {} for a family without `aux_zero`)."""
+    the layers, {} for a family without `aux_zero`); `segments`: a packed microbatch's, handed
+    to every block."""
+    one = stages.block if segments is None else functools.partial(stages.block, segments=segments)
     if stages.aux_zero is None:
-        return scan_layers(stages.block, stacked, x, remat=remat), {}
+        return scan_layers(one, stacked, x, remat=remat), {}
 
     def block(lp, carry):
-        y, stats = stages.block(lp, carry[0])
+        y, stats = one(lp, carry[0])
         return y, jax.tree.map(jnp.add, carry[1], stats)
 
     return scan_layers(block, stacked, (x, stages.aux_zero(x)), remat=remat)
@@ -440,7 +462,8 @@ class ModelFamily:
       plan_cost: (config.model, params or their shapes) -> `PlanCost`, or None for a family the
         planner does not model (it then says so, and predicts and guards nothing).
       packing: whether its `loss` takes packed batches (`data.packing=documents`): attention
-        within each `segment_ids` document, rotary `positions`, -1 targets skipped.
+        within each `segment_ids` document, rotary `positions`, -1 targets skipped; through the
+        pipeline its `Stages.block` takes `segments=` and `Stages.head_logits` is set.
       mesh_axes: the optional mesh axes ("context", "expert") its layers run over; config
         validation refuses `mesh.context`/`mesh.expert` > 1 for a family without them.
     """

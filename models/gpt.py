@@ -376,6 +376,7 @@ def stages(cfg) -> api.Stages:
         embed=functools.partial(embed_tokens, embed_grad=cfg.embed_grad),
         block=functools.partial(block, attention=cfg.attention),
         head_loss=head_loss,
+        head_logits=logits,
     )
 
 

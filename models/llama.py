@@ -266,10 +266,15 @@ def moe_block(
 
 
 def moe_layer(
-    lp: dict[str, jax.Array], x: jax.Array, *, cfg, qkv: Any = qkv
+    lp: dict[str, jax.Array],
+    x: jax.Array,
+    *,
+    cfg,
+    qkv: Any = qkv,
+    segments: api.Segments | None = None,
 ) -> tuple[jax.Array, dict]:
     """One MoE layer as the pipeline's block: (x, this layer's router stats)."""
-    return moe_block(lp, (x, moe_stats_zero(cfg, x)), cfg=cfg, qkv=qkv)
+    return moe_block(lp, (x, moe_stats_zero(cfg, x)), cfg=cfg, qkv=qkv, segments=segments)
 
 
 def moe_aux_loss(stats: dict, cfg) -> tuple[jax.Array, dict]:
@@ -661,6 +666,7 @@ def stages(cfg, qkv: Any = qkv) -> api.Stages:
         embed=functools.partial(embed_tokens, embed_grad=cfg.embed_grad),
         block=functools.partial(moe_layer if moe_layers else block, cfg=cfg, qkv=qkv),
         head_loss=functools.partial(head_loss, eps=eps),
+        head_logits=functools.partial(logits, eps=eps),
         order=functools.partial(sequence_order, cfg),
         aux_zero=functools.partial(moe_stats_zero, cfg) if moe_layers else None,
         aux_loss=functools.partial(moe_aux_loss, cfg=cfg) if moe_layers else None,

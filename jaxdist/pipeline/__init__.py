@@ -13,6 +13,10 @@ MoE layers run their per-device bodies, models/attention.py and models/moe.py); 
 `tensor` stay automatic inside the stage body, so the same `block` code runs with its FSDP and
 Megatron shardings. A block may also return statistics (`Stages.aux_zero`, the MoE router's): the
 executors sum them over layers and microbatches and add their `Stages.aux_loss` term to the loss.
+A packed batch (`data.packing=documents`) brings each microbatch's segment ids and positions to
+the stage that runs it (the blocks' `segments=`; 1f1b and zb stash what is computed from them per
+microbatch); its head sums the cross-entropy over the targets >= 0 (`Stages.head_logits`) and
+scales it by 1 / the batch's target count, so the loss is the batch's masked mean.
 
 Every schedule is a `ScheduleSpec` in `SCHEDULES` (`spec.py`, the one registry of
 `pipeline.schedule` names) whose table is built in numpy before tracing: for each tick and stage,

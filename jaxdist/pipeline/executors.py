@@ -21,16 +21,18 @@ from jaxdist.pipeline.spmd import put, take, varying
 from jaxdist.pipeline.vjp import SplitVjp, StashedVjp
 
 
-def looped_forward(stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtual):
+def looped_forward(stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtual, segments=None):
     """Forward ticks of gpipe / interleaved on one stage; returns [m, ...] final activations.
 
     Args:
-      stage_fn: (chunks [v, Lc, ...], virtual stage, x [b, T, D]) -> (y, the blocks'
+      stage_fn: (chunks [v, Lc, ...], virtual stage, x [b, T, D], segments) -> (y, the blocks'
         statistics) (`looped_stage_fn`).
       chunks: this device's chunks, every leaf [v, Lc, ...] (float32: cast per tick, so autodiff
         accumulates their gradients over the ticks in float32).
       x0: [m, b, T, D] embedded microbatches (the same on every stage; stage 0 reads them).
       valid, micro, virtual: the [ticks, p] forward tables (`Schedule.forward_ticks`).
+      segments: None, or packed microbatches' (segment_ids, positions) [m, b, T] (the same on
+        every stage): each tick hands its microbatch's to `stage_fn`.
     Returns:
       ([m, b, T, D]: on the last stage the outputs of the last layer chunk, zeros elsewhere;
       this device's statistics summed over its layers and microbatches).
@@ -45,14 +47,15 @@ def looped_forward(stage_fn, chunks, x0, *, p: int, v: int, valid, micro, virtua
     zero = varying(jnp.zeros(x0.shape[1:], dtype))
     outs = varying(jnp.zeros(x0.shape, dtype))
     # The statistics' zeros, shaped like a stage call's (traced for its shapes only).
-    shapes = jax.eval_shape(lambda: stage_fn(chunks, 0, zero)[1])
+    seg_of = lambda i: None if segments is None else jax.tree.map(lambda a: take(a, i), segments)
+    shapes = jax.eval_shape(lambda: stage_fn(chunks, 0, zero, seg_of(0))[1])
     stats = jax.tree.map(lambda a: varying(jnp.zeros(a.shape, a.dtype)), shapes)
 
     def tick(carry, row):
         recv, outs, stats = carry
         ok, i, s = row[0][d], row[1][d], row[2][d]
         x = jnp.where((d == 0) & (s == 0), take(x0, i).astype(dtype), recv)  # [b, T, D]
-        y, new = stage_fn(chunks, s, x)
+        y, new = stage_fn(chunks, s, x, seg_of(i))
         outs = put(outs, i, y, ok & (d == p - 1) & (s == v - 1))
         stats = jax.tree.map(lambda a, b: a + jnp.where(ok, b, 0), stats, new)
         return (jax.lax.ppermute(y, AXIS, ring), outs, stats), None
@@ -99,7 +102,8 @@ def tick_loop(branches, tables, x0, targets, stash, acc):
         `feed_read`, this stage's block [m/p, b, T, D] of them (microbatch i on stage i // (m/p)),
         each carried down to stage 0 by the time it forwards it (`feed_tables`: fixed-pair
         permutes on every tick, no all-gather).
-      targets: [m, b, T].
+      targets: [m, b, T], or a tree of such arrays (packed batches: with their segments); each
+        branch gets its forward's microbatch of every leaf.
       stash: stash name -> residual buffers [slots, ...]; acc: the accumulated (chunk gradients,
         head gradients, loss).
     Returns:
@@ -131,7 +135,7 @@ def tick_loop(branches, tables, x0, targets, stash, acc):
         else:
             x_first = take(x0, r["mf"])
         x = jnp.where(first, x_first, take(xin, r["x"]))
-        dy, tgt = take(gbuf, r["g"]), take(targets, r["mf"])
+        dy, tgt = take(gbuf, r["g"]), jax.tree.map(lambda a: take(a, r["mf"]), targets)
         # A stash without tables in `r` holds one value (invariant residuals, `StashedVjp`): slot
         # 0, which every branch returns (the forward computes it, the others pass it on).
         reads = {k: [take(b, r.get("read_" + k, 0)) for b in bufs] for k, bufs in stash.items()}
@@ -174,6 +178,21 @@ def _stage_inputs(chunk, head, x0, dtype):
     return chunk, head, acc, zero
 
 
+def _stage_args(chunk, segments, scale, head_scale):
+    """(args(x, a microbatch's segments, chunk=chunk): a stage call's arguments, the segments
+    only when the batch is packed (traced as an argument of the stashed vjp, so what is computed
+    from them is stashed per microbatch); the segments, varying over the manual axes as the
+    ticks' reads of them are (the stash layout traced on microbatch 0 is then the ticks'); their
+    microbatch 0 (None when not packed); the head's scale: `head_scale`, default `scale`)."""
+
+    def args(x, seg, ck=chunk):
+        return (ck, x) if seg is None else (ck, x, seg)
+
+    segments = jax.tree.map(varying, segments)
+    seg0 = jax.tree.map(lambda a: take(a, 0), segments)
+    return args, segments, seg0, scale if head_scale is None else head_scale
+
+
 def _buffers(slots: int, leaves: list) -> list:
     """Zero stash buffers [slots, ...] shaped like one microbatch's residual `leaves`."""
     return [varying(jnp.zeros((slots, *a.shape), a.dtype)) for a in leaves]
@@ -195,7 +214,21 @@ def _statistics_terms(example, acc, scale, aux_term):
     return (acc[0], acc[1], (acc[2], stats0)), d_stats, add
 
 
-def one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, tables, aux_term):
+def one_f_one_b(
+    stage_fn,
+    head_loss,
+    chunk,
+    head,
+    x0,
+    targets,
+    *,
+    scale,
+    dtype,
+    tables,
+    aux_term,
+    segments=None,
+    head_scale=None,
+):
     """The 1f1b ticks on one stage: loss, gradients and the gradient of the stage-0 input.
 
     A forward runs the stage under `jax.vjp` and stashes its residuals (at most p + 1 microbatches
@@ -214,6 +247,11 @@ def one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, 
       scale: d loss / d (one microbatch's head_loss) = 1 / (m · data replicas).
       dtype: the compute dtype.
       tables: `tick_tables.exec_tables(schedule)`.
+      segments: None, or packed microbatches' (segment_ids, positions) [m, b, T]: a forward
+        hands its microbatch's to `stage_fn(chunk, x, segments)`, and residuals computed from
+        them are stashed per microbatch like the activations.
+      head_scale: d loss / d (one microbatch's head_loss), default `scale` (packed batches: 1 /
+        the batch's target count, `head_loss` then summing over the microbatch's targets).
     Returns:
       (loss, chunk gradients, head gradients, d loss / d x0, statistics summed over microbatches),
       not yet summed over the manual axes: head gradients are nonzero on the last stage only,
@@ -221,8 +259,9 @@ def one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, 
     """
     chunk, head, acc, zero = _stage_inputs(chunk, head, x0, dtype)
     leaves, stage_vjp = jax.tree.leaves, StashedVjp()
+    args, segments, seg0, hs = _stage_args(chunk, segments, scale, head_scale)
     # The stash's shapes come from tracing one forward on zeros, which compiles to nothing.
-    (_, stats0), r0, c0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
+    (_, stats0), r0, c0 = stage_vjp.forward(stage_fn, leaves(chunk), *args(zero(), seg0))
     stash = {"r": _buffers(tables["slots"]["r"], r0), "c": _buffers(1, c0)}
     acc, d_stats, add = _statistics_terms(stats0, acc, scale, aux_term)
 
@@ -230,12 +269,12 @@ def one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, 
         return zero(), zero(), reads, acc
 
     def forward(x, dy, tgt, reads, acc):
-        (y, stats), r, c = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
+        (y, stats), r, c = stage_vjp.forward(stage_fn, leaves(chunk), *args(x, tgt[1]))
         return y, zero(), {"r": r, "c": c}, (acc[0], acc[1], add(acc[2], stats))
 
     def backward(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
-        dc, dx = stage_vjp.backward(leaves(chunk) + reads["c"], reads["r"], (dy, d_stats))
+        dc, dx, *_ = stage_vjp.backward(leaves(chunk) + reads["c"], reads["r"], (dy, d_stats))
         return zero(), dx.astype(x0.dtype), reads, (_accumulate(g_c, dc), g_h, loss)
 
     def fused(x, dy, tgt, reads, acc):
@@ -247,22 +286,37 @@ def one_f_one_b(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, 
         g_c, g_h, loss = acc
 
         def fn(ck, hp, x):
-            y, stats = stage_fn(ck, x)
-            return head_loss(hp, y, tgt), stats
+            y, stats = stage_fn(*args(x, tgt[1], ck))
+            return head_loss(hp, y, tgt[0]), stats
 
         (mb_loss, stats), vjp = jax.vjp(fn, chunk, head, x)
-        dc, dh, dx = vjp((varying(jnp.float32(scale)), d_stats))
-        loss = add((loss[0] + mb_loss * scale, loss[1]), stats)
+        dc, dh, dx = vjp((varying(jnp.asarray(hs, jnp.float32)), d_stats))
+        loss = add((loss[0] + mb_loss * hs, loss[1]), stats)
         acc = (_accumulate(g_c, dc), _accumulate(g_h, dh), loss)
         return zero(), dx.astype(x0.dtype), reads, acc
 
+    branches = (idle, forward, backward, fused, last)
     dx0, (g_c, g_h, (loss, stats)) = tick_loop(
-        (idle, forward, backward, fused, last), tables, x0, targets, stash, acc
+        branches, tables, x0, (targets, segments), stash, acc
     )
     return loss, g_c, g_h, dx0, stats
 
 
-def zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, tables, aux_term):
+def zero_bubble(
+    stage_fn,
+    head_loss,
+    chunk,
+    head,
+    x0,
+    targets,
+    *,
+    scale,
+    dtype,
+    tables,
+    aux_term,
+    segments=None,
+    head_scale=None,
+):
     """The zb ticks on one stage: the 1f1b executor with the backward cut in two (`SplitVjp`).
 
     A forward tick stashes the residuals of the stage's vjp in two stashes: those the input pass
@@ -277,7 +331,8 @@ def zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, 
     chunk, head, acc, zero = _stage_inputs(chunk, head, x0, dtype)
     leaves, stage_vjp, head_vjp = jax.tree.leaves, SplitVjp(), StashedVjp()
     head_fn = lambda hp, y, tgt: head_loss(hp, y, tgt)
-    out0, rb0, rw0, c0 = stage_vjp.forward(stage_fn, leaves(chunk), chunk, zero())
+    args, segments, seg0, hs = _stage_args(chunk, segments, scale, head_scale)
+    out0, rb0, rw0, c0 = stage_vjp.forward(stage_fn, leaves(chunk), *args(zero(), seg0))
     _, _, rr0 = stage_vjp.backward_input(leaves(chunk) + c0, rb0, out0)
     _, rh0, hc0 = head_vjp.forward(head_fn, leaves(head), head, zero(), targets[0])
     n = {**tables["slots"], "c": 1, "hc": 1}
@@ -289,14 +344,14 @@ def zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, 
         return zero(), zero(), reads, acc
 
     def forward(x, dy, tgt, reads, acc):
-        (y, stats), rb, rw, c = stage_vjp.forward(stage_fn, leaves(chunk), chunk, x)
+        (y, stats), rb, rw, c = stage_vjp.forward(stage_fn, leaves(chunk), *args(x, tgt[1]))
         writes = {**reads, "b": rb, "w": rw, "c": c}
         return y, zero(), writes, (acc[0], acc[1], add(acc[2], stats))
 
     def backward(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
         fixed = leaves(chunk) + reads["c"]
-        (dx,), dw, rr = stage_vjp.backward_input(fixed, reads["b"], (dy, d_stats))
+        (dx, *_), dw, rr = stage_vjp.backward_input(fixed, reads["b"], (dy, d_stats))
         return zero(), dx.astype(x0.dtype), {**reads, "r": rr}, (_accumulate(g_c, dw), g_h, loss)
 
     def weight(x, dy, tgt, reads, acc):
@@ -306,19 +361,20 @@ def zero_bubble(stage_fn, head_loss, chunk, head, x0, targets, *, scale, dtype, 
 
     def forward_last(x, dy, tgt, reads, acc):
         y, _, writes, (g_c, g_h, loss) = forward(x, dy, tgt, reads, acc)
-        mb_loss, rh, hc = head_vjp.forward(head_fn, leaves(head), head, y, tgt)
-        loss = (loss[0] + mb_loss * scale, loss[1])
+        mb_loss, rh, hc = head_vjp.forward(head_fn, leaves(head), head, y, tgt[0])
+        loss = (loss[0] + mb_loss * hs, loss[1])
         return zero(), zero(), {**writes, "h": rh, "hc": hc}, (g_c, g_h, loss)
 
     def backward_last(x, dy, tgt, reads, acc):
         g_c, g_h, loss = acc
         fixed = leaves(head) + reads["hc"]
-        dh, dy, _ = head_vjp.backward(fixed, reads["h"], varying(jnp.float32(scale)))
+        dh, dy, _ = head_vjp.backward(fixed, reads["h"], varying(jnp.asarray(hs, jnp.float32)))
         acc = (g_c, _accumulate(g_h, dh), loss)
         return backward(x, dy.astype(x0.dtype), tgt, reads, acc)
 
     branches = (idle, forward, backward, weight, forward_last, backward_last)
-    dx0, (g_c, g_h, (loss, stats)) = tick_loop(branches, tables, x0, targets, stash, acc)
+    tgt = (targets, segments)
+    dx0, (g_c, g_h, (loss, stats)) = tick_loop(branches, tables, x0, tgt, stash, acc)
     return loss, g_c, g_h, dx0, stats
 
 
@@ -337,6 +393,8 @@ def looped_gradients(
     valid,
     micro,
     virtual,
+    segments=None,
+    head_scale=None,
 ):
     """gpipe / interleaved with the backward inside the stages' shard_map (see `make_gradients`).
 
@@ -346,20 +404,24 @@ def looped_gradients(
     and not yet summed over the manual axes; `chunks` is this device's [v, Lc, ...], float32.
     The loss is the mean over this replica's rows times `scale` (1 / the replicas the caller
     sums over), plus `aux_term` of this device's statistics averaged over the microbatches.
+    `segments`, `head_scale`: as `one_f_one_b` (`head_scale` then multiplies the head's loss of
+    all microbatches at once).
     """
     d = jax.lax.axis_index(AXIS)
     # Differentiate with respect to per-device copies: the sums over the stages come after.
     chunks, head = jax.tree.map(varying, (chunks, head))
     x0 = varying(x0.astype(jnp.float32))
     tgt = targets.reshape(-1, *targets.shape[2:])  # [m·b, T]: microbatch-major, as outs
+    hs = scale if head_scale is None else head_scale
 
     def loss_fn(chunks, head, x0):
         outs, stats = looped_forward(
-            stage_fn, chunks, x0, p=p, v=v, valid=valid, micro=micro, virtual=virtual
-        )
+            stage_fn, chunks, x0, p=p, v=v, valid=valid, micro=micro, virtual=virtual,
+            segments=segments,
+        )  # fmt: skip
         y = outs.reshape(-1, *outs.shape[2:])  # [m·b, T, D]
         zero = lambda: varying(jnp.zeros((), jnp.float32))
-        loss = jax.lax.cond(d == p - 1, lambda: scale * head_loss(head, y, tgt), zero)
+        loss = jax.lax.cond(d == p - 1, lambda: hs * head_loss(head, y, tgt), zero)
         return loss + scale * aux_term(stats) / x0.shape[0], stats
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)

@@ -32,6 +32,7 @@ from models.api import Stages
 _EXPERT = "expert"  # MoE experts' axis: manual in the stages' shard_map when > 1
 _CONTEXT = "context"  # the sequence axis: manual in the stages' shard_map when > 1
 _WEIGHTS = "pipeline_stage_weights"  # checkpoint name of a tick's selected stage weights
+_SEGMENT_KEYS = ("segment_ids", "positions")  # a packed batch's (`data.packing=documents`)
 
 
 def _outer_rules(per_replica_rows: int, p: int) -> sharding.Rules:
@@ -144,26 +145,50 @@ class _Pipe:
         return sharding.constrain_to(x, NamedSharding(self.mesh, PartitionSpec(AXIS, *spec[1:])))
 
     def storage_order(self, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        """inputs and targets [B, T] with the length axis in the blocks' order (`Stages.order`)."""
+        """inputs and targets [B, T] (and a packed batch's segment ids and positions) with the
+        length axis in the blocks' order (`Stages.order`)."""
         order = self.stages.order(batch["inputs"].shape[1])
         if order is None:
             return dict(batch)
         put = lambda k: sharding.constrain(batch[k][:, order], self.batch_axes[k])
-        return {**batch, "inputs": put("inputs"), "targets": put("targets")}
+        keys = ("inputs", "targets", *(k for k in _SEGMENT_KEYS if k in batch))
+        return {**batch, **{k: put(k) for k in keys}}
+
+    def segments(self, batch: Mapping[str, jax.Array], split: Callable) -> Any:
+        """A packed batch's (segment_ids, positions) cut into microbatches by `split` ([m, b,
+        T] each), else None."""
+        if _SEGMENT_KEYS[0] not in batch:
+            return None
+        return tuple(split(batch[k], self.batch_axes[k]) for k in _SEGMENT_KEYS)
+
+    def head_scale(self, batch: Mapping[str, jax.Array]) -> jax.Array | None:
+        """A packed batch's head scale: 1 / its target count (the head sums each microbatch's
+        cross-entropy over its targets >= 0: the loss is then the batch's masked mean however
+        it is cut, as `api.masked_token_cross_entropy` computes it without a pipeline); else
+        None (the head's mean scaled by 1 / microbatches)."""
+        if _SEGMENT_KEYS[0] not in batch:
+            return None
+        return 1.0 / jnp.maximum(jnp.sum(batch["targets"] >= 0), 1).astype(jnp.float32)
+
+    def head_sum(self, head: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
+        """A packed microbatch's summed cross-entropy over its targets >= 0 (`head_scale`)."""
+        logits = self.stages.head_logits(microbatch.cast_floating(head, self.dtype), y)
+        return api.summed_token_cross_entropy(logits, targets)
 
     def micro_merge(self, x: jax.Array, axes: tuple) -> jax.Array:
         x = x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
         spec = sharding.logical_to_spec(axes, self.outer_rules, self.mesh)
         return sharding.constrain_to(x, NamedSharding(self.mesh, spec))
 
-    def layers(self, chunk, x, remat: str = "none"):
+    def layers(self, chunk, x, remat: str = "none", segments=None):
         """One chunk's layers [Lc, ...] (float32, cast here) applied to x, inside the shard_map:
-        (y, the blocks' statistics summed over the layers, {} without `Stages.aux_zero`)."""
+        (y, the blocks' statistics summed over the layers, {} without `Stages.aux_zero`);
+        `segments`: a packed microbatch's (segment_ids, positions), or None."""
         am = jax.sharding.get_abstract_mesh()
         with sharding.activation_rules(am, self.inner_rules):
             with sharding.split_tokens(self.batch_manual):
                 chunk = microbatch.cast_floating(chunk, self.dtype)
-                return api.stage_layers(self.stages, chunk, x, remat=remat)
+                return api.stage_layers(self.stages, chunk, x, remat=remat, segments=segments)
 
     def aux_term(self, stats: dict) -> jax.Array:
         """The blocks' statistics' term of the loss (`Stages.aux_loss`, linear in them)."""
@@ -206,11 +231,11 @@ class _Pipe:
         """
         v = self.sched.virtual_stages
 
-        def fn(chunks, s, x):
+        def fn(chunks, s, x, segments=None):
             chunk = jax.tree.map(lambda a: a[0] if v == 1 else take(a, s), chunks)
             chunk = microbatch.cast_floating(chunk, self.dtype)
             chunk = jax.tree.map(lambda a: checkpoint_name(a, _WEIGHTS), chunk)
-            return self.layers(chunk, x)
+            return self.layers(chunk, x, segments=segments)
 
         if self.remat != "none":
             return jax.checkpoint(fn, policy=api.REMAT_POLICIES[self.remat])
@@ -221,9 +246,9 @@ class _Pipe:
         )
 
     def stage_fn(self) -> Callable:
-        """(one chunk's layer params [Lc, ...], x) -> y, each layer keeping what `train.remat`
-        allows (1F1B)."""
-        return lambda chunk, x: self.layers(chunk, x, self.remat)
+        """(one chunk's layer params [Lc, ...], x, a packed microbatch's segments) -> y, each
+        layer keeping what `train.remat` allows (1F1B)."""
+        return lambda chunk, x, segments=None: self.layers(chunk, x, self.remat, segments)
 
     def shard_map(self, body: Callable, in_specs: Any, out_specs: Any) -> Callable:
         def run(*args):
@@ -322,25 +347,32 @@ def _looped_loss(pipe: _Pipe) -> Callable:
     stage_fn = pipe.looped_stage_fn()
     act = pipe.stages.activation_axes
 
-    def body(chunks, x0):
+    def body(chunks, x0, segments):
         chunks = jax.tree.map(lambda a: a[0], chunks)  # [v, Lc, ...]
         outs, stats = looped_forward(
-            stage_fn, chunks, x0, p=p, v=v, valid=valid, micro=micro, virtual=virtual
-        )
+            stage_fn, chunks, x0, p=p, v=v, valid=valid, micro=micro, virtual=virtual,
+            segments=segments,
+        )  # fmt: skip
         return outs[None], pipe.aux_total(stats)
 
     out_spec = PartitionSpec(AXIS, None, *pipe.batch_spec[1:])
-    run = pipe.shard_map(body, (pipe.chunk_specs, pipe.batch_spec), (out_spec, PartitionSpec()))
+    in_specs = (pipe.chunk_specs, pipe.batch_spec, pipe.batch_spec)
+    run = pipe.shard_map(body, in_specs, (out_spec, PartitionSpec()))
 
     def loss_fn(params, batch):
         embed, layers, head = pipe.stages.split(params)
         with sharding.activation_rules(pipe.mesh, pipe.outer_rules):
             batch = pipe.storage_order(batch)
             x = pipe.stages.embed(microbatch.cast_floating(embed, pipe.dtype), batch["inputs"])
-            y, stats = run(pipe.to_stages(layers), pipe.micro_split(x, act))  # [p, m, B/m, ...]
-            y = pipe.micro_merge(y[p - 1], act)  # [B, ...]
-            head = microbatch.cast_floating(head, pipe.dtype)
-            loss = pipe.stages.head_loss(head, y, batch["targets"]) + pipe.aux_term(stats)
+            segments = pipe.segments(batch, pipe.micro_split)
+            y, stats = run(pipe.to_stages(layers), pipe.micro_split(x, act), segments)
+            y = pipe.micro_merge(y[p - 1], act)  # [B, ...] (y: [p, m, B/m, ...])
+            if segments is None:
+                head = microbatch.cast_floating(head, pipe.dtype)
+                loss = pipe.stages.head_loss(head, y, batch["targets"])
+            else:  # packed: the mean over the targets >= 0
+                loss = pipe.head_sum(head, y, batch["targets"]) * pipe.head_scale(batch)
+            loss = loss + pipe.aux_term(stats)
             return loss, pipe.aux_metrics(stats)
 
     return loss_fn
@@ -360,11 +392,12 @@ def _stage_executor(pipe: _Pipe) -> Callable:
         stage_fn = pipe.stage_fn()
         scale = 1.0 / (m * pipe.n_summed)
 
-        def explicit(head_loss, chunks, head, x0, targets):
+        def explicit(head_loss, chunks, head, x0, targets, segments=None, head_scale=None):
             chunk = jax.tree.map(lambda a: a[0], chunks)  # [Lc, ...]
             out = spec.executor(
                 stage_fn, head_loss, chunk, head, x0, targets,
                 scale=scale, dtype=pipe.dtype, tables=tables, aux_term=pipe.aux_term,
+                segments=segments, head_scale=head_scale,
             )  # fmt: skip
             loss, g_c, g_h, dx0, stats = out
             return loss, jax.tree.map(lambda g: g[None], g_c), g_h, dx0, stats
@@ -373,10 +406,11 @@ def _stage_executor(pipe: _Pipe) -> Callable:
     valid, micro, virtual = pipe.sched.forward_ticks()
     stage_fn = pipe.looped_stage_fn()
 
-    def looped(head_loss, chunks, head, x0, targets):
+    def looped(head_loss, chunks, head, x0, targets, segments=None, head_scale=None):
         return looped_gradients(
             stage_fn, head_loss, pipe.aux_term, chunks, head, x0, targets,
             p=p, v=v, scale=1.0 / pipe.n_summed, valid=valid, micro=micro, virtual=virtual,
+            segments=segments, head_scale=head_scale,
         )  # fmt: skip
 
     return looped
@@ -394,9 +428,16 @@ def _backward_inside(pipe: _Pipe) -> microbatch.GradFn:
         with sharding.activation_rules(jax.sharding.get_abstract_mesh(), pipe.inner_rules):
             return stages.head_loss(microbatch.cast_floating(hp, pipe.dtype), y, tgt)
 
-    def body(chunks, head, x0, targets):
+    def head_sum(hp, y, tgt):
+        with sharding.activation_rules(jax.sharding.get_abstract_mesh(), pipe.inner_rules):
+            return pipe.head_sum(hp, y, tgt)
+
+    def body(chunks, head, x0, targets, segments, head_scale):
         chunks = jax.tree.map(lambda a: a[0], chunks)  # [v, Lc, ...]
-        loss, g_c, g_h, dx0, stats = execute(head_loss, chunks, head, x0, targets)
+        packed = segments is not None  # the head sums over the targets, scaled by head_scale
+        loss, g_c, g_h, dx0, stats = execute(
+            head_sum if packed else head_loss, chunks, head, x0, targets, segments, head_scale
+        )
         g_c = pipe.sum_chunk_grads(g_c)
         g_c = jax.tree.map(lambda g: g[None], g_c)  # [1, v, Lc, ...]
         if not blocks:  # float32: as in looped_forward
@@ -409,7 +450,7 @@ def _backward_inside(pipe: _Pipe) -> microbatch.GradFn:
     # stage holds the whole [m, b, T, D] batch and no all-reduce over `pipeline` sums d x0.
     blocks = pipe.x0_blocks
     x_spec = P(AXIS, *spec[1:]) if blocks else spec
-    in_specs = (chunk_specs, P(), x_spec, spec)
+    in_specs = (chunk_specs, P(), x_spec, spec, spec, P())
     run = pipe.shard_map(body, in_specs, (P(), chunk_specs, P(), x_spec, P()))
 
     def gradients(params, batch):
@@ -424,7 +465,11 @@ def _backward_inside(pipe: _Pipe) -> microbatch.GradFn:
 
             x0, embed_vjp = jax.vjp(embed_fn, embed)  # [m, B/m, ...]
             targets = split(batch["targets"], pipe.batch_axes["targets"])
-            loss, g_stages, g_head, dx0, stats = run(pipe.to_stages(layers), head, x0, targets)
+            segments, head_scale = pipe.segments(batch, split), pipe.head_scale(batch)
+            stacked = pipe.to_stages(layers)
+            loss, g_stages, g_head, dx0, stats = run(
+                stacked, head, x0, targets, segments, head_scale
+            )
             (g_embed,) = embed_vjp(dx0.astype(x0.dtype))
             grads = stages.join(g_embed, pipe.from_stages(g_stages), g_head)
         return loss, pipe.aux_metrics(stats), grads
