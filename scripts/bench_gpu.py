@@ -375,17 +375,10 @@ def _progress(msg: str) -> None:
     print(f"   {_LABEL.value}: {msg}", file=sys.stderr, flush=True)
 
 
-def phase_point() -> dict:
-    import jax
-    import numpy as np
-
-    from jaxdist import data, fp8, loop, mesh, metrics
-
-    fp8.set_lowering(_FP8_LOWERING.value)
-    config = _CONFIG.value
-    fit = _fit_layers(config, _FIT_LAYERS.value, jax.devices()[0]) if _FIT_LAYERS.value else None
+def _point_header(config, fit: dict | None, device_kind: str) -> dict:
+    """What a point is: its label, command, model and settings (before anything runs)."""
     c, t = config.model, config.train
-    record = {
+    return {
         "label": _LABEL.value,
         "command": " ".join(["python", *sys.argv]),
         "model": c.name,
@@ -403,8 +396,48 @@ def phase_point() -> dict:
         "fp8_lowering": _FP8_LOWERING.value,
         "fit_layers": fit,
         "gpu_xla_flags": bool(config.runtime.gpu_xla_flags),
-        "device_kind": jax.devices()[0].device_kind,
+        "device_kind": device_kind,
     }
+
+
+def _save_fp8_hlo(record: dict, hlo: str) -> None:
+    """An FP8 point's `f8_census` and its compiled HLO, gzipped, under OUT_DIR/hlo."""
+    record["f8_census"] = benchlib.f8_census(hlo)
+    _progress(f"FP8 in the compiled HLO: {record['f8_census']}")
+    os.makedirs(os.path.join(_OUT_DIR.value, "hlo"), exist_ok=True)
+    with gzip.open(os.path.join(_OUT_DIR.value, "hlo", f"{_LABEL.value}.txt.gz"), "wt") as f:
+        f.write(hlo)
+
+
+def _fp8_expectations(record: dict, matmuls: list[tuple[str, bool]], layers: int) -> dict:
+    """The FP8 GEMMs an FP8 point should hold, from what `fp8.traced` saw, against its census.
+
+    `fp8.traced` saw each layer body once (a scan) or once per layer: FP8 matmuls per layer = those
+    cast × the blocks' matmuls per layer / the matmuls traced; each is 3 GEMMs (forward and both
+    gradients)."""
+    cast = sum(c8 for _, c8 in matmuls)
+    per_layer = cast * record["block_matmuls_per_layer"] / max(len(matmuls), 1)
+    expected = round(3 * per_layer * layers)
+    fp8_gemms = record["gemms"]["fp8_gemms"]
+    return {
+        "fp8_matmuls_per_layer": per_layer,
+        "fp8_gemms_expected": expected,
+        "fp8_gemms_per_layer": fp8_gemms / layers,
+        "fp8_all_blocks": fp8_gemms >= expected > 0,
+    }
+
+
+def phase_point() -> dict:
+    import jax
+    import numpy as np
+
+    from jaxdist import data, fp8, loop, mesh, metrics
+
+    fp8.set_lowering(_FP8_LOWERING.value)
+    config = _CONFIG.value
+    fit = _fit_layers(config, _FIT_LAYERS.value, jax.devices()[0]) if _FIT_LAYERS.value else None
+    c, t = config.model, config.train
+    record = _point_header(config, fit, jax.devices()[0].device_kind)
     try:
         m = mesh.make_mesh(config.mesh)
         ds = data.load(config.data, seq_len=c.seq_len, vocab_size=c.vocab_size)
@@ -422,13 +455,7 @@ def phase_point() -> dict:
         record["compiled_bytes"] = layout["bytes_per_device"]
         hlo = compiled.as_text()
         if record["matmul_precision"].startswith("fp8"):
-            record["f8_census"] = benchlib.f8_census(hlo)
-            _progress(f"FP8 in the compiled HLO: {record['f8_census']}")
-            os.makedirs(os.path.join(_OUT_DIR.value, "hlo"), exist_ok=True)
-            with gzip.open(
-                os.path.join(_OUT_DIR.value, "hlo", f"{_LABEL.value}.txt.gz"), "wt"
-            ) as f:
-                f.write(hlo)
+            _save_fp8_hlo(record, hlo)
         state, times = benchlib.timed(compiled, engine.init(), batch, _STEPS.value, _WARMUP.value)
         _progress(
             f"timed {_STEPS.value} steps, median {benchlib.stats(times)['median_s'] * 1e3:.1f} ms"
@@ -443,16 +470,7 @@ def phase_point() -> dict:
             engine.abstract_state["params"], c.num_layers
         )
         if record["matmul_precision"].startswith("fp8"):
-            # `fp8.traced` saw each layer body once (a scan) or once per layer: FP8 matmuls
-            # per layer = those cast × the blocks' matmuls per layer / the matmuls traced.
-            cast = sum(c8 for _, c8 in matmuls)
-            per_layer = cast * record["block_matmuls_per_layer"] / max(len(matmuls), 1)
-            record["fp8_matmuls_per_layer"] = per_layer
-            record["fp8_gemms_expected"] = round(3 * per_layer * c.num_layers)
-            fp8_gemms = record["gemms"]["fp8_gemms"]
-            record["fp8_gemms_per_layer"] = fp8_gemms / c.num_layers
-            # every matmul the size rule casts, forward and both gradients
-            record["fp8_all_blocks"] = fp8_gemms >= record["fp8_gemms_expected"] > 0
+            record |= _fp8_expectations(record, matmuls, c.num_layers)
         if _PROFILE.value:
             state, record["profile"] = _trace_kernels(compiled, state, batch, _PROFILE.value)
         loss = float(jax.device_get(compiled(state, batch)[1]["loss"]))

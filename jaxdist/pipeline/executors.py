@@ -214,6 +214,26 @@ def _statistics_terms(example, acc, scale, aux_term):
     return (acc[0], acc[1], (acc[2], stats0)), d_stats, add
 
 
+def _last_stage_tick(stage_fn, head_loss, chunk, head, args, hs, d_stats, add, zero, dx_dtype):
+    """1f1b's last-stage tick (`F1B1_LAST`): forward, head, loss and backward of one microbatch
+    in one vjp, so the last stage stashes nothing."""
+
+    def last(x, dy, tgt, reads, acc):
+        g_c, g_h, loss = acc
+
+        def fn(ck, hp, x):
+            y, stats = stage_fn(*args(x, tgt[1], ck))
+            return head_loss(hp, y, tgt[0]), stats
+
+        (mb_loss, stats), vjp = jax.vjp(fn, chunk, head, x)
+        dc, dh, dx = vjp((varying(jnp.asarray(hs, jnp.float32)), d_stats))
+        loss = add((loss[0] + mb_loss * hs, loss[1]), stats)
+        acc = (_accumulate(g_c, dc), _accumulate(g_h, dh), loss)
+        return zero(), dx.astype(dx_dtype), reads, acc
+
+    return last
+
+
 def one_f_one_b(
     stage_fn,
     head_loss,
@@ -282,19 +302,9 @@ def one_f_one_b(
         y, _, writes, acc = forward(x, dy, tgt, reads, acc)
         return y, dx, writes, acc
 
-    def last(x, dy, tgt, reads, acc):
-        g_c, g_h, loss = acc
-
-        def fn(ck, hp, x):
-            y, stats = stage_fn(*args(x, tgt[1], ck))
-            return head_loss(hp, y, tgt[0]), stats
-
-        (mb_loss, stats), vjp = jax.vjp(fn, chunk, head, x)
-        dc, dh, dx = vjp((varying(jnp.asarray(hs, jnp.float32)), d_stats))
-        loss = add((loss[0] + mb_loss * hs, loss[1]), stats)
-        acc = (_accumulate(g_c, dc), _accumulate(g_h, dh), loss)
-        return zero(), dx.astype(x0.dtype), reads, acc
-
+    last = _last_stage_tick(
+        stage_fn, head_loss, chunk, head, args, hs, d_stats, add, zero, x0.dtype
+    )
     branches = (idle, forward, backward, fused, last)
     dx0, (g_c, g_h, (loss, stats)) = tick_loop(
         branches, tables, x0, (targets, segments), stash, acc
