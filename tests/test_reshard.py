@@ -70,15 +70,26 @@ def losses(workdir: Path) -> dict[int, float]:
     return out
 
 
-def test_data8_checkpoint_continues_on_fsdp2_tensor2_with_4_devices(tmp_path):
-    ref = tmp_path / "ref"
-    train(ref, 6, *mesh_flags(8, data=8))
+TWO_LAYERS = ("--config.model.num_layers=2",)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """Six steps on data=8 (two layers), checkpoints at 2, 4 and 6: what both tests continue from
+    or compare with (one run instead of one per test)."""
+    ref = tmp_path_factory.mktemp("reshard") / "ref"
+    train(ref, 6, *TWO_LAYERS, *mesh_flags(8, data=8))
+    return ref
+
+
+def test_data8_checkpoint_continues_on_fsdp2_tensor2_with_4_devices(reference, tmp_path):
+    ref = reference
     part = tmp_path / "part"
     part.mkdir()
     shutil.copytree(ref / "checkpoints", part / "checkpoints")
     for step in (6,):  # keep steps 2 and 4: the resumed run starts from 4
         shutil.rmtree(part / "checkpoints" / str(step))
-    proc = train(part, 6, *mesh_flags(4, fsdp=2, tensor=2))
+    proc = train(part, 6, *TWO_LAYERS, *mesh_flags(4, fsdp=2, tensor=2))
     assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
     layout = json.loads((part / "metrics.jsonl").read_text().splitlines()[0])
     assert (
@@ -97,17 +108,14 @@ PIPE = (
 )
 
 
-def test_pipeline_checkpoint_restores_without_pipeline_and_back(tmp_path):
+def test_pipeline_checkpoint_restores_without_pipeline_and_back(reference, tmp_path):
     """pipeline=2 (1f1b) × data=4 for steps 1–2, then data=8 for 3–4, then the pipeline again."""
-    two_layers = ("--config.model.num_layers=2",)
     pipe, flat = (*mesh_flags(8, data=4), *PIPE), mesh_flags(8, data=8)
-    ref = tmp_path / "ref"
-    train(ref, 6, *two_layers, *flat)
     run = tmp_path / "run"
-    train(run, 2, *two_layers, *pipe)
-    assert "at step 2" in train(run, 4, *two_layers, *flat).stdout
-    assert "at step 4" in train(run, 6, *two_layers, *pipe).stdout
-    want, got = losses(ref), losses(run)
+    train(run, 2, *TWO_LAYERS, *pipe)
+    assert "at step 2" in train(run, 4, *TWO_LAYERS, *flat).stdout
+    assert "at step 4" in train(run, 6, *TWO_LAYERS, *pipe).stdout
+    want, got = losses(reference), losses(run)
     np.testing.assert_allclose(
         [got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)], rtol=1e-5
     )
