@@ -110,6 +110,7 @@ TRITON_GEMM_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion")
 
 def _triton_gemms(hlo: str) -> tuple[int, int]:
     """(Triton GEMM fusions, those whose fused computation has a dot with an FP8 operand)."""
+    f8_values = set(re.findall(r"%([\w.-]+) = f8e(?:4m3fn|5m2)\[", hlo))  # one pass, not per dot
     f8_dot_computations, name = set(), None
     for line in hlo.splitlines():
         header = re.match(r"(?:ENTRY )?%?([\w.-]+) \(.*\) -> .* \{$", line)
@@ -117,7 +118,7 @@ def _triton_gemms(hlo: str) -> tuple[int, int]:
             name = header.group(1)
         elif name and " dot(" in line:
             params = re.findall(r"%([\w.-]+)", line.split(" dot(", 1)[1].split(")", 1)[0])
-            if any(re.search(rf"%{re.escape(p)} = f8e(4m3fn|5m2)\[", hlo) for p in params):
+            if f8_values.intersection(params):
                 f8_dot_computations.add(name)
     total = f8 = 0
     for line in hlo.splitlines():
