@@ -234,14 +234,18 @@ def block(
         return _mlp(lp, x, cfg, c)
 
 
-def moe_mlp(lp, x, cfg, c) -> tuple[jax.Array, dict]:
-    """x + experts(RMSNorm(x)) (+ the shared expert) on [B, T, D], and the layer's router stats."""
+def moe_mlp(lp, x, cfg, c, segments: api.Segments | None = None) -> tuple[jax.Array, dict]:
+    """x + experts(RMSNorm(x)) (+ the shared expert) on [B, T, D], and the layer's router stats.
+    `segments`: a packed row's; its padding (segment id 0) counts in no router statistic and
+    takes no expert capacity (models/moe.py)."""
     h = rms_norm(x, c("mlp_norm"), cfg.norm_eps)
-    w, idx, stats = moe.route(h, c("router"), cfg.experts_per_token)
+    valid = None if segments is None else segments[0] > 0
+    w, idx, stats = moe.route(h, c("router"), cfg.experts_per_token, valid)
     y, dropped = moe.experts(
-        h, w, idx, c("e_gate"), c("e_up"), c("e_down"), factor=cfg.moe_capacity_factor
+        h, w, idx, c("e_gate"), c("e_up"), c("e_down"), factor=cfg.moe_capacity_factor, valid=valid
     )
-    stats["moe_dropped"] = dropped.astype(jnp.float32) / idx.size
+    k = cfg.experts_per_token
+    stats["moe_dropped"] = dropped.astype(jnp.float32) / (k * moe.token_count(valid, idx))
     if cfg.moe_shared_expert:
         y = y + _mlp(lp, jnp.zeros_like(x), cfg, c, normed=h)
     return x + constrain(y, ACT), stats
@@ -261,7 +265,7 @@ def moe_block(
     c = lambda name: constrain(lp[name], {**BLOCK_AXES, **moe.AXES}[name])
     x = attention_part(lp, x, cfg, positions, c, qkv, segments)
     with jax.named_scope("moe"):
-        x, stats = moe_mlp(lp, x, cfg, c)
+        x, stats = moe_mlp(lp, x, cfg, c, segments)
     return x, jax.tree.map(jnp.add, acc, stats)
 
 

@@ -57,8 +57,9 @@ def block(
     with jax.named_scope("moe"):
         h = llama.rms_norm(x, c("mlp_norm"), cfg.norm_eps)  # the MoE's input, again (CSE'd)
         logits = jnp.einsum("btd,de->bte", h.astype(jnp.float32), c("router").astype(jnp.float32))
-        x, stats = llama.moe_mlp(lp, x, cfg, c)
-    stats["moe_prob"] = jnp.mean(jax.nn.softmax(logits, axis=-1), axis=(0, 1))
+        x, stats = llama.moe_mlp(lp, x, cfg, c, segments)
+    valid = None if segments is None else segments[0] > 0  # a packed row's padding: left out
+    stats["moe_prob"] = moe.token_mean(jax.nn.softmax(logits, axis=-1), valid)
     return x, jax.tree.map(jnp.add, acc, stats)
 
 
@@ -275,5 +276,6 @@ FAMILY = api.ModelFamily(
     decoder=llama.decoder,
     hf=HF,
     plan_cost=plan_cost,
+    packing=True,
     mesh_axes=frozenset({"expert"}),
 )

@@ -125,5 +125,6 @@ FAMILY = api.ModelFamily(
     decoder=qwen3.decoder,
     hf=HF,
     plan_cost=plan_cost,
+    packing=True,
     mesh_axes=frozenset({"expert"}),
 )

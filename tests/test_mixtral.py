@@ -132,8 +132,8 @@ def test_router_aux_loss_and_its_gradient_equal_transformers(hf_model):
     check_aux_loss(model, run, "mixtral")
 
 
-def check_aux_loss(model, run, label: str) -> None:
-    """The imported `run`'s `moe_lb_loss` and its gradient against `model`'s `aux_loss`."""
+def imported(run) -> tuple[api.AbstractModel, dict]:
+    """(abstract model, params on one device) of the imported `run`."""
     src = weights.resolve(str(run))
     m = src.config.model
     abstract_model = api.abstract_model(models.get(m.name).make(m, None))
@@ -145,6 +145,12 @@ def check_aux_loss(model, run, label: str) -> None:
             abstract_model.params,
         ),
     )
+    return abstract_model, params
+
+
+def check_aux_loss(model, run, label: str) -> None:
+    """The imported `run`'s `moe_lb_loss` and its gradient against `model`'s `aux_loss`."""
+    abstract_model, params = imported(run)
     batch = {"inputs": TOKENS, "targets": TOKENS}
     lb = lambda p: abstract_model.merge(p).loss(batch)[1]["moe_lb_loss"]
     value, grads = jax.jit(jax.value_and_grad(lb))(params)
@@ -170,6 +176,37 @@ def check_aux_loss(model, run, label: str) -> None:
     pooled_loss = sys.modules[type(model).__module__].load_balancing_loss_func
     per_layer = [float(pooled_loss((g,), E, K)) for g in logits.router_logits]
     assert abs(np.mean(per_layer) - out.aux_loss.item()) > 1e-4
+
+
+def check_masked_aux_loss(model, run, label: str) -> None:
+    """Packed rows' padding (`data.packing=documents`: segment id 0) left out of the router
+    statistics: rows of 24, 8 and 4 real tokens, right-padded, give the `moe_lb_loss` that
+    transformers computes with the same `attention_mask` (within 1e-6); with the padding counted
+    HF's differs by more than 1e-3 (the check can fail)."""
+    abstract_model, params = imported(run)
+    mask = (np.arange(TOKENS.shape[1])[None, :] < np.array([[24], [8], [4]])).astype(np.int32)
+    positions = np.broadcast_to(np.arange(TOKENS.shape[1], dtype=np.int32), TOKENS.shape)
+    batch = {"inputs": TOKENS, "targets": TOKENS, "segment_ids": mask, "positions": positions}
+    lb = lambda p: abstract_model.merge(p).loss(batch)[1]["moe_lb_loss"]
+    value = float(jax.jit(lb)(params))
+    tokens = torch.from_numpy(TOKENS.astype(np.int64))
+    with torch.no_grad():
+        masked = model(tokens, attention_mask=torch.from_numpy(mask), output_router_logits=True)
+        counted = model(tokens, output_router_logits=True)
+    want, all_tokens = masked.aux_loss.item(), counted.aux_loss.item()
+    delta = abs(value - want)
+    print(
+        f"{label} router aux loss, padding masked: |Δ| = {delta:.3g} (HF {want:.6f}; "
+        f"padding counted {all_tokens:.6f})"
+    )
+    assert delta <= 1e-6, (value, want)
+    assert abs(all_tokens - want) > 1e-3
+
+
+def test_router_aux_loss_skips_padding_as_transformers(hf_model):
+    """`check_masked_aux_loss` on the imported Mixtral."""
+    model, _, run = hf_model
+    check_masked_aux_loss(model, run, "mixtral")
 
 
 def test_init_from_trains_sharded_then_exports_to_transformers(hf_model, tmp_path):

@@ -6,6 +6,7 @@ short training run works end to end."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 
 import jax
@@ -20,7 +21,7 @@ from jaxdist import config as config_lib
 from jaxdist import data, loop, pipeline, sharding
 from jaxdist import mesh as mesh_lib
 from jaxdist.errors import ConfigError
-from models import api
+from models import api, moe
 from tests.helpers import engine_for
 from tests.test_llama import llama_config
 
@@ -65,6 +66,12 @@ def _doc_slices():
     return out
 
 
+# The MoE families' capacity factors: Mixtral dropless (grouped matmuls; a padded buffer of
+# C = n under expert parallelism), Qwen3-MoE 4 of 8 experts' worth, C = ceil(4·n·2/8) = n slots per
+# expert: the capacity path, which cannot drop either (a token's k experts are distinct).
+MOE = {"mixtral": 0.0, "qwen3_moe": 4.0}
+
+
 def _model_config(name: str, mode: str = "ring"):
     c = llama_config()
     c.model.name = name
@@ -75,8 +82,11 @@ def _model_config(name: str, mode: str = "ring"):
     c.model.context_attention = mode
     if name == "gpt":
         c.model.num_kv_heads = 0
-    if name == "qwen3":
+    if name in ("qwen3", "qwen3_moe"):
         c.model.head_dim = 16
+    if name in MOE:
+        c.model.num_experts, c.model.experts_per_token, c.model.mlp_dim = 8, 2, 32
+        c.model.moe_capacity_factor = MOE[name]
     return c
 
 
@@ -94,10 +104,10 @@ def _sum_xent(logits, targets):
     return api.masked_token_cross_entropy(logits, targets) * jnp.sum(targets >= 0)
 
 
-def _mesh(context: int):
+def _mesh(context: int, expert: int = 1):
     sizes = {a: 1 for a in config_lib.MESH_AXES} | {f"dcn_{a}": 1 for a in config_lib.MESH_AXES}
-    sizes["context"] = context
-    return mesh_lib.make_mesh(sizes, devices=jax.devices()[:context])
+    sizes["context"], sizes["expert"] = context, expert
+    return mesh_lib.make_mesh(sizes, devices=jax.devices()[: context * expert])
 
 
 @functools.cache
@@ -115,11 +125,12 @@ def _reference(name: str):
     return np.asarray(logits), jax.device_get(grads)
 
 
-def _packed_run(name: str, context: int, mode: str = "ring"):
-    """The packed rows on `context` devices: (logits [rows, T, V], grads of the summed loss)."""
+def _packed_run(name: str, context: int, mode: str = "ring", expert: int = 1):
+    """The packed rows on `context` × `expert` devices: (logits [rows, T, V], grads of the
+    summed loss)."""
     _, am, params = _model(name, mode)
     batch, _, _ = _packed(64)
-    mesh = _mesh(context)
+    mesh = _mesh(context, expert)
     segs = (jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["positions"]))
 
     def loss(p):
@@ -131,10 +142,12 @@ def _packed_run(name: str, context: int, mode: str = "ring"):
     return np.asarray(logits), jax.device_get(grads)
 
 
-def _max_deltas(name: str, context: int, mode: str = "ring") -> tuple[float, float]:
+def _max_deltas(
+    name: str, context: int, mode: str = "ring", expert: int = 1
+) -> tuple[float, float]:
     """max |Δ| of the documents' logits and of the gradients, packed vs alone."""
     ref_logits, ref_grads = _reference(name)
-    logits, grads = _packed_run(name, context, mode)
+    logits, grads = _packed_run(name, context, mode, expert)
     d_logits = max(
         float(np.max(np.abs(logits[r, s] - ref_logits[d, : s.stop - s.start])))
         for d, (r, s) in enumerate(_doc_slices())
@@ -155,6 +168,8 @@ def _max_deltas(name: str, context: int, mode: str = "ring") -> tuple[float, flo
         ("llama", 2, "all_gather"),
         ("gpt", 1, "ring"),
         ("qwen3", 1, "ring"),
+        ("mixtral", 1, "ring"),
+        ("qwen3_moe", 1, "ring"),
     ],
 )
 def test_packed_documents_equal_each_document_alone(name, context, mode):
@@ -165,6 +180,86 @@ def test_packed_documents_equal_each_document_alone(name, context, mode):
     print(f"{name} context={context} {mode}: max|Δlogits|={d_logits:.2e} max|Δgrad|={d_grads:.2e}")
     assert d_logits <= 1e-5
     assert d_grads <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_packed_moe_over_experts_equals_each_document_alone(name):
+    """mesh.expert=2 (each device 4 of the 8 experts and one packed row; the experts' all_to_all
+    carries the padded buffer with the padding mask): the documents' logits and the gradients
+    within 1e-5 of each document run alone on one device."""
+    d_logits, d_grads = _max_deltas(name, 1, "ring", expert=2)
+    print(f"{name} expert=2: max|Δlogits|={d_logits:.2e} max|Δgrad|={d_grads:.2e}")
+    assert d_logits <= 1e-5
+    assert d_grads <= 1e-5
+
+
+@functools.cache
+def _jit_loss(name: str):
+    _, am, _ = _model(name)
+    return jax.jit(lambda p, b: am.merge(p).loss(b))
+
+
+def _router_stats(name: str, batch: dict[str, np.ndarray]) -> dict[str, float]:
+    """The router statistics (`moe_*` metrics of the family's loss) of a batch, one device."""
+    jb = {k: jnp.asarray(v) for k, v in batch.items()}
+    with sharding.activation_rules(_mesh(1)):
+        _, metrics = _jit_loss(name)(_model(name)[2], jb)
+    return {k: float(v) for k, v in metrics.items() if k.startswith("moe_")}
+
+
+def _stats_delta(a: dict[str, float], b: dict[str, float]) -> float:
+    assert set(a) == set(b) and "moe_lb_loss" in a and "moe_load_7" in a
+    return max(abs(a[k] - b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_moe_router_statistics_skip_padding(name):
+    """The load-balancing loss, z-loss, expert loads and dropped fraction of a packed batch are
+    those of its documents' tokens only: equal (1e-6) to the same documents one per row with
+    their padding marked (segment 0), unchanged when the padding's tokens change, and different
+    (> 1e-3) from the one-per-row batch whose padding is counted (no segments): the check can
+    fail. Nothing is dropped."""
+    batch, alone, alone_tgt = _packed(64)
+    real = np.arange(T)[None, :] < np.array(DOC_LENGTHS)[:, None]
+    marked = {
+        "inputs": alone,
+        "targets": alone_tgt,
+        "segment_ids": real.astype(np.int32),
+        "positions": np.broadcast_to(np.arange(T, dtype=np.int32), alone.shape).copy(),
+    }
+    packed = _router_stats(name, batch)
+    d_alone = _stats_delta(packed, _router_stats(name, marked))
+    repadded = dict(batch, inputs=np.where(batch["segment_ids"] > 0, batch["inputs"], 37))
+    d_pad = _stats_delta(packed, _router_stats(name, repadded))
+    counted = _router_stats(name, {"inputs": alone, "targets": alone_tgt})
+    d_counted = _stats_delta(packed, counted)
+    print(
+        f"{name}: moe_lb_loss={packed['moe_lb_loss']:.6f} |Δ| vs documents alone {d_alone:.1e}, "
+        f"padding changed {d_pad:.1e}, padding counted {d_counted:.1e}"
+    )
+    assert d_alone <= 1e-6 and d_pad <= 1e-6
+    assert d_counted > 1e-3
+    assert packed["moe_dropped"] == 0
+
+
+def test_padding_takes_no_expert_capacity():
+    """With a finite capacity (C = 4 slots per expert for 8 tokens × top-2 of 4 experts) and
+    4 padding tokens ahead of 4 real ones, all 8 to experts 0 and 1: the real tokens keep every
+    slot (none dropped, outputs equal dropless ones); counted, the padding takes them all."""
+    D, F, E = 8, 16, 4
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (1, 8, D))
+    wg, wu = (jax.random.normal(k, (E, D, F)) for k in keys[1:3])
+    wd = jax.random.normal(keys[3], (E, F, D))
+    idx = jnp.broadcast_to(jnp.array([0, 1], jnp.int32), (1, 8, 2))
+    w = jnp.full((1, 8, 2), 0.5)
+    valid = jnp.arange(8)[None, :] >= 4
+    dropless, _ = moe.experts(x, w, idx, wg, wu, wd, factor=0.0)
+    masked, dropped = moe.experts(x, w, idx, wg, wu, wd, factor=1.0, valid=valid)
+    counted, dropped_counted = moe.experts(x, w, idx, wg, wu, wd, factor=1.0)
+    assert int(dropped) == 0 and int(dropped_counted) == 8  # the 4 real tokens' 8 assignments
+    np.testing.assert_allclose(masked[:, 4:], dropless[:, 4:], rtol=0, atol=1e-5)
+    assert np.all(np.asarray(counted[:, 4:]) == 0)
 
 
 def test_windows_mode_leaks_across_documents():
@@ -273,6 +368,25 @@ def test_bad_packing_is_one_line(tmp_path):
         data.load(cfg, seq_len=16, vocab_size=5000)
 
 
+@pytest.mark.parametrize("name", list(MOE))
+def test_moe_configs_take_packed_documents(name):
+    """configs/{mixtral,qwen3_moe}_tiny.py (fsdp 2 × tensor 2 × expert 2) validate with
+    data.packing=documents, and pipelined too (without the load-balancing loss, which a pipelined
+    pooled loss refuses in one line as before)."""
+    spec = importlib.util.spec_from_file_location(name, f"configs/{name}_tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.unlock()
+    c.data.packing = "documents"
+    config_lib.validate(c, 8)
+    c.mesh.fsdp, c.mesh.pipeline = 1, 2
+    with pytest.raises(ConfigError, match=r"^mesh.pipeline=2 with model.moe_aux_loss_weight="):
+        config_lib.validate(c, 8)
+    c.model.moe_aux_loss_weight = 0.0
+    config_lib.validate(c, 8)
+
+
 def _mixture(tmp_path, packing: str = "documents"):
     """Two text-folder sources, each file one document of one repeated letter (source 0: a-z,
     source 1: A-Z), 3 to 13 bytes long: a row's tokens say which document each came from."""
@@ -348,6 +462,9 @@ def _engine_batch(name: str, schedule: str = "1f1b", **mesh):
     c.train.batch_size = len(PIPE_ROWS)
     c.pipeline.schedule, c.pipeline.microbatches = schedule, 2
     c.model.vocab_size = 256  # the data's (byte) vocabulary, which train.build checks
+    if name in MOE:  # a pipelined Mixtral takes no load-balancing loss (`mixtral.check`), and
+        # the pipeline's router statistics are means per microbatch (26 and 23 real tokens here)
+        c.model.moe_aux_loss_weight = c.model.moe_z_loss_weight = 0.0
     eng, _ = engine_for(c)
     batch, _, _ = _packed(256)
     put = lambda k, v: jax.device_put(jnp.asarray(v[PIPE_ROWS]), eng.batch_shardings[k])
@@ -375,6 +492,7 @@ def _one_device_grads(name: str):
         ("qwen3", "1f1b", {}),
         ("gpt", "gpipe", dict(data=2)),
         ("llama", "zb", dict(context=2)),
+        ("mixtral", "1f1b", dict(expert=2)),
     ],
 )
 def test_packed_documents_through_the_pipeline(name, schedule, mesh):

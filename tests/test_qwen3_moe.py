@@ -29,6 +29,7 @@ from tests.test_mixtral import (  # noqa: E402
     K,
     check_aux_loss,
     check_import_and_greedy,
+    check_masked_aux_loss,
     check_pipeline,
     check_train_export,
     tiny,
@@ -93,6 +94,12 @@ def test_import_logits_greedy_and_router_loss_equal_transformers(hf_model, tmp_p
         assert set(hf.hf_names(m)) == set(f.keys())
     check_import_and_greedy(model, run, tmp_path, "qwen3_moe")
     check_aux_loss(model, run, "qwen3_moe")
+
+
+def test_router_aux_loss_skips_padding_as_transformers(hf_model):
+    """`check_masked_aux_loss` on the imported Qwen3-MoE."""
+    model, _, run = hf_model
+    check_masked_aux_loss(model, run, "qwen3_moe")
 
 
 def test_init_from_trains_sharded_then_exports_to_transformers(hf_model, tmp_path):
