@@ -123,11 +123,12 @@ class CollectiveOp:
     groups: tuple[tuple[int, ...], ...] | None = None
 
 
-def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+def collective_ops(hlo_text: str, branch: str = "costliest") -> list[CollectiveOp]:
     """Every collective reachable from the ENTRY computation, with group size, payload and count.
 
     Ops in a ``while`` body count trip-count times (nested loops multiply); ops in a ``conditional``
-    count for the one branch that sends the most bytes, since exactly one branch runs. Ops inside
+    count for the one branch that sends the most bytes (``branch="cheapest"``: the fewest), since
+    exactly one branch runs. Ops inside
     fusions, calls and async wrappers (``async-start`` with ``calls=``) are found through the call
     graph.
 
@@ -145,14 +146,21 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
         loop containing collectives has a trip count that is neither in its backend_config nor
         readable from an ``i < constant`` loop condition.
     """
-    return list(_collective_ops(hlo_text))
+    if branch not in BRANCHES:
+        raise ValueError(f"branch={branch!r}: one of {', '.join(BRANCHES)}")
+    return list(_collective_ops(hlo_text, branch))
+
+
+# Which branch of a ``conditional`` is charged: the one sending the most bytes (what a step can
+# cost), or the fewest (e.g. 1-bit Adam after its warm-up branch stops being taken).
+BRANCHES = ("costliest", "cheapest")
 
 
 @functools.lru_cache(maxsize=4)
-def _collective_ops(hlo_text: str) -> tuple[CollectiveOp, ...]:
+def _collective_ops(hlo_text: str, branch: str = "costliest") -> tuple[CollectiveOp, ...]:
     """`collective_ops`, read once per module text: a layout record asks three questions
     (bytes, phases, bytes across hosts) of the same compiled step."""
-    return tuple(_Analysis(_parse_module(hlo_text)).run())
+    return tuple(_Analysis(_parse_module(hlo_text), branch).run())
 
 
 def conditional_ops(hlo_text: str) -> list[list[CollectiveOp]]:
@@ -281,7 +289,10 @@ def collective_phases(
 
 
 def cross_host_bytes(
-    hlo_text: str, processes: Sequence[int], conditional_period: int = 1
+    hlo_text: str,
+    processes: Sequence[int],
+    conditional_period: int = 1,
+    branch: str = "costliest",
 ) -> list[float]:
     """Bytes each process (host) sends to other processes per execution, as gloo moves them.
 
@@ -297,13 +308,35 @@ def cross_host_bytes(
       hlo_text: a compiled module.
       processes: the process index of each partition id (mesh.devices.flat order).
       conditional_period: as in `collective_bytes`.
+      branch: which branch of a conditional to charge, as in `collective_ops`.
 
     Returns:
       Bytes per step, indexed by process.
     """
+    return cross_host_traffic(hlo_text, processes, conditional_period, branch)[0]
+
+
+def cross_host_traffic(
+    hlo_text: str,
+    processes: Sequence[int],
+    conditional_period: int = 1,
+    branch: str = "costliest",
+) -> tuple[list[float], list[float]]:
+    """`cross_host_bytes`, and the messages each process sends to other processes per execution.
+
+    A message is one send of gloo's algorithm from one rank to a rank on another process: a ring
+    all-reduce's member sends 2(N-1) times to its next member, a ring all-gather or reduce-scatter
+    N-1 times, an all-to-all once to each other member, a collective-permute once per pair. Each
+    message costs the link a latency and the wire gloo's and TCP's per-message bytes, which is
+    what separates many small collectives from one large one with the same payload.
+
+    Returns:
+      (bytes, messages) per step, each indexed by process.
+    """
     out = [0.0] * (max(processes) + 1)
+    messages = [0.0] * len(out)
     n = len(processes)
-    for op in collective_ops(hlo_text):
+    for op in collective_ops(hlo_text, branch):
         if op.wire_bytes <= 0:
             continue
         share = 1.0 / (conditional_period if op.conditional else 1)
@@ -311,17 +344,21 @@ def cross_host_bytes(
             for src, dst in op.pairs:
                 if src < n and dst < n and processes[src] != processes[dst]:
                     out[processes[src]] += op.bytes_per_exec * op.count * share
+                    messages[processes[src]] += op.count * share
             continue
         for g in op.groups or (tuple(range(n)),):
             g = [i for i in g if i < n]
+            sends = 2 * (len(g) - 1) if op.kind == "all-reduce" else len(g) - 1
             for k, member in enumerate(g):
                 if op.kind == "all-to-all":
                     others = [m for m in g if m != member]
                     crossing = sum(processes[m] != processes[member] for m in others)
                     out[processes[member]] += op.wire_bytes * share * crossing / max(len(others), 1)
+                    messages[processes[member]] += op.count * share * crossing
                 elif processes[g[(k + 1) % len(g)]] != processes[member]:
                     out[processes[member]] += op.wire_bytes * share
-    return out
+                    messages[processes[member]] += op.count * share * sends
+    return out, messages
 
 
 # --------------------------------------------------------------------------------------------------
@@ -665,8 +702,9 @@ def _group_size(inst: _Instruction, kind: str, module: _Module) -> int:
 
 
 class _Analysis:
-    def __init__(self, module: _Module):
+    def __init__(self, module: _Module, branch: str = "costliest"):
         self.module = module
+        self.pick = max if branch == "costliest" else min
         self._memo: dict[str, list[tuple[str, CollectiveOp]]] = {}
 
     def run(self) -> list[CollectiveOp]:
@@ -734,9 +772,10 @@ class _Analysis:
         return _scaled(body, trips) + _scaled(cond, trips + 1)
 
     def _conditional(self, inst: _Instruction) -> list[tuple[str, CollectiveOp]]:
-        # One branch runs per execution; which one is data-dependent, so charge the most expensive.
+        # One branch runs per execution; which one is data-dependent, so charge the most expensive
+        # (or, asked for, the cheapest).
         branches = [self._collect(callee) for callee in _callees(inst)]
-        ops = max(branches, key=lambda ops: sum(op.wire_bytes for _, op in ops), default=[])
+        ops = self.pick(branches, key=lambda ops: sum(op.wire_bytes for _, op in ops), default=[])
         return [(key, dataclasses.replace(op, conditional=True)) for key, op in ops]
 
     # -- trip counts ------------------------------------------------------------------------------

@@ -28,11 +28,12 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
         for x in jax.tree.leaves(tree)
     )
-    hlo_text = compiled.as_text()  # one text, read once by the three questions below
+    hlo_text = compiled.as_text()  # one text, read once by the questions below
+    processes = [d.process_index for d in engine.mesh.devices.flat]
     phases, busiest = metrics.collective_phases(
         hlo_text,
         mesh_lib.mesh_shape(engine.mesh),
-        [d.process_index for d in engine.mesh.devices.flat],
+        processes,
         conditional_period=local_steps,
     )
     record: dict[str, Any] = {
@@ -58,12 +59,7 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
         # sent + received bytes (a parameter server's hot spot); their per-step total below.
         "collective_phases": phases,
         "busiest_device_bytes_per_step": busiest,
-        # What each process sends to other processes (its host's link, one process per host).
-        "cross_process_bytes_per_step": hlo_cost.cross_host_bytes(
-            hlo_text,
-            [d.process_index for d in engine.mesh.devices.flat],
-            conditional_period=local_steps,
-        ),
+        **_cross_process(hlo_text, processes, local_steps),
         "global_batch": config.train.batch_size,
         "grad_accum": config.train.grad_accum,
         "compute_dtype": config.train.compute_dtype,
@@ -96,6 +92,25 @@ def layout_record(engine: train.Engine, compiled, config) -> dict[str, Any]:
     if family.flops_per_token is not None:
         record["flops_per_token"] = family.flops_per_token(config.model, st["params"])
     return record
+
+
+def _cross_process(hlo_text: str, processes: list[int], local_steps: int) -> dict[str, Any]:
+    """What each process sends to other processes per step (its host's link, one process per
+    host), in bytes and in gloo's messages; and, where it differs, the same with each
+    conditional's cheapest branch (e.g. 1-bit Adam's compressed exchange once its full-precision
+    warm-up branch is no longer taken)."""
+    sent, messages = hlo_cost.cross_host_traffic(hlo_text, processes, local_steps)
+    out: dict[str, Any] = {
+        "cross_process_bytes_per_step": sent,
+        "cross_process_messages_per_step": messages,
+    }
+    cheap = hlo_cost.cross_host_traffic(hlo_text, processes, local_steps, "cheapest")
+    if cheap[0] != sent:
+        out["cross_process_cheapest_branch"] = {
+            "bytes_per_step": cheap[0],
+            "messages_per_step": cheap[1],
+        }
+    return out
 
 
 def layout_changed(workdir: str, record: dict[str, Any]) -> bool:

@@ -1000,6 +1000,11 @@ _NETWORK_DEVICES = flags.DEFINE_integer(
 )
 
 
+_NETWORK_HOSTS = flags.DEFINE_integer(
+    "network_hosts", 2, "--study=network: emulated hosts (network namespaces) per run."
+)
+
+
 def study_network(config) -> dict:
     del config  # each row is its own launch of scripts/train.py
     import tempfile
@@ -1017,6 +1022,7 @@ def study_network(config) -> dict:
             d,
             partial_path=_OUT.value,
             devices=_NETWORK_DEVICES.value,
+            hosts=_NETWORK_HOSTS.value,
         )
 
 

@@ -15,9 +15,10 @@ processes on one machine). From each run's metrics.jsonl:
 - `kernel_bytes_per_step`: median over the steady steps of the bytes each host sent, as its link's
   counters report them (`kind: "net"`); `hlo_bytes_per_step`: the layout record's
   `cross_process_bytes_per_step` (the HLO's collectives, costed as gloo moves them);
-- `time_to_target_s`: summed step times (the first 2 at the median) up to the first evaluation at or below the target loss
-  (`--target_loss` if given, else the loopback `xla` run's final validation loss), null if never;
-  `final_eval_loss`.
+- `time_to_target_s`: summed step times (the first 2 at the median) up to the first evaluation at
+  or below the target loss (`--target_loss` if given, else `default_target`: the loopback `xla`
+  run's second-last evaluation, rounded up to 0.01), null if never; `loss_within_budget`: the
+  last evaluation's loss within `BUDGET_S` of training time so counted; `final_eval_loss`.
 
 `framework` is `jaxdist` for the jaxdist methods and `ddp` for the PyTorch DDP ones
 (`ddp`, `ddp_fp16`, `ddp_powersgd`: scripts/ddp_gpt.py, the same GPT, data and AdamW in PyTorch,
@@ -32,6 +33,7 @@ as that).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -74,6 +76,11 @@ METHODS: dict[str, tuple[str, ...]] = {
         "--config.grad_sync.local_steps=32",
         "--config.grad_sync.outer_optimizer=nesterov",
     ),
+    "streaming_h8": (
+        "--config.grad_sync.local_steps=8",
+        "--config.grad_sync.outer_optimizer=nesterov",
+        "--config.grad_sync.fragments=2",
+    ),
 }
 # label -> scripts/ddp_gpt.py flags (PyTorch DDP; `framework: "ddp"` rows)
 DDP_METHODS: dict[str, tuple[str, ...]] = {
@@ -100,7 +107,6 @@ MODEL = (
     "--config.data.max_bytes=2000000",
     "--config.mesh.fsdp=1",
     "--config.mesh.tensor=1",
-    f"--config.mesh.dcn_data={HOSTS}",
 )
 
 
@@ -114,6 +120,7 @@ def _load() -> float:
 
 
 STEADY_FROM = 3  # steps 1-2 connect gloo and settle
+BUDGET_S = 10.0  # `loss_within_budget`: the loss a method reaches in this much training time
 
 
 def _records(workdir: str) -> list[dict]:
@@ -122,22 +129,29 @@ def _records(workdir: str) -> list[dict]:
 
 
 def _command(
-    workdir: str, method: str, link: str | None, steps: int, eval_every: int, devices: int
+    workdir: str,
+    method: str,
+    link: str | None,
+    steps: int,
+    eval_every: int,
+    devices: int,
+    hosts: int = HOSTS,
 ) -> list[str]:
-    """The launch of one row: jaxdist's train.py with H processes × `devices` CPU devices, or
-    scripts/ddp_gpt.py with H·`devices` processes (one per device, `devices` per host)."""
+    """The launch of one row: jaxdist's train.py with `hosts` processes × `devices` CPU devices,
+    or scripts/ddp_gpt.py with `hosts`·`devices` processes (one per device, `devices` per host)."""
     net = [f"--network={link}"] if link else []
     fit = [f"--config.train.steps={steps}", f"--config.train.eval_every={eval_every}"]
     if method in DDP_METHODS:
         per = [f"--processes_per_host={devices}"] if link and devices > 1 else []
-        cmd = [sys.executable, LAUNCH, *net, f"--num_processes={HOSTS * devices}", *per]
+        cmd = [sys.executable, LAUNCH, *net, f"--num_processes={hosts * devices}", *per]
         cmd += ["--devices_per_process=1", "--platform=cpu", "--grace_s=2", "--"]
         return cmd + [sys.executable, DDP, f"--workdir={workdir}", *MODEL, *fit,
                       *DDP_METHODS[method]]  # fmt: skip
-    cmd = [sys.executable, LAUNCH, *net, f"--num_processes={HOSTS}"]
+    cmd = [sys.executable, LAUNCH, *net, f"--num_processes={hosts}"]
     cmd += [f"--devices_per_process={devices}", "--platform=cpu", "--grace_s=2", "--"]
     cmd += [sys.executable, "scripts/train.py", f"--workdir={workdir}", *MODEL, *METHODS[method]]
-    return cmd + [f"--config.mesh.data={HOSTS * devices}", *fit]
+    mesh = [f"--config.mesh.data={hosts * devices}", f"--config.mesh.dcn_data={hosts}"]
+    return cmd + mesh + fit
 
 
 def _run(
@@ -148,8 +162,9 @@ def _run(
     eval_every: int,
     env: dict,
     devices: int = DEVICES,
+    hosts: int = HOSTS,
 ) -> dict:
-    cmd = _command(workdir, method, link, steps, eval_every, devices)
+    cmd = _command(workdir, method, link, steps, eval_every, devices, hosts)
     load_start = _load()
     t0 = time.perf_counter()
     for attempt in range(2):  # once more after a failure: a loaded machine can starve a process
@@ -167,24 +182,55 @@ def _run(
     evals = [(r["step"], r["eval_loss"]) for r in recs if "eval_loss" in r]
     row = {
         "step_time_s": statistics.median(times),
+        "step_time_mean_s": statistics.fmean(times),
         "step_time_p10_s": statistics.quantiles(times, n=10)[0],
         "step_time_p90_s": statistics.quantiles(times, n=10)[-1],
         "step_times_s": {r["step"]: r["step_time_s"] for r in train},
         "evals": evals,
         "final_eval_loss": evals[-1][1] if evals else None,
         "hlo_bytes_per_step": layout["cross_process_bytes_per_step"],
+        "hlo_messages_per_step": layout.get("cross_process_messages_per_step"),
         "collective_bytes_per_step": layout["collective_bytes_per_step"],
         "params_total": layout["params_total"],
         "wall_s": time.perf_counter() - t0,
         "load_avg": [load_start, _load()],
     }
+    if method in WARMUP and "cross_process_cheapest_branch" in layout:
+        row["hlo_steady_bytes_per_step"] = layout["cross_process_cheapest_branch"]["bytes_per_step"]
     net_recs = [r for r in recs if r.get("kind") == "net" and r["step"] >= STEADY_FROM]
     if net_recs:
         row["kernel_bytes_per_step"] = [
             statistics.median(r["hosts"][f"host{h}"]["tx_bytes_per_step"] for r in net_recs)
-            for h in range(HOSTS)
+            for h in range(hosts)
+        ]
+        row["kernel_bytes_per_step_mean"] = [
+            statistics.fmean(r["hosts"][f"host{h}"]["tx_bytes_per_step"] for r in net_recs)
+            for h in range(hosts)
         ]
     return row
+
+
+def default_target(reference: dict) -> float:
+    """The target loss when none is given: what the reference run (loopback `xla`) reached at its
+    second-last evaluation, rounded up to 0.01, so the exact methods (the same loss but for the
+    order of float additions) reach it too, and a method one evaluation slower still can."""
+    evals = reference["evals"]
+    return math.ceil(100 * evals[max(len(evals) - 2, 0)][1]) / 100
+
+
+def _loss_within(row: dict, budget_s: float) -> float | None:
+    """The last evaluation's loss reached within `budget_s` of summed step times (as `_time_to`
+    counts them), or None if the first evaluation came later."""
+    best = None
+    for step, loss in row["evals"]:
+        spent = sum(
+            t if s >= STEADY_FROM else row["step_time_s"]
+            for s, t in row["step_times_s"].items()
+            if s <= step
+        )
+        if spent <= budget_s:
+            best = loss
+    return best
 
 
 def _time_to(row: dict, target: float) -> float | None:
@@ -221,36 +267,79 @@ def planner_hardware(
     )
 
 
-def add_predictions(result: dict, latency_s: float = MESSAGE_LATENCY_S) -> dict:
-    """Each row gets `predicted_comm_s`, what the link adds to a step by the planner, and
-    `predicted_step_time_s`, that plus the row's measured compute-only (loopback) step.
+# Methods whose exchange runs every H-th step (DiLoCo, streaming DiLoCo): a median step is a local
+# step, so these rows are compared by their mean step, which carries the sync's share.
+PERIODIC = tuple(m for m, flags in METHODS.items() if any("local_steps" in f for f in flags))
+# Methods that run an exact algorithm under another name: DDP's default is gloo's ring all-reduce,
+# staleness 1 is XLA's all-reduce of the previous step's gradient.
+SAME_ALGORITHM = {"ddp": "ring", "stale1": "xla"}
+# Methods with a full-precision warm-up branch; their steady state sends the cheapest branch.
+WARMUP = ("onebit_adam",)
 
-    Exact algorithms (`EXACT`; DDP's default is gloo's ring): `plan.algorithm_cost` of the float32
-    gradient (4 bytes per parameter) over `planner_hardware`. Compressors and the other methods:
-    the bytes one host sends per step as the compiled HLO says (`hlo_bytes_per_step`, the layout
-    record; DDP's hooks: the hook's own ratio of the ring's) at the host link's payload rate, plus
-    one all-reduce's 2(N-1) message latencies. Their compute (compressing, sorting, error
-    feedback) is in the compute-only step: the same program on loopback."""
+
+def no_exchange_step(result: dict) -> float | None:
+    """The step without a gradient exchange, measured: a DiLoCo run's median step on loopback (the
+    same forward, backward and AdamW; it averages only every H-th step), or None."""
+    for m in ("diloco_h32", "diloco_h8"):
+        if m in result.get("loopback", {}):
+            return result["loopback"][m]["step_time_s"]
+    return None
+
+
+def compared(row: dict) -> tuple[float, float]:
+    """(measured, loopback) step time the prediction is set against: the median, or for the
+    periodic methods the mean."""
+    if row["method"] in PERIODIC:
+        return row["step_time_mean_s"], row["compute_only_step_time_mean_s"]
+    return row["step_time_s"], row["compute_only_step_time_s"]
+
+
+def add_predictions(result: dict, latency_s: float = MESSAGE_LATENCY_S) -> dict:
+    """Each row gets `predicted_comm_s`, what the planner says the link's exchange takes per step,
+    and `predicted_step_time_s`, the step it predicts (compared with `compared(row)`).
+
+    Exact algorithms (`EXACT`, and `SAME_ALGORITHM`'s): `plan.algorithm_cost` of the float32
+    gradient (4 bytes per parameter) over `planner_hardware`. The step is the step without any
+    exchange (`no_exchange_step`, where the study measured one) plus that, and never less than the
+    loopback step: over the link the transfer replaces the loopback's, whose cost on these cores
+    is mostly CPU time that overlaps a wire transfer. Without a no-exchange step: loopback + comm.
+    Compressors and the other methods: the bytes one host sends per step as the compiled HLO says
+    (`hlo_bytes_per_step`, the layout record; the cheapest branch for `WARMUP` methods; DDP's hooks:
+    the hook's own ratio of the ring's) at the host link's payload rate, plus one all-reduce's
+    2(N-1) message latencies, added to the loopback step: their compute (compressing, sorting,
+    error feedback) is in it. For `PERIODIC` methods (bytes per step on average) the same
+    replacement as for the exact ones: the loopback's median (local) step plus the larger of what
+    the syncs add to its mean on loopback and the link's time.
+    """
+    base = no_exchange_step(result)
     for row in result["runs"]:
         dev = row["devices_per_host"]
         hw = planner_hardware(row["link"], dev, latency_s)
         n = row["hosts"] * dev
-        algorithm = "ring" if row["method"] == "ddp" else row["method"]
+        _, loopback = compared(row)
+        algorithm = SAME_ALGORITHM.get(row["method"], row["method"])
         if algorithm in EXACT:
             comm = plan.algorithm_cost(algorithm, 4.0 * row["params_total"], n, hw, dev).time_s
-        else:
-            sent = max(row["hlo_bytes_per_step"])
-            if row["method"] == "ddp_fp16":
-                sent /= 2
-            elif row["method"] == "ddp_powersgd":
-                sent = None  # no HLO, and the hook's factors are not modelled here
-            comm = None if sent is None else sent / hw.host_bandwidth
-            if comm is not None:
-                comm += 2 * (n - 1) * hw.inter_latency
+            own = base if base is not None and row["framework"] == "jaxdist" else None
+            row["predicted_comm_s"] = comm
+            row["predicted_step_time_s"] = (
+                loopback + comm if own is None else max(loopback, own + comm)
+            )
+            continue
+        sent = max(row.get("hlo_steady_bytes_per_step") or row["hlo_bytes_per_step"])
+        if row["method"] == "ddp_fp16":
+            sent /= 2
+        elif row["method"] == "ddp_powersgd":
+            sent = None  # no HLO, and the hook's factors are not modelled here
+        comm = None if sent is None else sent / hw.host_bandwidth + 2 * (n - 1) * hw.inter_latency
         row["predicted_comm_s"] = comm
-        row["predicted_step_time_s"] = (
-            None if comm is None else row["compute_only_step_time_s"] + comm
-        )
+        if comm is None:
+            row["predicted_step_time_s"] = None
+        elif row["method"] in PERIODIC:  # a local step, plus the sync's share or the link's
+            local = row["compute_only_step_time_s"]
+            row["predicted_step_time_s"] = local + max(loopback - local, comm)
+        else:
+            row["predicted_step_time_s"] = loopback + comm
     return result
 
 
@@ -266,13 +355,15 @@ def planner_table(result: dict) -> str:
         pred = r.get("predicted_step_time_s")
         if pred is None:
             continue
-        err = (pred - r["step_time_s"]) / r["step_time_s"]
+        measured, loopback = compared(r)
+        err = (pred - measured) / measured
         load = r.get("load_avg")
+        mean = " mean" if r["method"] in PERIODIC else ""
         rows.append(
             f"| {r['hosts']} x {r['devices_per_host']} | {r['link']} | {r['method']} | "
-            f"{r['step_time_s']:.3f} ({r['step_time_p10_s']:.3f}-{r['step_time_p90_s']:.3f}) | "
-            f"{r['compute_only_step_time_s']:.3f} | {pred:.3f} | {100 * err:+.0f}% | "
-            f"{r['exposed_comm_s']:.3f} | {r['predicted_comm_s']:.3f} | "
+            f"{measured:.3f}{mean} ({r['step_time_p10_s']:.3f}-{r['step_time_p90_s']:.3f}) | "
+            f"{loopback:.3f}{mean} | {pred:.3f} | {100 * err:+.0f}% | "
+            f"{measured - loopback:.3f} | {r['predicted_comm_s']:.3f} | "
             f"{'-' if not load else f'{min(load):.0f}-{max(load):.0f}'} |"
         )
     return head + "\n".join(rows)
@@ -282,22 +373,24 @@ def table(result: dict) -> str:
     """The study as a Markdown table, one row per method and link."""
     head = (
         "| link | method | step s (p10-p90) | loopback s | exposed comm s | planner comm s "
-        "| kernel B/host/step | HLO B/host/step | kernel/HLO | time to target s | final loss |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        "| kernel B/host/step | HLO B/host/step | kernel/HLO | time to target s | loss in budget "
+        "| final loss |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
     rows = []
     for r in result["runs"]:
         kernel, hlo = r["kernel_bytes_per_step"], r["hlo_bytes_per_step"]
         k, h = (sum(kernel) / len(kernel) if kernel else None), sum(hlo) / len(hlo)
         pred = r.get("predicted_comm_s")
-        ttt = r["time_to_target_s"]
+        ttt, budget = r["time_to_target_s"], r.get("loss_within_budget")
         rows.append(
             f"| {r['link']} | {r['method']} | {r['step_time_s']:.3f} ({r['step_time_p10_s']:.3f}-"
             f"{r['step_time_p90_s']:.3f}) | {r['compute_only_step_time_s']:.3f} | "
             f"{r['exposed_comm_s']:.3f} | {'-' if pred is None else f'{pred:.3f}'} | "
             f"{'-' if k is None else f'{k:,.0f}'} | {h:,.0f} | "
             f"{'-' if k is None or not h else f'{k / h:.3f}'} | "
-            f"{'-' if ttt is None else f'{ttt:.1f}'} | {r['final_eval_loss']:.3f} |"
+            f"{'-' if ttt is None else f'{ttt:.1f}'} | "
+            f"{'-' if budget is None else f'{budget:.3f}'} | "
+            f"{r['final_eval_loss']:.3f} |"
         )
     return head + "\n".join(rows)
 
@@ -339,23 +432,31 @@ def side_by_side(result: dict) -> str:
     return head + "\n".join(out)
 
 
-def _record(method: str, link: str, devices: int, row: dict, base: dict, target: float) -> dict:
+def _record(
+    method: str, link: str, hosts: int, devices: int, row: dict, base: dict, target: float
+) -> dict:
     """The study's row of `method` over `link`: its run `row` set against `base`, the same
     method's run on loopback (the compute-only step time)."""
     return {
         "framework": framework(method),
         "method": method,
         "link": link,
-        "hosts": HOSTS,
+        "hosts": hosts,
         "devices_per_host": devices,
         "step_time_s": row["step_time_s"],
+        "step_time_mean_s": row["step_time_mean_s"],
+        "compute_only_step_time_mean_s": base["step_time_mean_s"],
         "step_time_p10_s": row["step_time_p10_s"],
         "step_time_p90_s": row["step_time_p90_s"],
         "compute_only_step_time_s": base["step_time_s"],
         "exposed_comm_s": row["step_time_s"] - base["step_time_s"],
         "kernel_bytes_per_step": row.get("kernel_bytes_per_step"),
+        "kernel_bytes_per_step_mean": row.get("kernel_bytes_per_step_mean"),
         "hlo_bytes_per_step": row["hlo_bytes_per_step"],
+        "hlo_steady_bytes_per_step": row.get("hlo_steady_bytes_per_step"),
+        "hlo_messages_per_step": row.get("hlo_messages_per_step"),
         "time_to_target_s": _time_to(row, target),
+        "loss_within_budget": _loss_within(row, BUDGET_S),
         "final_eval_loss": row["final_eval_loss"],
         "params_total": row["params_total"],
         "evals": row["evals"],
@@ -373,8 +474,9 @@ def run(
     out_dir: str,
     partial_path: str | None = None,
     devices: int = DEVICES,
+    hosts: int = HOSTS,
 ):
-    """Every method on loopback and on each link, H hosts × `devices` devices each; returns the
+    """Every method on loopback and on each link, `hosts` hosts × `devices` devices each; returns the
     study's JSON object (written to `partial_path` after each row too, so a stopped study keeps
     what it measured)."""
     known = {**METHODS, **DDP_METHODS}
@@ -383,6 +485,8 @@ def run(
         raise ConfigError(f"--methods: {bad} not in the network study ({', '.join(known)})")
     if devices < 1:
         raise ConfigError(f"--network_devices={devices}: must be at least 1")
+    if hosts < 2:
+        raise ConfigError(f"--network_hosts={hosts}: a network needs at least 2 hosts")
     eval_every = max(steps // 3, 1)
     # No compilation cache shared between runs. Seen twice with one: the first run over the
     # network after the loopback run of the same program failed, process 1 aborted by a failed
@@ -393,17 +497,17 @@ def run(
     loopback = {}
     for m in methods:
         loopback[m] = _run(
-            os.path.join(out_dir, f"loopback_{m}"), m, None, steps, eval_every, env, devices
+            os.path.join(out_dir, f"loopback_{m}"), m, None, steps, eval_every, env, devices, hosts
         )
         print(f"loopback {m}: {loopback[m]['step_time_s'] * 1e3:.1f} ms/step", flush=True)
     ref = loopback.get("xla") or next(iter(loopback.values()))
-    target = target if target is not None else ref["final_eval_loss"]
+    target = target if target is not None else default_target(ref)
     runs = []
     for link in links:
         for m in methods:
             workdir = os.path.join(out_dir, f"{link}_{m}".replace("=", "-"))
-            row = _run(workdir, m, link, steps, eval_every, env, devices)
-            runs.append(_record(m, link, devices, row, loopback[m], target))
+            row = _run(workdir, m, link, steps, eval_every, env, devices, hosts)
+            runs.append(_record(m, link, hosts, devices, row, loopback[m], target))
             r = runs[-1]
             if partial_path:
                 with open(partial_path, "w", encoding="utf-8") as f:
@@ -421,6 +525,7 @@ def run(
             "steps": steps,
             "target_loss": target,
             "model_flags": list(MODEL),
+            "hosts": hosts,
             "devices_per_host": devices,
             "loopback": {
                 m: {k: v for k, v in r.items() if k != "step_times_s"} for m, r in loopback.items()

@@ -417,6 +417,13 @@ NOT_RUN = {
     "python scripts/bench.py --study=network --out=docs/data/network_rate50_more.json "
     "--methods=halving_doubling,tree,sharded_ps,bf16 --links=rate=50mbit "
     "--network_steps=10": _NETEM,
+    "python scripts/bench.py --study=network --out=docs/data/network_4hosts.json "
+    "--methods=xla,ddp,ring,bf16,ddp_fp16,powersgd,ddp_powersgd,int8,onebit_adam,diloco_h8,"
+    "diloco_h32,streaming_h8,stale1,ef_sign,topk,ps,sharded_ps,halving_doubling,tree "
+    "--links=rate=50mbit,rate=200mbit --network_steps=40 --network_hosts=4 "
+    "--network_devices=1": _NETEM
+    + "; 57 training runs take ~57 min on 2 quiet cores; tests/test_netem.py checks the "
+    "planner on its committed rows",
     "python scripts/bench.py --study=network --out=docs/data/network_rate50_methods.json "
     "--methods=xla,int8,halving_doubling,ef_sign,topk,onebit_adam,diloco_h8 "
     "--links=rate=50mbit --network_steps=10": _NETEM,

@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import metrics
+from jaxdist.hlo_cost import cross_host_bytes, cross_host_traffic
 from jaxdist.metrics import MetricsWriter, collective_bytes, collective_ops
 
 NDEV = len(jax.devices())
@@ -403,6 +404,20 @@ def test_conditional_charges_the_most_expensive_branch():
     )
     body = ["ROOT %c = f32[1024]{0} conditional(%i, %p, %p), branch_computations={%b0, %b1}"]
     assert collective_bytes(_module(body, extra=extra)) == {"all-reduce": 2 * 7 / 8 * S}
+    # Asked for, the cheapest branch instead: the permute (S, one pair), as 1-bit Adam's
+    # compressed branch after its warm-up; across 2 processes of 4 devices each, device 0's
+    # permute to device 1 stays inside process 0, so nothing crosses.
+    (op,) = collective_ops(_module(body, extra=extra), branch="cheapest")
+    assert (op.kind, op.wire_bytes, op.conditional) == ("collective-permute", S, True)
+    hosts = [0] * 4 + [1] * 4
+    text = _module(body, extra=extra)
+    assert cross_host_bytes(text, hosts)[0] == 2 * 7 / 8 * S  # the ring's hop from device 3 to 4
+    assert cross_host_bytes(text, hosts, branch="cheapest") == [0.0, 0.0]
+    # ... in gloo's messages: device 3 sends its ring step 2(N-1) = 14 times to device 4
+    assert cross_host_traffic(text, hosts) == ([2 * 7 / 8 * S] * 2, [14.0, 14.0])
+    assert cross_host_traffic(text, hosts, branch="cheapest") == ([0.0, 0.0], [0.0, 0.0])
+    with pytest.raises(ValueError, match="branch='newest'"):
+        collective_ops(text, branch="newest")
 
 
 def test_called_twice_counts_twice():

@@ -380,6 +380,52 @@ def test_planner_predicts_the_committed_50mbit_rows_within_20_percent():
         assert abs(r["predicted_step_time_s"] - r["step_time_s"]) <= 0.2 * r["step_time_s"], r
 
 
+def test_planner_on_the_committed_4host_rows():
+    """docs/data/network_4hosts.json (4 hosts x 1 device at 50 and 200 Mbit/s, measured as root):
+    with the no-exchange step, 1-bit Adam's cheapest branch and the periodic methods' mean steps,
+    the planner is within 20% on every row but the eight docs/PLANNER.md explains."""
+    sys.path.insert(0, os.path.join(str(ROOT), "scripts"))
+    import network_study
+
+    with open(os.path.join(ROOT, "docs", "data", "network_4hosts.json"), encoding="utf-8") as f:
+        study = network_study.add_predictions(json.load(f))
+    assert network_study.no_exchange_step(study) == study["loopback"]["diloco_h32"]["step_time_s"]
+    missed = set()
+    for r in study["runs"]:
+        measured, _ = network_study.compared(r)
+        if r["method"] == "ddp_powersgd":  # the hook's factors are not modelled: no prediction
+            assert r["predicted_step_time_s"] is None
+        elif abs(r["predicted_step_time_s"] / measured - 1) > 0.2:
+            missed.add((r["method"], r["link"]))
+    assert missed == {
+        ("halving_doubling", "rate=50mbit"),
+        ("halving_doubling", "rate=200mbit"),
+        ("ddp", "rate=200mbit"),
+        ("ddp_fp16", "rate=200mbit"),
+        ("xla", "rate=200mbit"),
+        ("stale1", "rate=200mbit"),
+        ("sharded_ps", "rate=50mbit"),
+        ("powersgd", "rate=200mbit"),
+    }
+    assert len(study["runs"]) == 38  # 19 methods x 2 links
+
+
+def test_network_study_launches_the_hosts_it_is_given():
+    """`--network_hosts`: H hosts x D devices launch H processes (DDP: H·D) with `mesh.data` = H·D
+    across `mesh.dcn_data` = H; fewer than 2 hosts is refused in one line."""
+    sys.path.insert(0, os.path.join(str(ROOT), "scripts"))
+    import network_study
+
+    cmd = network_study._command("w", "ring", "rate=50mbit", 10, 5, devices=1, hosts=4)
+    assert "--num_processes=4" in cmd and "--devices_per_process=1" in cmd
+    assert "--config.mesh.data=4" in cmd and "--config.mesh.dcn_data=4" in cmd
+    assert "--config.grad_sync.algorithm=ring" in cmd and "--network=rate=50mbit" in cmd
+    ddp = network_study._command("w", "ddp", "rate=50mbit", 10, 5, devices=2, hosts=3)
+    assert "--num_processes=6" in ddp and "--processes_per_host=2" in ddp
+    with pytest.raises(ConfigError, match="--network_hosts=1"):
+        network_study.run(["rate=50mbit"], ["xla"], 10, None, "unused", hosts=1)
+
+
 def _net_dev(path, sent_received: dict[int, tuple[int, int]]) -> None:
     """A switch's /proc/net/dev: port h<i> received what host i sent, transmitted what it got."""
     lines = ["Inter-|   Receive |  Transmit", " face |bytes packets ... |bytes packets ..."]
