@@ -250,6 +250,87 @@ def _check_attention() -> dict:
     }
 
 
+# Packed rows of the cuDNN check: the documents' lengths; the rest of a row is padding (segment
+# id 0). --tiny (the CPU dry run): a tenth of the length.
+_PACKED_ROWS = ((300, 500, 224), (700, 200))
+_PACKED_ROWS_TINY = ((30, 50, 24), (70, 20))
+
+
+def _check_packed_attention() -> dict:
+    """cuDNN attention on packed documents (issue 32), through the families' own `_attend`: each
+    document's output and gradients in a packed row equal that document run alone (causal only,
+    no mask), and the packed rows equal float32 XLA attention on them. bf16, GQA 8:2, head dim 64.
+    Without a GPU the same check runs through XLA attention (a dry run of the check itself)."""
+    import jax
+
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    rows = _PACKED_ROWS_TINY if _TINY.value else _PACKED_ROWS
+    alone, vs_ref, leak, hlo = _packed_attention_deltas(impl, rows)
+    fused = "cudnn" in hlo.lower()
+    return {
+        "name": f"packed documents: {impl} segment mask",
+        "ok": alone <= 2e-2 and vs_ref <= 2e-2 and leak > 0.1 and (fused or impl == "xla"),
+        "detail": f"output and dq/dk/dv, worst relative RMS: vs each document alone {alone:.2e} "
+        f"(≤ 2e-2), vs float32 XLA on the packed rows {vs_ref:.2e} (≤ 2e-2); without the mask a "
+        f"document's worst is {leak:.2e} (> 0.1: the check sees a leak); cuDNN fused attention "
+        f"in the HLO: {fused}" + ("" if impl == "cudnn" else " (no GPU: XLA attention, a dry run)"),
+    }
+
+
+def _packed_attention_deltas(impl: str, rows) -> tuple[float, float, float, str]:
+    """(worst relative RMS vs each document alone, vs float32 XLA, of the unmasked rows vs each
+    document alone, the compiled HLO) of `impl` attention's output and dq/dk/dv on packed `rows`
+    (documents' lengths per row)."""
+    import functools
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models import llama
+
+    T, N, K, H = max(sum(row) for row in rows), 8, 2, 64
+    keys = jax.random.split(jax.random.key(0), 4)
+    shapes = [(2, T, N, H), (2, T, K, H), (2, T, K, H), (2, T, N, H)]
+    q, k, v, ct = (jax.random.normal(key, s, jnp.bfloat16) for key, s in zip(keys, shapes))
+    seg, docs = np.zeros((2, T), np.int32), []  # padding keeps segment id 0
+    for r, row in enumerate(rows):
+        at = 0
+        for i, n in enumerate(row):
+            seg[r, at : at + n] = i + 1
+            docs.append((r, slice(at, at + n)))
+            at += n
+
+    def run(impl, q, k, v, ct, segments, dtype=jnp.bfloat16):
+        cfg = types.SimpleNamespace(attention=impl, context_attention="ring")
+        f = lambda *qkv: llama._attend(*qkv, None, cfg, segments)  # noqa: E731
+        out, vjp = jax.vjp(f, *(x.astype(dtype) for x in (q, k, v)))
+        return (out, *vjp(ct.astype(dtype)))
+
+    def host(xs):
+        return [np.asarray(x, np.float32) for x in xs]
+
+    args = (q, k, v, ct, jnp.asarray(seg))  # arguments, not constants XLA would fold
+    packed_fn = jax.jit(functools.partial(run, impl))
+    packed = host(packed_fn(*args))
+    ref = host(jax.jit(lambda *a: run("xla", *a, jnp.float32))(*args))
+    unmasked = host(jax.jit(lambda *a: run(impl, *a[:4], None))(*args))
+
+    def rel(a, b):
+        return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2)))
+
+    alone_worst = leak_worst = 0.0
+    for r, sl in docs:  # the document at slots 0..n-1 of a row of its own, causal, no mask
+        n = sl.stop - sl.start
+        qa, ka, va, ca = (jnp.zeros_like(x[:1]).at[0, :n].set(x[r, sl]) for x in (q, k, v, ct))
+        alone = [x[0, :n] for x in host(jax.jit(lambda *a: run(impl, *a, None))(qa, ka, va, ca))]
+        alone_worst = max(alone_worst, *(rel(p[r, sl], a) for p, a in zip(packed, alone)))
+        leak_worst = max(leak_worst, *(rel(u[r, sl], a) for u, a in zip(unmasked, alone)))
+    vs_ref = max(rel(a, b) for a, b in zip(packed, ref))
+    return alone_worst, vs_ref, leak_worst, packed_fn.lower(*args).compile().as_text()
+
+
 def _family_configs() -> list[str]:
     """One config per model family: the default GPT, every other family's own config."""
     names = ["configs/default.py", "configs/mlp.py", "configs/resnet.py"]
@@ -289,7 +370,7 @@ def phase_correct() -> dict:
     if not mesh.accelerator_present():
         mesh.configure_cpu_devices(8)  # the CPU dry run: the default configs' simulated devices
     checks = []
-    jobs = [_check_default_job, _check_attention] + [
+    jobs = [_check_default_job, _check_attention, _check_packed_attention] + [
         (lambda p=p: _check_family(p)) for p in _family_configs()
     ]
     for job in jobs:

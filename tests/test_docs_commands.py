@@ -378,6 +378,11 @@ NOT_RUN = {
         "its OUT_DIR defaults to runs/gpu_check: the run above, which tests/test_gpu_check.py "
         "makes (100 s of CPU, every row of issue 35, run twice otherwise)"
     ),
+    "bash scripts/gpu_check.sh OUT --wheels .whl --only gpt_1b_bf16,gpt_1b_fp8,"
+    "llama3_8b_proxy_bf16,llama3_8b_proxy_fp8,correct --budget_s 480 --row_s 160": (
+        "a GPU window's rows (--only names GPU rows, which the CPU dry run has not; "
+        "tests/test_gpu_check.py runs the dry run and checks --only)"
+    ),
     "python scripts/bench_gpu.py --phase=point ...": (
         "a template; `bash scripts/gpu_check.sh` (run here) runs every point of it"
     ),

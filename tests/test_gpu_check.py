@@ -61,6 +61,8 @@ def test_env_and_correctness_checks(dry_run):
     assert "loss" in checks["default job, 20 steps"]["detail"]
     refusal = checks["attention=cudnn vs xla"]["detail"]
     assert "model.attention='cudnn' needs NVIDIA GPUs" in refusal and "\n" not in refusal
+    packed = checks["packed documents: xla segment mask"]["detail"]  # cuDNN's, run through XLA
+    assert "vs each document alone" in packed and "the check sees a leak" in packed
     families = [name for name in checks if name.startswith("two train steps")]
     assert len(families) >= 3  # gpt, mlp, resnet (and every family config added later)
 
@@ -208,3 +210,23 @@ def test_gemm_counts_read_the_compiled_hlo(monkeypatch):
         "fp8_triton": 1,
         "fp8_gemms": 1,
     }
+
+
+def test_only_refuses_a_row_this_machine_has_not(tmp_path):
+    # A GPU window's `--only` names GPU rows; on a CPU they are not rows, and the script says so
+    # in one line listing the rows it has, before running anything.
+    env = {**os.environ, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", str(tmp_path / "out"), "--only", "gpt_1b_bf16,correct"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = proc.stderr.strip()
+    assert "\n" not in line and "Traceback" not in proc.stdout + proc.stderr
+    assert line.startswith("error: --only names gpt_1b_bf16, which is not a row here")
+    assert "tiny_gpt_bf16" in line and "correct" in line
+    assert not (tmp_path / "out" / "points" / "gpt_1b_bf16.json").exists()
