@@ -138,6 +138,19 @@ def flip_a_bit_that_still_decodes(ckpt_dir: pathlib.Path, step: int) -> str:
     raise AssertionError(f"no flip in {data_file} decodes silently")
 
 
+# The XLA:CPU code-generation flags tests/conftest.py puts in XLA_FLAGS for the session.
+SUITE_CODEGEN_FLAGS = ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")
+
+
+def suite_xla_flags() -> str:
+    """XLA_FLAGS for a script run whose environment must not carry the caller's XLA flags (a
+    device count, say): only the suite's code-generation flags, which change how fast a program
+    compiles and, with the fusion-emitter flag, its last bits (tests/conftest.py), never what
+    it computes or how it is laid out."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(f for f in flags if f.split("=")[0] in SUITE_CODEGEN_FLAGS)
+
+
 # A one-layer, 32-wide GPT on one CPU device, logging every step: the scripts' flags for the
 # tests that run whole jobs (kill, resume, restart) and compare their metrics.
 ONE_DEVICE_GPT_FLAGS = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from jaxdist import loop
+from tests.helpers import suite_xla_flags
 
 # `metrics.human_duration`: 42s, 3m05s or 1h02m (a loaded machine takes minutes).
 DURATION = r"(?:\d+s|\d+m\d\ds|\d+h\d\dm)"
@@ -86,10 +87,11 @@ def _train_in_a_terminal(workdir, *flags):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tiny = ["--config.model.num_layers=1", "--config.model.d_model=32", "--config.model.seq_len=32"]
     cmd = [sys.executable, os.path.join(root, "scripts/train.py"), f"--workdir={workdir}"]
+    xla_flags = suite_xla_flags()
     pid, fd = pty.fork()
     if pid == 0:  # the child: the test's environment, JAX on the CPU
         os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ.pop("XLA_FLAGS", None)
+        os.environ["XLA_FLAGS"] = xla_flags
         os.execv(sys.executable, [*cmd, *tiny, *flags])
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 150, 0, 0))
     out = b""

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from jaxdist import checkpoint
-from tests.helpers import ONE_DEVICE_GPT_FLAGS, ORBAX_ABANDONED_READS
+from tests.helpers import ONE_DEVICE_GPT_FLAGS, ORBAX_ABANDONED_READS, suite_xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 # Verifying the corrupted checkpoint below (in this process) leaves orbax reads in flight.
@@ -58,7 +58,7 @@ _CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "JAXDIST_", "JOB_COMPLETION_IND
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_CLUSTER_PREFIXES)}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = suite_xla_flags()
     env.update(
         JAX_PLATFORMS="cpu",
         JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),

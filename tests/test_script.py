@@ -10,12 +10,14 @@ import sys
 
 import pytest
 
+from tests.helpers import suite_xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_train(*args: str, workdir: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = suite_xla_flags()
     workdir = os.path.relpath(workdir, ROOT)  # relative, as users type it (runs/default)
     return subprocess.run(
         [sys.executable, "scripts/train.py", f"--workdir={workdir}", *args],

@@ -18,6 +18,7 @@ import pytest
 
 from jaxdist import workdir_lock
 from jaxdist.errors import ConfigError
+from tests.helpers import suite_xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 SINCE = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00"
@@ -103,7 +104,7 @@ def test_a_lock_left_by_the_launchers_earlier_attempt_is_taken_over_on_any_host(
 
 def _train(workdir: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = suite_xla_flags()
     cmd = [sys.executable, "scripts/train.py", "--config=configs/mlp.py", f"--workdir={workdir}"]
     return subprocess.Popen(
         [*cmd, "--config.train.log_every=1", *extra],
