@@ -149,6 +149,17 @@ SHORTENED = {
         "three optimizers' studies in one, about 70 training runs (an hour and a half on 2 cores); "
         "one optimizer's batch pair for 2 steps, with one re-tune, runs the same code",
     ),
+    "python scripts/bench.py --study=batch --config=configs/llama_tiny.py "
+    "--config.runtime.cpu_devices=1 --config.mesh.data=1 --config.mesh.fsdp=1 "
+    "--config.mesh.tensor=1 --config.model.seq_len=32 --config.train.schedule=constant "
+    "--config.train.warmup_steps=10 --batch_sizes=16,64,256,32,128,512 --lr_grid=0.25,1,4 "
+    "--retune=0.5,2 --target_loss=2.35 --max_steps=500 --max_examples=16384 "
+    "--eval_every_examples=320 --val_examples=128 --partial --optimizers=muon,lamb,adamw "
+    "--out=docs/data/batch_study_llama_tiny.json": (
+        _BATCH_STUDY[0] + " --optimizers=muon --retune=2",
+        "three optimizers' studies on llama_tiny, 54 training runs (half an hour on 2 cores); one "
+        "optimizer's batch pair for 2 steps, with one re-tune, runs the same code",
+    ),
     "python scripts/bench.py --study=moments --out=docs/data/moments_default.json": (
         "--max_steps=4",
         "the default job's 300 steps three times (float32, bfloat16 nearest and stochastic) take "
