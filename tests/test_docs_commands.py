@@ -450,6 +450,10 @@ NOT_RUN = {
     "--network_devices=1": _NETEM
     + "; 57 training runs take ~57 min on 2 quiet cores; tests/test_netem.py checks the "
     "planner on its committed rows",
+    "python scripts/bench.py --study=network --out=docs/data/network_4hosts_repeat.json "
+    "--methods=xla,ring,bf16,int8,powersgd,diloco_h8 --links=rate=50mbit --network_steps=40 "
+    "--network_hosts=4 --network_devices=1": _NETEM
+    + "; 12 training runs take 12 min on 2 quiet cores",
     "python scripts/bench.py --study=network --out=docs/data/network_rate50_methods.json "
     "--methods=xla,int8,halving_doubling,ef_sign,topk,onebit_adam,diloco_h8 "
     "--links=rate=50mbit --network_steps=10": _NETEM,
