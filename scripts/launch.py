@@ -123,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
         "--network",
         default="",
         help="run on emulated hosts with shaped links: a profile (list: --network=list) or "
-        f"inline {profiles.INLINE_HELP}; needs root",
+        f"inline {profiles.INLINE_HELP.replace('%', '%%')}; needs root",
     )
     parser.add_argument(
         "--processes_per_host",
