@@ -192,6 +192,7 @@ def _grad_sync_fields(c: ml_collections.ConfigDict) -> None:
     c.grad_sync.outer_mix = 0.5  # streaming, overlap > 0: replica's share in the arriving fragment
     c.grad_sync.algorithm = "xla"  # the data-parallel all-reduce (jaxdist/allreduce.py ALGORITHMS)
     c.grad_sync.staleness = 0  # tau: step t applies the reduced gradient of step t - tau
+    c.grad_sync.overlap = "none"  # backward: per layer inside the backward; next_step (overlap.py)
     c.grad_sync.compress_over = "all"  # "dcn": hierarchical compresses only across hosts
 
 

@@ -9,10 +9,13 @@
                `grad_sync.compression` names (jaxdist/compression.py, collectives.sync_grads).
   allreduce    the same per-replica path, reduced exactly by `grad_sync.algorithm` (ring, tree,
                parameter server, ...: jaxdist/allreduce.py) instead of XLA's own all-reduce.
+  overlapped   per-replica gradients whose reduction (by the algorithm, or bf16) overlaps compute
+               (`grad_sync.overlap`, jaxdist/overlap.py): each layer's inside the backward, or
+               each step's during the next step.
   local_sgd    `grad_sync.local_steps` inner steps per replica, then an outer step on the average
                (jaxdist/collectives.py, local SGD / DiLoCo; streaming DiLoCo: jaxdist/streaming.py).
 
-The first five are gradient functions behind one signature, `GradFn`:
+The first six are gradient functions behind one signature, `GradFn`:
 `(params, batch, extra) -> (loss, aux, grads, extra)`, where `extra` holds the state entries the
 strategy owns; `from_gradients` adds the optimizer step (and `grad_sync.staleness`, the delay of
 jaxdist/staleness.py). Local SGD runs its optimizer per replica
@@ -39,6 +42,7 @@ from jaxdist import (
     collectives,
     compression,
     microbatch,
+    overlap,
     pipeline,
     sharding,
     staleness,
@@ -310,6 +314,41 @@ def reduced(setup: Setup) -> Strategy:
     return from_gradients("allreduce", gradients, setup.tx, schedule=schedule, delay=_delay(setup))
 
 
+def overlapped(setup: Setup) -> Strategy:
+    """Per-replica gradients whose reduction overlaps compute (`grad_sync.overlap`,
+    jaxdist/overlap.py): `backward`, each layer's inside the backward, as DDP's buckets; or
+    `next_step`, each step's during the next step's forward and backward (staleness 1)."""
+    c, mesh = setup.config, setup.mesh
+    reduce = overlap.bucket_reducer(c.grad_sync, "data", int(c.mesh.dcn_data))
+    if c.grad_sync.overlap == "backward":
+        grads_of = overlap.overlapped_grads(setup.loss_fn, setup.param_axes, reduce, mesh)
+
+        def gradients(params, batch, extra):
+            loss, grads = grads_of(params, batch)
+            return loss, {}, grads, extra
+
+        return from_gradients("overlapped", gradients, setup.tx)
+    step = overlap.local_grads(setup.loss_fn, reduce, mesh, "data")
+    r = mesh.shape["data"]
+    abstract = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct((r, *p.shape), jnp.float32), setup.abstract_params
+    )
+    specs = jax.tree.map(lambda s: P("data", *s.spec), setup.param_shardings)
+
+    def init(params):
+        return jax.tree.map(lambda p: jnp.zeros((r, *p.shape), jnp.float32), params)
+
+    entry = Entry.from_specs(abstract, specs, mesh, init)
+
+    def next_step(params, batch, extra):
+        loss, reduced, held = step(params, batch, extra[overlap.KEY])
+        return loss, {}, reduced, {overlap.KEY: held}
+
+    # the first step has no earlier gradient: the optimizer is held, as with staleness 1
+    tx = staleness.hold_while_filling(setup.tx, 1)
+    return from_gradients("overlapped", next_step, tx, {overlap.KEY: entry})
+
+
 def _per_hop(setup: Setup, grads_of, schedule) -> Strategy:
     """bf16 / int8 / topk at every ring hop (`ring`) or across hosts only (`hierarchical`,
     compress_over=dcn), each device on its own shard (fsdp / tensor) as `reduced`;
@@ -421,6 +460,7 @@ STRATEGIES: dict[str, Callable[[Setup], Strategy]] = {
     "pipelined": pipelined,
     "compressed": compressed,
     "allreduce": reduced,
+    "overlapped": overlapped,
     "local_sgd": local_sgd,
 }
 
@@ -429,6 +469,8 @@ def choose(config, mesh_shape: Mapping[str, int]) -> str:
     """The `STRATEGIES` name a config runs on a mesh of these axis sizes."""
     if mesh_shape["data"] > 1 and config.grad_sync.local_steps > 1:
         return "local_sgd"
+    if mesh_shape["data"] > 1 and config.grad_sync.get("overlap", "none") != "none":
+        return "overlapped"
     if mesh_shape["data"] > 1 and config.grad_sync.algorithm != "xla":
         return "allreduce"
     if mesh_shape["data"] > 1 and config.grad_sync.compression != "none":
@@ -484,6 +526,7 @@ def check(config, mesh_shape: Mapping[str, int]) -> None:
             "train.nesterov=False"
         )
     streaming.check(g, mesh_shape)
+    overlap.check(config, mesh_shape)
     if g.local_steps > 1:
         _check_explicit("grad_sync.local_steps", g.local_steps, "local_steps=1", mesh_shape)
         if g.compression != "none":

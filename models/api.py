@@ -14,9 +14,11 @@ the head's parts, and works on any tree with the same structure (the logical axe
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -122,6 +124,25 @@ def remat_names() -> tuple[str, ...]:
     return tuple(REMAT)
 
 
+LayerLoop = Callable[[Callable[[Params, Any], Any], Params, Any, int], Any]
+_LAYER_LOOP: contextvars.ContextVar[LayerLoop | None] = contextvars.ContextVar(
+    "layer_loop", default=None
+)
+
+
+@contextlib.contextmanager
+def layer_loop(loop: LayerLoop) -> Iterator[None]:
+    """While tracing inside this block, `scan_layers` runs its layers with
+    `loop(block, stacked, x, unroll)` (the block already rematerialized as `train.remat` says)
+    instead of its own `lax.scan`: jaxdist/overlap.py's loop reduces each layer's gradient inside
+    the backward."""
+    token = _LAYER_LOOP.set(loop)
+    try:
+        yield
+    finally:
+        _LAYER_LOOP.reset(token)
+
+
 def scan_layers(
     block: Callable[[Params, jax.Array], jax.Array],
     stacked: Params,
@@ -143,6 +164,8 @@ def scan_layers(
         610 ms step on an H100); unrolled, those are separate buffers.
     """
     fn = block if remat == "none" else jax.checkpoint(block, policy=REMAT_POLICIES[remat])
+    if (loop := _LAYER_LOOP.get()) is not None:
+        return loop(fn, stacked, x, unroll)
 
     def body(h, lp):
         return fn(lp, h), None

@@ -68,6 +68,14 @@ METHODS: dict[str, tuple[str, ...]] = {
         "--config.grad_sync.warmup_steps=2",
     ),
     "stale1": ("--config.grad_sync.staleness=1",),
+    # grad_sync.overlap: each layer's gradient reduced inside the backward (jaxdist/overlap.py)
+    "xla_overlap": ("--config.grad_sync.overlap=backward",),
+    "ring_overlap": ("--config.grad_sync.algorithm=ring", "--config.grad_sync.overlap=backward"),
+    "bf16_overlap": ("--config.grad_sync.compression=bf16", "--config.grad_sync.overlap=backward"),
+    # ... or each step's gradient reduced during the next step's compute (staleness 1)
+    "xla_next": ("--config.grad_sync.overlap=next_step",),
+    "ring_next": ("--config.grad_sync.algorithm=ring", "--config.grad_sync.overlap=next_step"),
+    "bf16_next": ("--config.grad_sync.compression=bf16", "--config.grad_sync.overlap=next_step"),
     "diloco_h8": (
         "--config.grad_sync.local_steps=8",
         "--config.grad_sync.outer_optimizer=nesterov",
@@ -396,7 +404,18 @@ def table(result: dict) -> str:
 
 
 # jaxdist method -> the DDP method that sends the same bytes (fp32 ring, 16-bit, PowerSGD rank 4)
-PAIRS = {"xla": "ddp", "ring": "ddp", "bf16": "ddp_fp16", "powersgd": "ddp_powersgd"}
+PAIRS = {
+    "xla": "ddp",
+    "xla_overlap": "ddp",
+    "ring": "ddp",
+    "ring_overlap": "ddp",
+    "bf16": "ddp_fp16",
+    "bf16_overlap": "ddp_fp16",
+    "xla_next": "ddp",
+    "ring_next": "ddp",
+    "bf16_next": "ddp_fp16",
+    "powersgd": "ddp_powersgd",
+}
 
 
 def side_by_side(result: dict) -> str:

@@ -454,6 +454,10 @@ NOT_RUN = {
     "--methods=xla,ring,bf16,int8,powersgd,diloco_h8 --links=rate=50mbit --network_steps=40 "
     "--network_hosts=4 --network_devices=1": _NETEM
     + "; 12 training runs take 12 min on 2 quiet cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_overlap_2h.json "
+    "--methods=xla,xla_overlap,xla_next,bf16,bf16_overlap,bf16_next,ddp,ddp_fp16 "
+    "--links=rate=50mbit --network_steps=20 --network_devices=1": _NETEM
+    + "; 16 training runs take 6 min on 2 quiet cores; tests/test_overlap.py checks both modes",
     "python scripts/bench.py --study=network --out=docs/data/network_rate50_methods.json "
     "--methods=xla,int8,halving_doubling,ef_sign,topk,onebit_adam,diloco_h8 "
     "--links=rate=50mbit --network_steps=10": _NETEM,

@@ -180,6 +180,7 @@ LAYERS = (
         "jaxdist.collectives",
         "jaxdist.compression",
         "jaxdist.allreduce",
+        "jaxdist.overlap",  # grad_sync.overlap: each layer reduced inside the backward
         "jaxdist.optim",
         "jaxdist.muon",  # train.optimizer=muon's transform, read by jaxdist.optim's spec
         "jaxdist.checkpoint",  # the package: its modules below
