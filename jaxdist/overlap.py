@@ -1,29 +1,30 @@
-"""`grad_sync.overlap`: each layer's gradient reduced inside the backward, as soon as it exists.
+"""`grad_sync.overlap`: the gradient's exchange placed beside compute, in one XLA program.
 
 PyTorch DDP puts gradients in buckets in the order the backward makes them and starts each bucket's
 all-reduce while the backward of the earlier layers still computes. jaxdist's other data-parallel
 strategies reduce the whole gradient after the whole backward (`collectives.sync_grads`,
-`allreduce.reducer`), so on a slow link the transfer is all exposed.
+`allreduce.reducer`). The per-replica gradient runs here in a `shard_map` over `data`, in one of
+two ways (the `overlapped` strategy, jaxdist/strategies.py):
 
-Here the per-replica gradient runs in a `shard_map` over `data`, and the gradient is reduced in
-buckets inside the backward:
-- one bucket per layer: `models.api.scan_layers` hands its layers to `ReducingLoop`
-  (`api.layer_loop`), whose backward loop reduces layer l+1's gradient in the iteration that
-  computes layer l's, two pieces of work with no dependency between them;
-- one bucket per other parameter (embedding, head, norms), reduced when its gradient is complete
-  (the backward of an identity, `reduce_in_backward`): the head's first, the embedding's last.
+- `backward`: buckets inside the backward. One per layer: `models.api.scan_layers` hands its layers
+  to `ReducingLoop` (`api.layer_loop`), whose backward loop reduces layer l+1's gradient in the
+  iteration that computes layer l's, two pieces of work with no dependency between them; and one
+  per other parameter (embedding, head, norms), reduced when its gradient is complete (the
+  backward of an identity, `reduce_in_backward`). The layers' reductions sit in one loop, so XLA
+  cannot merge them: an unrolled backward with a `psum` per layer compiles to one all-reduce
+  after the whole backward (XLA's all-reduce combiner).
+- `next_step`: `local_grads` reduces the previous step's per-replica gradient (held in the train
+  state) beside this step's forward and backward; the update applies it, as staleness 1 does.
 
-XLA:CPU's thunk executor runs independent work of one loop iteration on its threads at once, so
-a gloo exchange waits on the wire while the other thread computes (docs/AGGREGATION.md measures
-what that hides). Two layers' reductions are never independent work for XLA to merge: a plain
-unrolled backward with a `psum` per layer gets one all-reduce after the whole backward (XLA's
-all-reduce combiner), which hides nothing.
-Each bucket is one flat f32 buffer reduced by `grad_sync.algorithm` (`allreduce.mean_tree`: `xla`'s
-all-reduce, a ring of collective-permutes, ...) or, with `grad_sync.compression=bf16`, the bf16
-two-phase exchange of `compression.casts.bf16` per tensor: the sums equal the unoverlapped
-strategies' (bit for bit for `xla` and `bf16`; a ring's chunks follow the bucket, so its float
-sums are reordered). Pure data parallelism only: every other mesh axis 1, no gradient
-accumulation, no stateful compressor (their state is per step, not per bucket).
+Each bucket is one flat f32 buffer reduced by `grad_sync.algorithm` (`allreduce.mean_tree`) or,
+with `grad_sync.compression=bf16`, by `compression.casts.bf16`'s two-phase exchange: elementwise
+the same sums as the unoverlapped strategies (a ring's chunks follow the bucket, so its float sums
+are reordered; tests/test_overlap.py gives the tolerances). Pure data parallelism only: every
+other mesh axis 1, no gradient accumulation, no stateful compressor.
+
+On XLA:CPU with gloo neither mode hides any of the transfer (docs/AGGREGATION.md, "Overlapping
+the exchange with compute"): the placement is what a backend with asynchronous collectives needs,
+not measured here.
 """
 
 from __future__ import annotations

@@ -58,6 +58,13 @@ def _parse(argv: list[str]):
     parser.add_argument("--ddp_hook", choices=HOOKS, default="none")
     parser.add_argument("--powersgd_rank", type=int, default=4)
     parser.add_argument(
+        "--init",
+        choices=("torch", "jaxdist"),
+        default="torch",
+        help="initial parameters: torch's generator (seeded with train.seed), or the ones a "
+        "jaxdist run of this config starts from (its family's init with train.seed)",
+    )
+    parser.add_argument(
         "--torch_threads",
         type=int,
         default=0,
@@ -91,6 +98,42 @@ def _parse(argv: list[str]):
     if args.powersgd_rank < 1:
         parser.error(f"--powersgd_rank={args.powersgd_rank}: must be at least 1")
     return args, cfg
+
+
+def jaxdist_initial_params(cfg) -> dict:
+    """The parameters a jaxdist run of `cfg` starts from, as numpy: its family's module built
+    with `nnx.Rngs(jax.random.key(train.seed))` in a jitted function, as `jaxdist.state`'s init
+    does (on this process's CPU: the random bits do not depend on the devices)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import models
+    from jaxdist import data
+
+    ds = data.load(cfg.data, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size)
+    make_model = models.get(cfg.model.name).make(cfg.model, ds)
+    def init(key):  # compiled, as jaxdist's init is: XLA's fused scaling rounds as it does
+        return nnx.to_pure_dict(nnx.state(make_model(nnx.Rngs(key)), nnx.Param))
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        params = jax.jit(init)(jax.random.key(cfg.train.seed))
+    return jax.tree.map(np.asarray, params)
+
+
+def load_jaxdist_params(model, params: dict) -> None:
+    """Copies jaxdist GPT parameters (a pure dict, `blocks` stacked [L, ...]) into `_model`'s."""
+    import numpy as np
+    import torch
+
+    t = lambda x: torch.from_numpy(np.asarray(x, np.float32).copy())  # noqa: E731
+    with torch.no_grad():
+        model.embed.copy_(t(params["embed"]))
+        model.final_norm.copy_(t(params["final_norm"]))
+        model.head.copy_(t(params["head"]))
+        for i, b in enumerate(model.blocks):
+            for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_up", "w_down"):
+                getattr(b, name).copy_(t(params["blocks"][name][i]).reshape(getattr(b, name).shape))
 
 
 def _rendezvous() -> tuple[int, int]:
@@ -312,6 +355,8 @@ def main(argv: list[str]) -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(cfg.train.seed)  # the same initial parameters on every rank
     model = _model(cfg)
+    if args.init == "jaxdist":
+        load_jaxdist_params(model, jaxdist_initial_params(cfg))
     params_total = sum(p.numel() for p in model.parameters())
     expected = gpt_param_count(cfg)
     assert params_total == expected, f"{params_total} parameters, jaxdist's GPT has {expected}"

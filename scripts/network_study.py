@@ -95,6 +95,9 @@ DDP_METHODS: dict[str, tuple[str, ...]] = {
     "ddp": (),
     "ddp_fp16": ("--ddp_hook=fp16",),
     "ddp_powersgd": ("--ddp_hook=powersgd", "--powersgd_rank=4"),
+    # starting from the parameters a jaxdist run of the same config starts from
+    "ddp_jaxinit": ("--init=jaxdist",),
+    "ddp_fp16_jaxinit": ("--ddp_hook=fp16", "--init=jaxdist"),
 }
 DDP = os.path.join(ROOT, "scripts", "ddp_gpt.py")
 HOSTS, DEVICES = 2, 2
@@ -280,7 +283,7 @@ def planner_hardware(
 PERIODIC = tuple(m for m, flags in METHODS.items() if any("local_steps" in f for f in flags))
 # Methods that run an exact algorithm under another name: DDP's default is gloo's ring all-reduce,
 # staleness 1 is XLA's all-reduce of the previous step's gradient.
-SAME_ALGORITHM = {"ddp": "ring", "stale1": "xla"}
+SAME_ALGORITHM = {"ddp": "ring", "ddp_jaxinit": "ring", "stale1": "xla"}
 # Methods with a full-precision warm-up branch; their steady state sends the cheapest branch.
 WARMUP = ("onebit_adam",)
 
@@ -335,7 +338,7 @@ def add_predictions(result: dict, latency_s: float = MESSAGE_LATENCY_S) -> dict:
             )
             continue
         sent = max(row.get("hlo_steady_bytes_per_step") or row["hlo_bytes_per_step"])
-        if row["method"] == "ddp_fp16":
+        if row["method"] in ("ddp_fp16", "ddp_fp16_jaxinit"):
             sent /= 2
         elif row["method"] == "ddp_powersgd":
             sent = None  # no HLO, and the hook's factors are not modelled here

@@ -151,16 +151,33 @@ def test_the_torch_gpt_computes_jaxdists_loss_from_jaxdists_parameters():
     )
     pt = ddp_gpt._model(cfg)
     assert sum(p.numel() for p in pt.parameters()) == ddp_gpt.gpt_param_count(cfg)
-    t = lambda x: torch.from_numpy(np.asarray(x, np.float32).copy())  # noqa: E731
-    blocks = jx.blocks.stacked()
+    ddp_gpt.load_jaxdist_params(pt, nnx.to_pure_dict(nnx.state(jx, nnx.Param)))
     with torch.no_grad():
-        pt.embed.copy_(t(jx.embed[...]))
-        pt.final_norm.copy_(t(jx.final_norm[...]))
-        pt.head.copy_(t(jx.head[...]))
-        for i, b in enumerate(pt.blocks):
-            for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_up", "w_down"):
-                getattr(b, name).copy_(t(blocks[name][i]).reshape(getattr(b, name).shape))
         got = pt(torch.from_numpy(tokens[:, :-1]).long(), torch.from_numpy(tokens[:, 1:]).long())
     assert abs(float(want) - math.log(256)) > 0.5  # not the uniform guess
     # matched: 5e-7 apart (float32); the exact GELU instead of tanh's moves it by 1.2e-5
     assert abs(float(got) - float(want)) < 3e-6, (float(got), float(want))
+
+
+def test_ddp_init_jaxdist_starts_from_a_jaxdist_runs_parameters():
+    """`ddp_gpt.py --init=jaxdist`: the parameters a jaxdist run of the same config initialises
+    (its engine's `init`, on the 8 devices), bit for bit, and the torch model holds them."""
+    import jax
+    import numpy as np
+
+    sys.path.insert(0, "scripts")
+    import ddp_gpt
+    from tests.helpers import engine_for
+
+    args, cfg = ddp_gpt._parse(["--workdir=unused", "--init=jaxdist", *_study().MODEL])
+    assert args.init == "jaxdist"
+    want = jax.device_get(engine_for(cfg)[0].init()["params"])
+    got = ddp_gpt.jaxdist_initial_params(cfg)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    pt = ddp_gpt._model(cfg)
+    ddp_gpt.load_jaxdist_params(pt, got)
+    np.testing.assert_array_equal(pt.blocks[1].w_up.detach().numpy(), got["blocks"]["w_up"][1])
+    np.testing.assert_array_equal(
+        pt.blocks[0].wqkv.detach().numpy(), got["blocks"]["wqkv"][0].reshape(128, 384)
+    )

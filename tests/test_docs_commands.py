@@ -454,6 +454,13 @@ NOT_RUN = {
     "--methods=xla,ring,bf16,int8,powersgd,diloco_h8 --links=rate=50mbit --network_steps=40 "
     "--network_hosts=4 --network_devices=1": _NETEM
     + "; 12 training runs take 12 min on 2 quiet cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_4x2_hierarchical.json "
+    "--methods=xla,ring,hierarchical --links=rate=50mbit --network_steps=20 --network_hosts=4 "
+    "--network_devices=2": _NETEM + "; 6 training runs take 5 min on 2 quiet cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_ddp_jaxinit_2h.json "
+    "--methods=xla,ddp,ddp_jaxinit,bf16,ddp_fp16,ddp_fp16_jaxinit --links=rate=50mbit "
+    "--network_steps=20 --network_devices=1": _NETEM
+    + "; 12 training runs take 5 min on 2 quiet cores; tests/test_ddp_network.py checks the init",
     "python scripts/bench.py --study=network --out=docs/data/network_overlap_2h.json "
     "--methods=xla,xla_overlap,xla_next,bf16,bf16_overlap,bf16_next,ddp,ddp_fp16 "
     "--links=rate=50mbit --network_steps=20 --network_devices=1": _NETEM
