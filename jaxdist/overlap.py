@@ -226,7 +226,8 @@ def local_grads(
         # The replicas' mean loss from an all-gather: XLA merges independent all-reduces, and a
         # pmean here would join the gradient's all-reduce, which would then wait for the forward.
         loss = jnp.mean(jax.lax.all_gather(loss, axis))
-        return loss, reduced, jax.tree.map(lambda g: g[None], grads)
+        # held in float32, as the state entry is, whatever the parameters' dtype
+        return loss, reduced, jax.tree.map(lambda g: g[None].astype(jnp.float32), grads)
 
     return jax.shard_map(
         body,
