@@ -221,17 +221,22 @@ def all_reduce(x: jax.Array, axis: str, n: int, algorithm: str, hosts: int = 1) 
     return spec.reduce(x, axis, n, hosts)[:size]
 
 
+def as_one_buffer(tree: Any, reduce_flat: Callable[[jax.Array], jax.Array]) -> Any:
+    """`reduce_flat` applied to every leaf of `tree` at once, as one flat f32 buffer (one
+    exchange, not one per tensor); each leaf gets its part back in its own shape and dtype."""
+    leaves, treedef = jax.tree.flatten(tree)
+    out = reduce_flat(jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves]))
+    parts, start = [], 0
+    for x in leaves:
+        parts.append(out[start : start + x.size].reshape(x.shape).astype(x.dtype))
+        start += x.size
+    return jax.tree.unflatten(treedef, parts)
+
+
 def mean_tree(tree: Any, axis: str, algorithm: str, hosts: int = 1) -> Any:
     """Every float leaf's mean over `axis`, all leaves reduced as one flat f32 buffer."""
-    leaves, treedef = jax.tree.flatten(tree)
     n = jax.lax.axis_size(axis)
-    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
-    summed = all_reduce(flat, axis, n, algorithm, hosts) / n
-    out, start = [], 0
-    for x in leaves:
-        out.append(summed[start : start + x.size].reshape(x.shape).astype(x.dtype))
-        start += x.size
-    return jax.tree.unflatten(treedef, out)
+    return as_one_buffer(tree, lambda flat: all_reduce(flat, axis, n, algorithm, hosts) / n)
 
 
 def codec(name: str, topk_ratio: float = 1.0) -> Codec:

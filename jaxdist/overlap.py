@@ -34,7 +34,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -72,18 +71,6 @@ def reduce_in_backward(reduce: Reduce) -> Callable[[Any], Any]:
     return ident
 
 
-def as_one_buffer(tree: Any, reduce_flat: Callable[[jax.Array], jax.Array]) -> Any:
-    """`reduce_flat` applied to every leaf of `tree` at once, as one flat f32 buffer: one
-    exchange per bucket rather than one per tensor."""
-    leaves, treedef = jax.tree.flatten(tree)
-    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
-    out = reduce_flat(flat)
-    offsets = np.cumsum([0] + [x.size for x in leaves])
-    return treedef.unflatten(
-        [out[a:b].reshape(x.shape).astype(x.dtype) for x, a, b in zip(leaves, offsets, offsets[1:])]
-    )
-
-
 def bucket_reducer(grad_sync, axis: str, hosts: int) -> Reduce:
     """One bucket's mean over `axis`, as `grad_sync` (compression, algorithm) says, the bucket's
     tensors sent as one buffer. bf16's two-phase mean is elementwise (each element rounded to
@@ -91,7 +78,7 @@ def bucket_reducer(grad_sync, axis: str, hosts: int) -> Reduce:
     differently leaves every element's value as the per-tensor `compressed` strategy's."""
     if grad_sync.compression == "bf16":
         tx = casts.bf16(axis)
-        return lambda tree: as_one_buffer(tree, lambda flat: tx.update(flat, None)[0])
+        return lambda tree: allreduce.as_one_buffer(tree, lambda flat: tx.update(flat, None)[0])
     return lambda tree: allreduce.mean_tree(tree, axis, grad_sync.algorithm, hosts)
 
 
