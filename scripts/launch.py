@@ -692,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(progress_dir, ignore_errors=True)
         if cluster is not None:
             cluster.down()
+            if cluster.wire_summary():
+                print(f"{NAME}: {cluster.wire_summary()}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -203,6 +203,7 @@ LAYERS = (
         "jaxdist.network.counters",
         "jaxdist.network.namespaces",
         "jaxdist.network.profiles",
+        "jaxdist.network.wire",
         "jaxdist.orbax_reads",
         "jaxdist.data",
         "jaxdist.metrics",

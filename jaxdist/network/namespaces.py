@@ -23,14 +23,17 @@ process reads all hosts' byte counters (`jaxdist.network.counters`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from jaxdist.errors import ConfigError
+from jaxdist.network import wire
 from jaxdist.network.profiles import LinkSpec
 
 PREFIX = "jdn"
@@ -38,6 +41,7 @@ SUBNET = "198.18.0"  # RFC 2544's benchmarking range
 NETNS_RUN = "/run/netns"
 NETNS_ETC = "/etc/netns"
 ENV_NO_PRIVILEGE = "JAXDIST_NETEM_DENY"  # tests: behave as if CAP_NET_ADMIN were missing
+ENV_NETEM = "JAXDIST_NETEM"  # "user": the user-space wire even where the kernel has netem
 CAP_NET_ADMIN = 12
 _TAG = re.compile(rf"^({PREFIX}(\d+))-")
 _PORT_LINE = re.compile(r"^\d+:\s+h(\d+)@\S*:\s+<([^>]*)>")  # `ip -o link show` in the switch
@@ -68,7 +72,8 @@ class NoPrivilege(ConfigError):
 
 
 class NoNetem(ConfigError):
-    """The links ask for delay, jitter or loss and the kernel has no netem qdisc."""
+    """The links ask for delay, jitter or loss, the kernel has no netem qdisc, and a link is
+    faster than the user-space wire can forward."""
 
 
 def _has_cap_net_admin() -> bool:
@@ -82,13 +87,12 @@ def _has_cap_net_admin() -> bool:
     return False
 
 
-def check_privilege(env: dict[str, str] | None = None, netem: bool = False) -> None:
+def check_privilege(env: dict[str, str] | None = None) -> None:
     """Raises `NoPrivilege` with one line saying what is needed, if namespaces cannot be made.
 
     Checks the `ip` and `unshare` commands, the CAP_NET_ADMIN bit of this process and, for what
     the bit cannot tell (a user namespace grants it without the right to mount /run/netns), a
-    probe: a namespace added and deleted. With `netem`, also that the kernel has the netem qdisc
-    (delay, jitter, loss): some kernels are built without it (CONFIG_NET_SCH_NETEM).
+    probe: a namespace added and deleted.
     """
     env = os.environ if env is None else env
     need = "--network needs root (CAP_NET_ADMIN) and iproute2 to create network namespaces"
@@ -99,19 +103,38 @@ def check_privilege(env: dict[str, str] | None = None, netem: bool = False) -> N
         raise NoPrivilege(f"{need}: this process lacks CAP_NET_ADMIN (run it as root, e.g. sudo)")
     probe = f"{PREFIX}{os.getpid()}-probe"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    has_netem = True
-    if made.returncode == 0 and netem:
-        tc = ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem"]
-        has_netem = subprocess.run([*tc, "delay", "1ms"], capture_output=True).returncode == 0
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     if made.returncode != 0:
         why = (made.stderr.strip().splitlines() or ["failed"])[-1]
         raise NoPrivilege(f"{need}: 'ip netns add' failed here: {why}")
-    if not has_netem:
+
+
+def kernel_has_netem(env: dict[str, str] | None = None) -> bool:
+    """Whether this kernel has the netem qdisc (CONFIG_NET_SCH_NETEM): a probe namespace's
+    loopback is given one. `JAXDIST_NETEM=user` answers False, to use the user-space wire."""
+    env = os.environ if env is None else env
+    if env.get(ENV_NETEM) == "user":
+        return False
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
+        return False
+    tc = ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem"]
+    try:
+        return subprocess.run([*tc, "delay", "1ms"], capture_output=True).returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+
+
+def _check_wire_rates(hosts: list[Host]) -> None:
+    """Refuses, in one line, a link the user-space wire cannot forward at its rate."""
+    fast = [h for h in hosts if h.link.rate_bps > wire.MAX_RATE_BPS]
+    if fast:
+        h = fast[0]
         raise NoNetem(
-            "this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM; try 'modprobe sch_netem'): "
-            "delay, jitter and loss cannot be emulated; use a link with a rate only, e.g. "
-            "--network=rate=1gbit"
+            f"host{h.index}'s link asks for a delay, jitter or loss at {h.link.rate_bps / 1e6:g} "
+            f"Mbit/s; this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM) and the user-space "
+            f"wire that stands in for it forwards at most {wire.MAX_RATE_BPS / 1e6:g} Mbit/s: "
+            f"use rate=... alone at that speed, or a slower link (e.g. --network=wan)"
         )
 
 
@@ -173,9 +196,12 @@ class Host:
         return f"h{self.index}"
 
 
-def _tc_commands(ns: str, dev: str, link: LinkSpec, send_side: bool) -> list[list[str]]:
+def _tc_commands(
+    ns: str, dev: str, link: LinkSpec, send_side: bool, netem_qdisc: bool = True
+) -> list[list[str]]:
     """`tc` for one direction of a link: netem (delay/jitter, loss on the host's sending side)
-    with tbf (rate) as its child, or tbf alone."""
+    with tbf (rate) as its child, or tbf alone (also where the user-space wire does netem's part,
+    `netem_qdisc=False`)."""
     rate = f"{link.rate_bps:.0f}bit"
     # tbf's bucket must hold a frame and ~4 ms at the rate (a 250 Hz timer's tick); its queue
     # ~50 ms at the rate (and at least 4 buckets), so TCP fills the link without tail drops.
@@ -190,7 +216,7 @@ def _tc_commands(ns: str, dev: str, link: LinkSpec, send_side: bool) -> list[lis
     if link.loss and send_side:
         netem += ["loss", f"{link.loss * 100:g}%"]
     base = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev]
-    if not netem:
+    if not netem or not netem_qdisc:
         return [[*base, "root", "handle", "1:", *tbf]]
     return [
         [*base, "root", "handle", "1:", "netem", "limit", "100000", *netem],
@@ -220,6 +246,9 @@ class Cluster:
             for i, link in enumerate(links)
         ]
         self.reaper: subprocess.Popen | None = None
+        self.wire: subprocess.Popen | None = None
+        self.wire_dir: str | None = None
+        self.wire_stats: dict | None = None  # the user-space wire's counters, once it has ended
 
     # -- building -------------------------------------------------------------------------------
     def _run(self, cmd: list[str]) -> None:
@@ -234,7 +263,11 @@ class Cluster:
           NoPrivilege: namespaces cannot be made here.
           RuntimeError: a step failed (what was built is torn down first).
         """
-        check_privilege(netem=any(h.link.needs_netem for h in self.hosts))
+        check_privilege()
+        needs_netem = any(h.link.needs_netem for h in self.hosts)
+        user_wire = needs_netem and not kernel_has_netem()
+        if user_wire:
+            _check_wire_rates(self.hosts)
         remove_stale()
         try:
             self._run(["ip", "netns", "add", self.switch])
@@ -247,6 +280,9 @@ class Cluster:
             hosts_file = "127.0.0.1\tlocalhost\n" + "".join(
                 f"{h.address}\t{h.hostname}\n" for h in self.hosts
             )
+            # With the user-space wire, TCP must hand the link one frame at a time (no GSO
+            # super-frames), so that every frame the wire reads fits the port's MTU.
+            gso = ["gso_max_segs", "1"] if user_wire else []
             for h in self.hosts:
                 self._run(["ip", "netns", "add", h.netns])
                 self._no_ipv6(h.netns)
@@ -258,18 +294,27 @@ class Cluster:
                     f.write(h.hostname + "\n")
                 mtu = str(h.link.mtu)
                 self._run(
-                    [*sw, "link", "add", h.port, "mtu", mtu, "type", "veth",
-                     "peer", "name", "eth0", "mtu", mtu, "netns", h.netns]
+                    [*sw, "link", "add", h.port, "mtu", mtu, *gso, "type", "veth",
+                     "peer", "name", "eth0", "mtu", mtu, *gso, "netns", h.netns]
                 )  # fmt: skip
-                self._run([*sw, "link", "set", h.port, "master", "br0", "up"])
+                if user_wire:
+                    self._run([*sw, "link", "set", h.port, "up"])
+                else:
+                    self._run([*sw, "link", "set", h.port, "master", "br0", "up"])
                 hn = ["ip", "-n", h.netns]
                 self._run([*hn, "addr", "add", f"{h.address}/24", "dev", "eth0"])
                 self._run([*hn, "link", "set", "eth0", "up"])
                 self._run([*hn, "link", "set", "lo", "up"])
-                for cmd in _tc_commands(h.netns, "eth0", h.link, send_side=True):
-                    self._run(cmd)
-                for cmd in _tc_commands(self.switch, h.port, h.link, send_side=False):
-                    self._run(cmd)
+                if user_wire:
+                    self._run(
+                        ["ip", "netns", "exec", h.netns, sys.executable, wire.__file__,
+                         "--no_checksum_offload", "eth0"]
+                    )  # fmt: skip
+                for ns, dev, send in ((h.netns, "eth0", True), (self.switch, h.port, False)):
+                    for cmd in _tc_commands(ns, dev, h.link, send, netem_qdisc=not user_wire):
+                        self._run(cmd)
+            if user_wire:
+                self._start_wire()
         except BaseException:
             self.down()
             raise
@@ -292,6 +337,52 @@ class Cluster:
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C to the launcher's group must not stop it
         )
+
+    def _start_wire(self) -> None:
+        """Starts `jaxdist.network.wire` in the switch namespace on every host's port."""
+        self.wire_dir = tempfile.mkdtemp(prefix=f"{self.tag}-wire-")
+        spec = os.path.join(self.wire_dir, "spec.json")
+        links = [
+            {"delay_s": h.link.delay_s, "jitter_s": h.link.jitter_s, "loss": h.link.loss}
+            for h in self.hosts
+        ]
+        with open(spec, "w", encoding="utf-8") as f:
+            json.dump({"links": links, "seed": 0, "stats": self._wire_stats_path}, f)
+        with open(os.path.join(self.wire_dir, "wire.log"), "wb") as log:
+            self.wire = subprocess.Popen(
+                ["ip", "netns", "exec", self.switch, sys.executable, wire.__file__, spec],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,  # as the reaper: it ends when the launcher's pipe closes
+            )
+
+    @property
+    def _wire_stats_path(self) -> str:
+        return os.path.join(self.wire_dir or "", "stats.json")
+
+    @property
+    def user_wire(self) -> bool:
+        """Whether the user-space wire (not netem) delays and drops this cluster's frames."""
+        return self.wire is not None or self.wire_stats is not None
+
+    def _stop_wire(self) -> None:
+        if self.wire is None:
+            return
+        try:
+            self.wire.stdin.close()
+            self.wire.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.wire.kill()
+            self.wire.wait()
+        self.wire = None
+        try:
+            with open(self._wire_stats_path, encoding="utf-8") as f:
+                self.wire_stats = json.load(f)
+        except (OSError, ValueError):
+            with open(os.path.join(self.wire_dir, "wire.log"), encoding="utf-8") as f:
+                self.wire_stats = {"error": f.read()[-2000:]}
+        shutil.rmtree(self.wire_dir, ignore_errors=True)
 
     # -- using ----------------------------------------------------------------------------------
     def wrap(self, host: int, command: list[str]) -> list[str]:
@@ -337,11 +428,30 @@ class Cluster:
             if len(links) == 1
             else "; ".join(f"host{h.index}: {h.link.describe()}" for h in self.hosts)
         )
-        return f"{len(self.hosts)} emulated host(s) {SUBNET}.1-{len(self.hosts)}, links {per}"
+        wire_note = (
+            "; delay, jitter and loss by the user-space wire (this kernel has no netem)"
+            if self.user_wire
+            else ""
+        )
+        return f"{len(self.hosts)} emulated host(s) {SUBNET}.1-{len(self.hosts)}, links {per}{wire_note}"
+
+    def wire_summary(self) -> str | None:
+        """One line of the user-space wire's counters once the cluster is down, else None."""
+        st = self.wire_stats
+        if st is None:
+            return None
+        if "error" in st:
+            return f"the user-space wire failed: {st['error'].strip().splitlines()[-1:]}"
+        lost = ", ".join(f"host{i} {p['lost']} of {p['in']}" for i, p in enumerate(st["ports"]))
+        return (
+            f"user-space wire: {st['frames_in']} frames in, {st['frames_out']} out, "
+            f"lost {lost}; {st['send_errors']} refused by a full port queue"
+        )
 
     # -- tearing down ---------------------------------------------------------------------------
     def down(self) -> None:
         """Deletes every namespace and /etc/netns folder of this cluster; safe to call twice."""
+        self._stop_wire()
         for name in [h.netns for h in self.hosts] + [self.switch]:
             if os.path.exists(os.path.join(NETNS_RUN, name)):
                 subprocess.run(["ip", "netns", "del", name], capture_output=True)
