@@ -989,7 +989,10 @@ def study_aggregation(config) -> dict:
 
 
 _LINKS = flags.DEFINE_list(
-    "links", ["rate=1gbit", "rate=50mbit"], "--study=network: --network values to run on."
+    "links",
+    ["rate=1gbit", "rate=50mbit"],
+    "--study=network: --network values to run on; an inline link's fields after its rate=... "
+    "join it (rate=50mbit,rate=50mbit,delay=5ms is two links).",
 )
 _NETWORK_STEPS = flags.DEFINE_integer("network_steps", 30, "--study=network: steps per run.")
 _NETWORK_DEVICES = flags.DEFINE_integer(
@@ -1011,11 +1014,13 @@ def study_network(config) -> dict:
 
     import network_study
 
+    from jaxdist.network import profiles
+
     methods = _METHODS.value or list(network_study.METHODS)
     target = _TARGET.value if flags.FLAGS["target_loss"].present else None
     with tempfile.TemporaryDirectory(prefix="jaxdist-network-study-") as d:
         return network_study.run(
-            _LINKS.value,
+            profiles.group_links(_LINKS.value),
             methods,
             _NETWORK_STEPS.value,
             target,

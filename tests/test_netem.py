@@ -88,6 +88,15 @@ def test_bad_link_is_one_config_error(text):
     assert "\n" not in str(e.value)
 
 
+def test_links_split_on_commas_are_grouped_again():
+    tokens = "rate=50mbit,wan,rate=50mbit,delay=5ms,loss=2%,rate=1gbit".split(",")
+    assert profiles.group_links(tokens) == [
+        "rate=50mbit", "wan", "rate=50mbit,delay=5ms,loss=2%", "rate=1gbit"
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match="comes before any"):
+        profiles.group_links(["delay=5ms", "rate=1gbit"])
+
+
 def test_network_list_prints_the_profiles():
     out = _launch("--network=list")
     assert out.returncode == 0, out.stderr

@@ -445,7 +445,8 @@ class Cluster:
         lost = ", ".join(f"host{i} {p['lost']} of {p['in']}" for i, p in enumerate(st["ports"]))
         return (
             f"user-space wire: {st['frames_in']} frames in, {st['frames_out']} out, "
-            f"lost {lost}; {st['send_errors']} refused by a full port queue"
+            f"lost {lost}; {st['send_errors']} refused by a full port queue; "
+            f"{st['cpu_s']:.1f} s of CPU"
         )
 
     # -- tearing down ---------------------------------------------------------------------------

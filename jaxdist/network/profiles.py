@@ -208,6 +208,25 @@ def link(text: str) -> LinkSpec:
     return LinkSpec("inline", **fields)  # type: ignore[arg-type]
 
 
+def group_links(tokens: list[str]) -> list[str]:
+    """`--network` values from a comma-split list (absl's list flags split on commas): a token that
+    is a profile name or starts with `rate=` begins a link, and the other fields join the one
+    before, so "rate=50mbit,rate=50mbit,delay=5ms" is two links.
+
+    Raises:
+      ConfigError: a field comes before any link.
+    """
+    links: list[str] = []
+    for token in (t.strip() for t in tokens):
+        if token in PROFILES or token.startswith("rate=") or "=" not in token:
+            links.append(token)
+        elif not links:
+            raise ConfigError(f"--links: {token!r} comes before any rate=... or profile name")
+        else:
+            links[-1] += "," + token
+    return links
+
+
 def host_links(base: LinkSpec, hosts: int, overrides: list[str]) -> list[LinkSpec]:
     """Each host's link: `base`, with `--link=HOST:field=value,...` overrides applied.
 

@@ -158,8 +158,9 @@ def main(argv: list[str]) -> int:
         wire.run(sys.stdin.fileno())
     finally:
         if spec.get("stats"):
+            stats = {**wire.stats, "cpu_s": time.process_time(), "ports": wire.stats_per_port}
             with open(spec["stats"] + ".tmp", "w", encoding="utf-8") as f:
-                json.dump({**wire.stats, "ports": wire.stats_per_port}, f)
+                json.dump(stats, f)
             os.replace(spec["stats"] + ".tmp", spec["stats"])
     return 0
 
