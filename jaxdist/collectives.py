@@ -3,6 +3,9 @@
 Both wrap a per-replica `grad_fn(params, batch) -> (loss, grads)` in a `jax.shard_map` over the
 data-parallel axes only (fsdp/tensor/pipeline stay automatic): the batch is split on dim 0 over
 those axes and per-replica state carries a leading replica axis (see `jaxdist.compression`).
+The synced gradients' loss runs under `sharding.per_replica_loss`, so batch statistics (the MoE
+router's expert load) are the whole batch's and the mean gradient is the `plain` strategy's; local
+SGD's does not (its replicas step apart: `strategies.check` refuses the load-balancing loss there).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from jaxdist.compression import replica
 from jaxdist.compression.replica import AxisName, replica_local
 
 GradFn = Callable[[Any, Any], tuple[jax.Array, Any]]
+REPLICA_VMAP_AXIS = "replica"  # the per-replica vmap's axis name (`sharding.per_replica_loss`)
 
 
 def _replica_vmap(fn: Callable, in_axes: tuple, mesh: Mesh, axes: tuple[str, ...]) -> Callable:
@@ -29,10 +33,11 @@ def _replica_vmap(fn: Callable, in_axes: tuple, mesh: Mesh, axes: tuple[str, ...
 
     The last argument is the batch, [B, ...] per leaf, cut into [R, B / R, ...] (replica j's rows
     are the j-th block, as on the mesh). Nothing is manual, so any mesh works; the model's sharding
-    constraints leave `axes` out (`sharding.mapped_axes`), vmap puts them on the replica axis.
+    constraints leave `axes` out (`sharding.mapped_axes`), vmap puts them on the replica axis. The
+    vmap's axis is named `REPLICA_VMAP_AXIS`, for a caller's `sharding.per_replica_loss`.
     """
     r = math.prod(mesh.shape[a] for a in axes)
-    mapped = jax.vmap(fn, in_axes=(*in_axes, 0), spmd_axis_name=axes)
+    mapped = jax.vmap(fn, in_axes=(*in_axes, 0), axis_name=REPLICA_VMAP_AXIS, spmd_axis_name=axes)
 
     def run(*args):
         *rest, batch = args
@@ -82,7 +87,8 @@ def sync_grads(
     if not shard_axes:
 
         def body(params, batch, state):
-            loss, grads = grad_fn(replica_local(params, axes), batch)
+            with sharding.per_replica_loss(axes):
+                loss, grads = grad_fn(replica_local(params, axes), batch)
             grads, state = tx_sync.update(grads, state, params)
             return jax.lax.pmean(loss, axes), grads, state
 
@@ -117,13 +123,15 @@ def replica_grads(grad_fn: GradFn, mesh: Mesh, axes: tuple[str, ...], per_replic
         stacked_grads = _replica_vmap(grad_fn, (None,), mesh, axes)
 
         def grads_of(params, batch):
-            losses, grads = stacked_grads(params, batch)
+            with sharding.per_replica_loss((REPLICA_VMAP_AXIS,)):
+                losses, grads = stacked_grads(params, batch)
             return jnp.mean(losses), grads
 
         return grads_of
 
     def local_grads(params, batch):
-        loss, grads = grad_fn(replica_local(params, axes), batch)
+        with sharding.per_replica_loss(axes):
+            loss, grads = grad_fn(replica_local(params, axes), batch)
         return jax.lax.pmean(loss, axes), replica.stacked(grads)
 
     lead = P(replica.data_spec(axes))

@@ -3,8 +3,9 @@
 PyTorch DDP puts gradients in buckets in the order the backward makes them and starts each bucket's
 all-reduce while the backward of the earlier layers still computes. jaxdist's other data-parallel
 strategies reduce the whole gradient after the whole backward (`collectives.sync_grads`,
-`allreduce.reducer`). The per-replica gradient runs here in a `shard_map` over `data`, in one of
-two ways (the `overlapped` strategy, jaxdist/strategies.py):
+`allreduce.reducer`). The per-replica gradient runs here in a `shard_map` over `data` (its loss
+under `sharding.per_replica_loss`: the MoE router's load is the batch's), in one of two ways (the
+`overlapped` strategy, jaxdist/strategies.py):
 
 - `backward`: buckets inside the backward. One per layer: `models.api.scan_layers` hands its layers
   to `ReducingLoop` (`api.layer_loop`), whose backward loop reduces layer l+1's gradient in the
@@ -184,7 +185,8 @@ def overlapped_grads(
         return loss
 
     def body(params, batch):
-        loss, grads = jax.value_and_grad(loss_of)(params, batch)
+        with sharding.per_replica_loss((axis,)):
+            loss, grads = jax.value_and_grad(loss_of)(params, batch)
         return jax.lax.pmean(loss, axis), grads
 
     return jax.shard_map(
@@ -209,7 +211,8 @@ def local_grads(
 
     def body(params, batch, held):
         reduced = reduce(jax.tree.map(lambda h: h[0], held))
-        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        with sharding.per_replica_loss((axis,)):
+            (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
         # The replicas' mean loss from an all-gather: XLA merges independent all-reduces, and a
         # pmean here would join the gradient's all-reduce, which would then wait for the forward.
         loss = jnp.mean(jax.lax.all_gather(loss, axis))

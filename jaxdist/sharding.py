@@ -226,6 +226,30 @@ def token_axes() -> tuple[str, ...]:
     return getattr(_tokens, "value", ())
 
 
+_replicas = threading.local()
+
+
+@contextlib.contextmanager
+def per_replica_loss(axes: Sequence[str]):
+    """The loss traced inside runs once per data replica, on its rows, under the named axes
+    `axes` (the per-replica strategies: a shard_map manual over `data`, or their vmap's
+    `axis_name`; jaxdist/collectives.py, jaxdist/overlap.py): a statistic of the whole batch
+    (the MoE router's expert load) is averaged over them, so that each replica's loss is linear
+    in its own tokens and the replicas' mean loss and gradient are the batch's."""
+    prev = getattr(_replicas, "value", ())
+    _replicas.value = (*prev, *axes)
+    try:
+        yield
+    finally:
+        _replicas.value = prev
+
+
+def batch_stat_axes() -> tuple[str, ...]:
+    """The named axes a batch statistic is averaged over where this is traced: the pipeline
+    stages' `token_axes` and the per-replica loss's replica axes (`per_replica_loss`)."""
+    return (*token_axes(), *getattr(_replicas, "value", ()))
+
+
 _mapped = threading.local()
 
 

@@ -546,6 +546,14 @@ def check(config, mesh_shape: Mapping[str, int]) -> None:
             )
         if not 0 <= g.outer_momentum < 1:
             raise ConfigError("grad_sync.outer_momentum must be in [0, 1)")
+        m = config.model
+        if m.get("num_experts", 0) and m.get("moe_aux_loss_weight", 0.0):
+            raise ConfigError(
+                f"grad_sync.local_steps={g.local_steps} with model.moe_aux_loss_weight="
+                f"{m.moe_aux_loss_weight}: local SGD's replicas step apart, so each one's "
+                "load-balancing loss would see only its own router statistics, not the batch's; "
+                "set model.moe_aux_loss_weight=0 or grad_sync.local_steps=1"
+            )
     elif g.compression != "none":
         _check_explicit("grad_sync.compression", g.compression, "compression='none'", mesh_shape)
     elif g.get("algorithm", "xla") != "xla" and mesh_shape["data"] > 1:

@@ -20,7 +20,11 @@ they are not: a token keeps its slot only if fewer than C earlier real tokens on
 Dispatch (`experts`) runs in a `jax.shard_map` manual over the axes that split tokens (data,
 fsdp, expert, context), so every device sorts only its own n tokens (inside the pipeline's
 stages, already manual over them, `sharding.token_axes()`, directly; the expert load is then
-averaged over those axes so each microbatch's losses cover its whole rows):
+averaged over those axes so each microbatch's losses cover its whole rows). The per-replica
+data-parallel strategies run the loss once per replica (`sharding.per_replica_loss`): the expert
+load is averaged over the replicas too (`sharding.batch_stat_axes`), so each replica's losses are
+linear in its own tokens given the batch's load, and their mean, loss and gradient, is the batch's
+(as the `plain` strategy's and Hugging Face's):
 
 * dropless (`model.moe_capacity_factor=0`), experts on one device: assignments sorted by expert,
   three `jax.lax.ragged_dot` grouped matmuls over the sorted rows, unsorted back.
@@ -62,14 +66,14 @@ AXES = {
 
 def token_count(valid: jax.Array | None, like: jax.Array) -> jax.Array:
     """The number of real tokens (`valid` [B, T], None: all of `like` [B, T, ...]'s), float32.
-    In the pipeline's stages (manual over `sharding.token_axes()`) it is their mean over the
-    token shards, so that a statistic divided by it averages over the shards to the microbatch's
-    (`token_mean`); 0 is returned as 1 (nothing to average: the sums are 0 then)."""
+    In the pipeline's stages and the per-replica losses (`sharding.batch_stat_axes()`) it is
+    their mean over the token shards or replicas, so that a statistic divided by it averages over
+    them to the batch's (`token_mean`); 0 is returned as 1 (nothing to average: the sums are 0)."""
     if valid is None:
         return jnp.asarray(like.shape[0] * like.shape[1], jnp.float32)
     count = jnp.sum(valid.astype(jnp.float32))
-    if sharding.token_axes():
-        count = jax.lax.pmean(count, sharding.token_axes())
+    if sharding.batch_stat_axes():
+        count = jax.lax.pmean(count, sharding.batch_stat_axes())
     return jnp.where(count > 0, count, 1.0)
 
 
@@ -102,8 +106,8 @@ def route(
         load = jnp.mean(assigned, axis=(0, 1, 2))  # [E], sums to 1
     else:
         load = token_mean(jnp.mean(assigned, axis=2), valid)
-    if sharding.token_axes():  # the pipeline's stages: the load of the whole microbatch
-        load = jax.lax.pmean(load, sharding.token_axes())
+    if sharding.batch_stat_axes():  # pipeline stages, per-replica losses: the whole batch's load
+        load = jax.lax.pmean(load, sharding.batch_stat_axes())
     stats = {  # each linear in this device's tokens: their mean over token shards is the batch's
         "moe_lb_loss": E * jnp.sum(jax.lax.stop_gradient(load) * token_mean(probs, valid)),
         "moe_z_loss": token_mean(jax.nn.logsumexp(logits, axis=-1) ** 2, valid),

@@ -179,3 +179,25 @@ def test_local_sgd_bad_config_is_one_line(field, value, mesh_sizes, match):
     with pytest.raises(ConfigError, match="warmup_steps=0") as e:
         config_lib.validate(c, n_devices(c))
     assert "\n" not in str(e.value)
+
+
+def test_local_sgd_refuses_the_load_balancing_loss():
+    """Local SGD's replicas step apart, so a mixture of experts' load-balancing loss could only
+    see each replica's own router statistics, not the batch's as every other strategy's does
+    (`sharding.per_replica_loss`): refused in one line; without the loss the config is valid."""
+    import configs.mixtral_tiny
+
+    c = configs.mixtral_tiny.get_config()
+    c.unlock()
+    for axis in config_lib.MESH_AXES:
+        c.mesh[axis] = R if axis == "data" else 1
+    c.grad_sync.local_steps = 2
+    with pytest.raises(
+        ConfigError,
+        match=r"^grad_sync.local_steps=2 with model.moe_aux_loss_weight=0.02: .*"
+        r"set model.moe_aux_loss_weight=0 or grad_sync.local_steps=1$",
+    ) as e:
+        config_lib.validate(c, R)
+    assert "\n" not in str(e.value)
+    c.model.moe_aux_loss_weight = 0.0
+    config_lib.validate(c, R)

@@ -66,10 +66,10 @@ def test_overlapped_sums_equal_the_unoverlapped_strategy(grad_sync, atol):
 def test_backward_with_remat_and_a_mixture_of_experts():
     """The reducing loop runs any layer: a rematerialized GPT block, and Mixtral's block, whose
     loop carries the router statistics beside the activations, on 8 devices, equal to XLA's own
-    reduction (SGD at lr 0.5, as tests/test_mixtral.py: 1e-5). Without the load-balancing loss:
-    per replica it is a function of the replica's own router statistics, not the batch's (as in
-    every per-replica strategy), so the losses differ from the first step (5.572719 against
-    5.572615 with weight 0.01)."""
+    reduction (SGD at lr 0.5, as tests/test_mixtral.py: 1e-5). With the load-balancing loss
+    (weight 0.01): each replica's loss averages the expert load over the replicas
+    (`sharding.per_replica_loss`), so it is the batch's, as the plain strategy's (first loss
+    5.572615; per replica, before, 5.572719)."""
     import configs.mixtral_tiny
     from tests.test_mixtral import tiny
 
@@ -77,7 +77,8 @@ def test_backward_with_remat_and_a_mixture_of_experts():
     c.train.remat = "full"
     ref = _cfg("none", 3)
     ref.train.remat = "full"
-    moe = tiny(configs.mixtral_tiny, data=8)  # no load-balancing loss: see below
+    moe = tiny(configs.mixtral_tiny, data=8)
+    moe.model.moe_aux_loss_weight = 0.01
     moe_ov = moe.copy_and_resolve_references()
     moe_ov.grad_sync.overlap = "backward"
     for got_cfg, want_cfg, atol in ((c, ref, 1e-6), (moe_ov, moe, 1e-5)):
