@@ -108,6 +108,10 @@ class CollectiveOp:
       name: the instruction's name in the HLO text, for finding it again.
       conditional: inside a ``conditional`` branch (charged as if it ran every execution), e.g.
         local SGD's every-H-steps parameter average.
+      buffers: arrays in the op's result (a variadic all-reduce, which XLA's combiner makes of
+        the per-tensor all-reduces, has one per tensor). XLA:CPU runs each as its own gloo
+        collective, one after another (its `AllReduceThunk` loops over them), so each pays the
+        algorithm's messages: `cross_host_traffic` counts them.
     """
 
     kind: str
@@ -121,6 +125,7 @@ class CollectiveOp:
     # groups as partition ids; None where every device is in one group or the form is unread.
     pairs: tuple[tuple[int, int], ...] | None = None
     groups: tuple[tuple[int, ...], ...] | None = None
+    buffers: int = 1
 
 
 def collective_ops(hlo_text: str, branch: str = "costliest") -> list[CollectiveOp]:
@@ -325,8 +330,10 @@ def cross_host_traffic(
     """`cross_host_bytes`, and the messages each process sends to other processes per execution.
 
     A message is one send of gloo's algorithm from one rank to a rank on another process: a ring
-    all-reduce's member sends 2(N-1) times to its next member, a ring all-gather or reduce-scatter
-    N-1 times, an all-to-all once to each other member, a collective-permute once per pair. Each
+    all-reduce's member sends 2(N-1) times to its next member, for each array of a variadic
+    all-reduce (XLA:CPU runs them one by one, `CollectiveOp.buffers`), a ring all-gather or
+    reduce-scatter N-1 times, an all-to-all once to each other member, a collective-permute once
+    per pair. Each
     message costs the link a latency and the wire gloo's and TCP's per-message bytes, which is
     what separates many small collectives from one large one with the same payload.
 
@@ -348,7 +355,7 @@ def cross_host_traffic(
             continue
         for g in op.groups or (tuple(range(n)),):
             g = [i for i in g if i < n]
-            sends = 2 * (len(g) - 1) if op.kind == "all-reduce" else len(g) - 1
+            sends = 2 * (len(g) - 1) * op.buffers if op.kind == "all-reduce" else len(g) - 1
             for k, member in enumerate(g):
                 if op.kind == "all-to-all":
                     others = [m for m in g if m != member]
@@ -761,7 +768,11 @@ class _Analysis:
         else:
             groups = _explicit_groups(inst.attrs.get("replica_groups", "{}"))
         wire = ring_wire_bytes(kind, payload, n)
-        return CollectiveOp(kind, n, payload, 1, wire, inst.name, pairs=pairs, groups=groups)
+        shape = _parse_shape(inst.shape)
+        buffers = len(shape) if kind == "all-reduce" and isinstance(shape, list) else 1
+        return CollectiveOp(
+            kind, n, payload, 1, wire, inst.name, pairs=pairs, groups=groups, buffers=buffers
+        )
 
     def _while(self, inst: _Instruction, comp: _Computation) -> list[tuple[str, CollectiveOp]]:
         body = self._collect(inst.attrs["body"].lstrip("%"))

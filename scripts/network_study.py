@@ -32,6 +32,7 @@ as that).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -201,6 +202,7 @@ def _run(
         "final_eval_loss": evals[-1][1] if evals else None,
         "hlo_bytes_per_step": layout["cross_process_bytes_per_step"],
         "hlo_messages_per_step": layout.get("cross_process_messages_per_step"),
+        "hlo_messages_by_buffer": True,  # hlo_cost counts a variadic all-reduce's arrays
         "collective_bytes_per_step": layout["collective_bytes_per_step"],
         "params_total": layout["params_total"],
         "wall_s": time.perf_counter() - t0,
@@ -309,6 +311,11 @@ def add_predictions(result: dict, latency_s: float = MESSAGE_LATENCY_S) -> dict:
     """Each row gets `predicted_comm_s`, what the planner says the link's exchange takes per step,
     and `predicted_step_time_s`, the step it predicts (compared with `compared(row)`).
 
+    Latency: `latency_s` per message (the study's `message_latency_s` where it measured one) plus
+    the link's delay. Rows whose messages were counted per array of a variadic all-reduce
+    (`_messages`) pay it for every message of the compiled step; other rows for one all-reduce's
+    2(N-1).
+
     Exact algorithms (`EXACT`, and `SAME_ALGORITHM`'s): `plan.algorithm_cost` of the float32
     gradient (4 bytes per parameter) over `planner_hardware`. The step is the step without any
     exchange (`no_exchange_step`, where the study measured one) plus that, and never less than the
@@ -322,6 +329,7 @@ def add_predictions(result: dict, latency_s: float = MESSAGE_LATENCY_S) -> dict:
     replacement as for the exact ones: the loopback's median (local) step plus the larger of what
     the syncs add to its mean on loopback and the link's time.
     """
+    latency_s = result.get("message_latency_s", latency_s)
     base = no_exchange_step(result)
     for row in result["runs"]:
         dev = row["devices_per_host"]
@@ -329,8 +337,14 @@ def add_predictions(result: dict, latency_s: float = MESSAGE_LATENCY_S) -> dict:
         n = row["hosts"] * dev
         _, loopback = compared(row)
         algorithm = SAME_ALGORITHM.get(row["method"], row["method"])
+        messages = _messages(row)
         if algorithm in EXACT:
-            comm = plan.algorithm_cost(algorithm, 4.0 * row["params_total"], n, hw, dev).time_s
+            if messages is None:
+                comm = plan.algorithm_cost(algorithm, 4.0 * row["params_total"], n, hw, dev).time_s
+            else:  # the wire's time, and each of the compiled step's messages its latency
+                wire_only = dataclasses.replace(hw, inter_latency=0.0)
+                comm = plan.algorithm_cost(algorithm, 4.0 * row["params_total"], n, wire_only, dev)
+                comm = comm.time_s + messages * hw.inter_latency
             own = base if base is not None and row["framework"] == "jaxdist" else None
             row["predicted_comm_s"] = comm
             row["predicted_step_time_s"] = (
@@ -342,7 +356,8 @@ def add_predictions(result: dict, latency_s: float = MESSAGE_LATENCY_S) -> dict:
             sent /= 2
         elif row["method"] == "ddp_powersgd":
             sent = None  # no HLO, and the hook's factors are not modelled here
-        comm = None if sent is None else sent / hw.host_bandwidth + 2 * (n - 1) * hw.inter_latency
+        latency = (2 * (n - 1) if messages is None else messages) * hw.inter_latency
+        comm = None if sent is None else sent / hw.host_bandwidth + latency
         row["predicted_comm_s"] = comm
         if comm is None:
             row["predicted_step_time_s"] = None
@@ -352,6 +367,15 @@ def add_predictions(result: dict, latency_s: float = MESSAGE_LATENCY_S) -> dict:
         else:
             row["predicted_step_time_s"] = loopback + comm
     return result
+
+
+def _messages(row: dict) -> float | None:
+    """The most messages a host's processes send across per step, as the compiled step says
+    (`hlo_cost.cross_host_traffic`, one gloo call per array of a variadic all-reduce), where the
+    row has them counted that way (`hlo_messages_by_buffer`); None otherwise (DDP, older rows)."""
+    if not row.get("hlo_messages_by_buffer") or not row.get("hlo_messages_per_step"):
+        return None
+    return max(row["hlo_messages_per_step"])
 
 
 def planner_table(result: dict) -> str:
@@ -475,6 +499,7 @@ def _record(
         "kernel_bytes_per_step": row.get("kernel_bytes_per_step"),
         "kernel_bytes_per_step_mean": row.get("kernel_bytes_per_step_mean"),
         "hlo_bytes_per_step": row["hlo_bytes_per_step"],
+        "hlo_messages_by_buffer": row.get("hlo_messages_by_buffer", False),
         "hlo_steady_bytes_per_step": row.get("hlo_steady_bytes_per_step"),
         "hlo_messages_per_step": row.get("hlo_messages_per_step"),
         "time_to_target_s": _time_to(row, target),

@@ -441,6 +441,14 @@ def test_cross_host_bytes_follow_gloos_ring_and_the_permute_pairs():
     ring = [(i, (i + 1) % 8) for i in range(8)]
     permute = compiled(lambda b: jax.lax.ppermute(b, "d", ring))
     assert hlo_cost.cross_host_bytes(permute, [0] * 4 + [1] * 4) == [s, s]
+    # A variadic all-reduce (what XLA's combiner makes of per-tensor ones) runs on XLA:CPU as one
+    # gloo all-reduce per array, one after another: each pays the ring's 2(N-1) messages.
+    variadic = compiled(lambda b: sum(jax.lax.psum((b, 2 * b, 3 * b), "d")))
+    ops = [op for op in hlo_cost.collective_ops(variadic) if op.kind == "all-reduce"]
+    assert [op.buffers for op in ops] == [3], ops
+    _, messages = hlo_cost.cross_host_traffic(variadic, list(range(8)))
+    assert messages == [3 * 2 * 7] * 8
+    assert hlo_cost.cross_host_traffic(reduce, list(range(8)))[1] == [2 * 7] * 8
 
 
 # ---------------------------------------------------------------------------------------------
