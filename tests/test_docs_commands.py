@@ -465,6 +465,15 @@ NOT_RUN = {
     "--methods=xla,xla_overlap,xla_next,bf16,bf16_overlap,bf16_next,ddp,ddp_fp16 "
     "--links=rate=50mbit --network_steps=20 --network_devices=1": _NETEM
     + "; 16 training runs take 6 min on 2 quiet cores; tests/test_overlap.py checks both modes",
+    "python scripts/bench.py --study=network --out=docs/data/network_4hosts_delay_loss.json "
+    "--methods=xla,bf16,powersgd,diloco_h8,ddp,ddp_fp16 "
+    "--links=rate=50mbit,rate=50mbit,delay=5ms,rate=50mbit,delay=1us,loss=2% "
+    "--network_steps=20 --network_devices=1 --network_hosts=4": _NETEM
+    + "; 24 training runs take 23 min on 2 cores; tests/test_netem.py checks the wire and loss",
+    "python scripts/bench.py --study=network --out=docs/data/network_4hosts_delay_loss_ring.json "
+    "--methods=ring --links=rate=50mbit,delay=5ms,rate=50mbit,delay=1us,loss=2% "
+    "--network_steps=20 --network_devices=1 --network_hosts=4": _NETEM
+    + "; 3 training runs take 3 min on 2 cores",
     "python scripts/bench.py --study=network --out=docs/data/network_rate50_methods.json "
     "--methods=xla,int8,halving_doubling,ef_sign,topk,onebit_adam,diloco_h8 "
     "--links=rate=50mbit --network_steps=10": _NETEM,
