@@ -386,6 +386,36 @@ def test_user_space_wire_delays_jitters_and_drops(monkeypatch, clean):
 
 
 @needs_namespaces
+def test_sigkill_of_the_launcher_stops_the_wire_and_leaves_nothing(clean):
+    """With the user-space wire: SIGKILL of the launcher ends the wire (its standard input
+    closes) and the reaper removes the namespaces and the wire's folder."""
+    cmd = [sys.executable, str(LAUNCH), "--network=rate=10mbit,delay=1ms", "--num_processes=2"]
+    cmd += ["--devices_per_process=1", "--", "python", "-c", "import time; time.sleep(120)"]
+    env = {**_env(None, None), namespaces.ENV_NETEM: "user"}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    tag = f"{namespaces.PREFIX}{proc.pid}"
+    wire_dir = f"{namespaces.NETNS_ETC}/{tag}-wire"
+    deadline = time.monotonic() + 60
+    while len(namespaces.leftovers(tag)) < 6 and time.monotonic() < deadline:
+        time.sleep(0.1)  # switch + 2 hosts in /run/netns; 2 hosts and the wire in /etc/netns
+    assert wire_dir in namespaces.leftovers(tag), namespaces.leftovers(tag)
+
+    def wires() -> list[str]:
+        ps = subprocess.run(["pgrep", "-f", f"wire.py {wire_dir}"], capture_output=True, text=True)
+        return ps.stdout.split()
+
+    assert wires()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while (namespaces.leftovers(tag) or wires()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert namespaces.leftovers(tag) == [] and wires() == []
+
+
+@needs_namespaces
 def test_a_link_too_fast_for_the_wire_is_refused_in_one_line():
     """Where the kernel has no netem, a delay, jitter or loss on a link faster than the wire can
     forward is refused before anything is built, in one line naming the limit."""

@@ -29,7 +29,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 from jaxdist.errors import ConfigError
@@ -340,7 +339,10 @@ class Cluster:
 
     def _start_wire(self) -> None:
         """Starts `jaxdist.network.wire` in the switch namespace on every host's port."""
-        self.wire_dir = tempfile.mkdtemp(prefix=f"{self.tag}-wire-")
+        # Under /etc/netns with the cluster's tag: the reaper, remove_stale and leftovers see it
+        # as they see the hosts' folders (no namespace has its name, so no host mounts it).
+        self.wire_dir = os.path.join(NETNS_ETC, f"{self.tag}-wire")
+        os.makedirs(self.wire_dir, exist_ok=True)
         spec = os.path.join(self.wire_dir, "spec.json")
         links = [
             {"delay_s": h.link.delay_s, "jitter_s": h.link.jitter_s, "loss": h.link.loss}
