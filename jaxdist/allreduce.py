@@ -174,6 +174,10 @@ def sharded_ps(x: jax.Array, axis: str, n: int, hosts: int = 1) -> jax.Array:
 
 
 def xla(x: jax.Array, axis: str, n: int, hosts: int = 1) -> jax.Array:
+    """The backend's own all-reduce. As `xla_flat` it gets the whole gradient as one flat buffer
+    (`mean_tree`): one collective, where the partitioner's per-tensor all-reduces, combined into a
+    variadic one, run on XLA:CPU as one gloo all-reduce per tensor, each paying the link's latency
+    2(N-1) times (docs/AGGREGATION.md, "Latency and loss")."""
     return jax.lax.psum(x, axis)
 
 
@@ -208,6 +212,7 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
     "hierarchical": AlgorithmSpec(hierarchical, lambda n, h: n, per_hop=True, across_hosts=True),
     "ps": AlgorithmSpec(ps, lambda n, h: 1),
     "sharded_ps": AlgorithmSpec(sharded_ps, lambda n, h: n),
+    "xla_flat": AlgorithmSpec(xla, lambda n, h: 1),
 }
 
 

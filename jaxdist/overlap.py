@@ -234,7 +234,9 @@ def check(config, mesh_shape) -> None:
     g = config.grad_sync
     mode = g.get("overlap", "none")
     if mode not in MODES:
-        raise ConfigError(f"grad_sync.overlap={mode!r} is not valid; choose one of {', '.join(MODES)}")
+        raise ConfigError(
+            f"grad_sync.overlap={mode!r} is not valid; choose one of {', '.join(MODES)}"
+        )
     if mode == "none":
         return
     why = None

@@ -113,6 +113,7 @@ def jaxdist_initial_params(cfg) -> dict:
 
     ds = data.load(cfg.data, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size)
     make_model = models.get(cfg.model.name).make(cfg.model, ds)
+
     def init(key):  # compiled, as jaxdist's init is: XLA's fused scaling rounds as it does
         return nnx.to_pure_dict(nnx.state(make_model(nnx.Rngs(key)), nnx.Param))
 

@@ -53,6 +53,7 @@ LAUNCH = os.path.join(ROOT, "scripts", "launch.py")
 # label -> grad_sync flags
 METHODS: dict[str, tuple[str, ...]] = {
     "xla": (),
+    "xla_flat": ("--config.grad_sync.algorithm=xla_flat",),
     "ring": ("--config.grad_sync.algorithm=ring",),
     "hierarchical": ("--config.grad_sync.algorithm=hierarchical",),
     "ps": ("--config.grad_sync.algorithm=ps",),
@@ -264,7 +265,7 @@ def _time_to(row: dict, target: float) -> float | None:
 # devices at 50 Mbit/s took 5.7 ms (median of 20, load average 17; tests/netem_job.py
 # `allreduce`, `small_times_s`), 2 messages across; tests/test_netem.py measures it each run.
 MESSAGE_LATENCY_S = 2.9e-3
-EXACT = ("xla", "ring", "halving_doubling", "tree", "hierarchical", "ps", "sharded_ps")
+EXACT = ("xla", "xla_flat", "ring", "halving_doubling", "tree", "hierarchical", "ps", "sharded_ps")
 
 
 def planner_hardware(

@@ -33,7 +33,7 @@ def _reduce_on(n: int, name: str, hosts: int, x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "name,n,hosts",
-    [(a, 8, 1) for a in (*EXACT, "xla")]
+    [(a, 8, 1) for a in (*EXACT, "xla", "xla_flat")]
     + [("hierarchical", 8, 2), ("hierarchical", 8, 4), ("tree", 6, 1), ("ring", 6, 1)]
     + [("ps", 5, 1), ("sharded_ps", 6, 1), ("hierarchical", 6, 3)],
 )
@@ -135,6 +135,30 @@ def test_gradients_and_losses_equal_xla_on_8_devices(name, xla_reference):
     assert_equal_per_element(grads, ref_grads, xla_reference["abs8"], 8, name)
     losses, _ = train_steps(_cfg(name, data=8), 4)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+
+
+def test_xla_flat_equals_xla_in_one_all_reduce_of_one_buffer(xla_reference):
+    """`xla_flat` is `xla`'s sum (same bound, same losses), and its compiled step reduces the
+    gradient over data in one all-reduce of one buffer, where `xla`'s combined all-reduce holds one
+    array per gradient tensor (each a gloo all-reduce of its own on XLA:CPU)."""
+    ref_grads, ref_losses = xla_reference["data8"]
+    grads = _first_gradient(_cfg("xla_flat", data=8))
+    assert_equal_per_element(grads, ref_grads, xla_reference["abs8"], 8, "xla_flat")
+    np.testing.assert_allclose(train_steps(_cfg("xla_flat", data=8), 4)[0], ref_losses, rtol=1e-6)
+
+    def grad_all_reduces(name):
+        eng, compiled = compile_step(_cfg(name, data=8))
+        ops = hlo_cost.collective_ops(compiled.as_text())
+        big = [op for op in ops if op.kind == "all-reduce" and op.bytes_per_exec > 64]
+        return eng, big
+
+    eng, flat = grad_all_reduces("xla_flat")
+    # One all-reduce: the flat gradient, and the loss's 4-byte mean that XLA's combiner joins to it.
+    assert len(flat) == 1 and flat[0].buffers <= 2, flat
+    assert 0 <= flat[0].bytes_per_exec - 4 * eng.num_params <= 64, flat
+    leaves = len(jax.tree.leaves(eng.abstract_state["params"]))
+    _, combined = grad_all_reduces("xla")
+    assert sum(op.buffers for op in combined) >= leaves > 1, (combined, leaves)
 
 
 @pytest.mark.parametrize("name", EXACT)
@@ -262,7 +286,7 @@ def test_layout_record_carries_phases_and_the_hot_spot():
     assert "busiest device sends + receives" in loop.summary(record)
 
 
-@pytest.mark.parametrize("name", [*EXACT, "xla", "hierarchical"])
+@pytest.mark.parametrize("name", [*EXACT, "xla", "xla_flat", "hierarchical"])
 def test_planner_predicts_the_hlo_steps_and_hot_spot_at_8(name):
     """The planner's α-β model counts what the compiled program runs: its steps and the busiest
     device's bytes equal the HLO's, on 8 devices as 2 hosts of 4 (hierarchical needs hosts)."""

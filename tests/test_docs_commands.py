@@ -474,6 +474,13 @@ NOT_RUN = {
     "--methods=ring --links=rate=50mbit,delay=5ms,rate=50mbit,delay=1us,loss=2% "
     "--network_steps=20 --network_devices=1 --network_hosts=4": _NETEM
     + "; 3 training runs take 3 min on 2 cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_4hosts_xla_flat.json "
+    "--methods=xla_flat --links=rate=1gbit,rate=50mbit,rate=50mbit,delay=5ms --network_steps=20 "
+    "--network_devices=1 --network_hosts=4": _NETEM + "; 4 training runs take 3 min on 2 cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_4hosts_1gbit.json "
+    "--methods=xla,ring,bf16,powersgd,diloco_h8,ddp,ddp_fp16 --links=rate=1gbit "
+    "--network_steps=20 --network_devices=1 --network_hosts=4": _NETEM
+    + "; 14 training runs take 9 min on 2 cores",
     "python scripts/bench.py --study=network --out=docs/data/network_rate50_methods.json "
     "--methods=xla,int8,halving_doubling,ef_sign,topk,onebit_adam,diloco_h8 "
     "--links=rate=50mbit --network_steps=10": _NETEM,

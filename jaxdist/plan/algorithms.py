@@ -59,7 +59,7 @@ def algorithm_cost(
     crosses with one device per host (consecutive devices), a halving-doubling or tree step at
     distance >= `local` and the hierarchical and sharded-PS exchanges with all `local` at once, a
     tree's step with one (`_cross`). `xla` is the backend's own all-reduce (`Hardware.xla_allreduce`): two-level
-    (NCCL) or gloo's flat ring (XLA:CPU). Raises ConfigError where the algorithm cannot run.
+    (NCCL) or gloo's flat ring (XLA:CPU); `xla_flat` the same all-reduce of one flat buffer. Raises ConfigError where the algorithm cannot run.
     """
     s, local = float(size_bytes), local or min(n, hw.devices_per_host)
     hosts = max(1, n // local)
@@ -73,9 +73,12 @@ def algorithm_cost(
             return max(a_x + _cross(hw, payload, 1), a_in + payload / b_in)
         return a_in + payload / b_in
 
-    if algorithm == "xla" and hw.xla_allreduce == "flat_ring":
+    if algorithm in ("xla", "xla_flat") and hw.xla_allreduce == "flat_ring":
         return AlgorithmCost(algorithm, n, hosts, 1, ring_busy, 2 * (n - 1) * ring_step(s / n))
-    if algorithm == "xla":  # NCCL-like: ring inside hosts, tree latency across (term_time)
+    if algorithm in (
+        "xla",
+        "xla_flat",
+    ):  # NCCL-like: ring in hosts, tree latency across (term_time)
         t = 2 * (local - 1) / local * s / b_in + 2 * (local - 1) * a_in
         if hosts > 1:
             t += _cross(hw, 2 * (hosts - 1) / hosts * s / local, local)
