@@ -167,6 +167,7 @@ def test_ddp_init_jaxdist_starts_from_a_jaxdist_runs_parameters():
 
     sys.path.insert(0, "scripts")
     import ddp_gpt
+
     from tests.helpers import engine_for
 
     args, cfg = ddp_gpt._parse(["--workdir=unused", "--init=jaxdist", *_study().MODEL])
