@@ -8,7 +8,9 @@ Layout of a cluster tagged `jdn<PID>` (PID = the launcher's process id):
 
 Each host's link is a veth pair created directly inside the two namespaces (nothing is ever added
 to the machine's own namespace), shaped on both ends by `tc`: on eth0 for what the host sends, on
-h<i> for what it receives. 198.18.0.0/15 is the range RFC 2544 sets aside for benchmarking
+h<i> for what it receives. A delay, jitter or loss is a netem qdisc where the kernel has one; where
+it has none, the ports leave the bridge and the user-space wire (`jaxdist.network.wire`, its files
+in /etc/netns/jdn<PID>-wire) forwards every frame between them. 198.18.0.0/15 is the range RFC 2544 sets aside for benchmarking
 networks; each cluster's namespaces are their own world, so two clusters may both use it.
 
 Teardown (`Cluster.down`) deletes the namespaces (their veths and bridge go with them) and the
