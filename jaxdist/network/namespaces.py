@@ -24,6 +24,7 @@ process reads all hosts' byte counters (`jaxdist.network.counters`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -102,12 +103,22 @@ def check_privilege(env: dict[str, str] | None = None) -> None:
         raise NoPrivilege(f"{need}: {', '.join(missing)} not found (apt-get install iproute2)")
     if env.get(ENV_NO_PRIVILEGE) == "1" or not _has_cap_net_admin():
         raise NoPrivilege(f"{need}: this process lacks CAP_NET_ADMIN (run it as root, e.g. sudo)")
+    with _probe_namespace() as (made, _):
+        if made.returncode != 0:
+            why = (made.stderr.strip().splitlines() or ["failed"])[-1]
+            raise NoPrivilege(f"{need}: 'ip netns add' failed here: {why}")
+
+
+@contextlib.contextmanager
+def _probe_namespace():
+    """A throw-away namespace `jdn<pid>-probe`: yields (`ip netns add`'s result, its name), and
+    deletes it after."""
     probe = f"{PREFIX}{os.getpid()}-probe"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    if made.returncode != 0:
-        why = (made.stderr.strip().splitlines() or ["failed"])[-1]
-        raise NoPrivilege(f"{need}: 'ip netns add' failed here: {why}")
+    try:
+        yield made, probe
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
 
 
 def kernel_has_netem(env: dict[str, str] | None = None) -> bool:
@@ -116,14 +127,11 @@ def kernel_has_netem(env: dict[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     if env.get(ENV_NETEM) == "user":
         return False
-    probe = f"{PREFIX}{os.getpid()}-probe"
-    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
-        return False
-    tc = ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem"]
-    try:
+    with _probe_namespace() as (made, probe):
+        if made.returncode != 0:
+            return False
+        tc = ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem"]
         return subprocess.run([*tc, "delay", "1ms"], capture_output=True).returncode == 0
-    finally:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
 
 
 def _check_wire_rates(hosts: list[Host]) -> None:
