@@ -241,6 +241,51 @@ def test_links_and_costs_follow_the_hosts():
     assert half.collective_bytes["all-reduce"] == pytest.approx(plain / 2, rel=0.01)
 
 
+def test_xla_on_gloo_pays_each_arrays_latency_and_the_planner_picks_one_buffer():
+    """XLA:CPU runs a variadic all-reduce as one gloo ring per array: the planner charges `xla`
+    each array's 2(N-1) latencies on `flat_ring` hardware (not on NCCL's `two_level`), and with
+    several arrays recommends an algorithm that reduces one flat buffer. The compiled step agrees:
+    a psum of three arrays is one all-reduce holding three buffers, the planner's three calls."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdist import hlo_cost
+
+    link = plan.emulated_link(50e6, 5e-3, 1)  # 4 hosts of 1 device, 5 ms per message
+    size, n = 4 * 459_392, 4
+    one = plan.algorithm_cost("xla", size, n, link, 1, arrays=1)
+    many = plan.algorithm_cost("xla", size, n, link, 1, arrays=9)
+    flat = plan.algorithm_cost("xla_flat", size, n, link, 1, arrays=9)
+    assert (one.steps, many.steps, flat.steps) == (1, 9, 1)
+    assert many.time_s - one.time_s == pytest.approx(8 * 2 * (n - 1) * link.inter_latency)
+    assert flat.time_s == one.time_s
+    for arrays, order in ((1, ["xla", "xla_flat"]), (9, ["ring", "xla_flat", "xla"])):
+        ranked = [c.algorithm for c in plan.recommend_algorithm(size, n, link, 1, arrays=arrays)]
+        assert [a for a in ranked if a in order] == order  # one array: a tie, `xla` first
+    ib = plan.PROFILES["h100_nvlink_ib"]
+    assert plan.algorithm_cost("xla", size, 16, ib, 8, arrays=9) == plan.algorithm_cost(
+        "xla", size, 16, ib, 8, arrays=1
+    )
+
+    mesh = jax.make_mesh((8,), ("data",))
+    f = jax.jit(
+        jax.shard_map(
+            lambda a, b, c: jax.lax.psum((a, b, c), "data"),
+            mesh=mesh,
+            in_specs=(P("data"),) * 3,
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    sharded = jax.sharding.NamedSharding(mesh, P("data"))
+    shapes = [jax.ShapeDtypeStruct((8, k), np.float32, sharding=sharded) for k in (5, 7, 11)]
+    ops = hlo_cost.collective_ops(f.lower(*shapes).compile().as_text())
+    reduces = [op for op in ops if op.kind == "all-reduce"]
+    assert [op.buffers for op in reduces] == [3]
+    cost = plan.algorithm_cost("xla", 4 * 23, 8, plan.PROFILES["cpu_here"], arrays=3)
+    assert cost.steps == reduces[0].buffers
+
+
 def _script(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)

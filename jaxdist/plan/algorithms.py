@@ -50,7 +50,7 @@ def _cross(hw: Hardware, payload: float, concurrent: int) -> float:
 
 
 def algorithm_cost(
-    algorithm: str, size_bytes: float, n: int, hw: Hardware, local: int = 0
+    algorithm: str, size_bytes: float, n: int, hw: Hardware, local: int = 0, arrays: int = 1
 ) -> AlgorithmCost:
     """Predicted steps, hot-spot bytes and time of one all-reduce of `size_bytes` over `n` devices.
 
@@ -59,7 +59,13 @@ def algorithm_cost(
     crosses with one device per host (consecutive devices), a halving-doubling or tree step at
     distance >= `local` and the hierarchical and sharded-PS exchanges with all `local` at once, a
     tree's step with one (`_cross`). `xla` is the backend's own all-reduce (`Hardware.xla_allreduce`): two-level
-    (NCCL) or gloo's flat ring (XLA:CPU); `xla_flat` the same all-reduce of one flat buffer. Raises ConfigError where the algorithm cannot run.
+    (NCCL) or gloo's flat ring (XLA:CPU); `xla_flat` the same all-reduce of one flat buffer.
+    `arrays`: the gradient's arrays. XLA's combiner joins their all-reduces into one variadic
+    all-reduce, which NCCL runs as one grouped call but XLA:CPU as one gloo ring per array, one
+    after another (`hlo_cost.CollectiveOp.buffers`): on `flat_ring` hardware `xla` pays each
+    array's 2(N-1) message latencies (docs/AGGREGATION.md, "Latency and loss"). The other
+    algorithms reduce one flat buffer (`allreduce.mean_tree`). Raises ConfigError where the
+    algorithm cannot run.
     """
     s, local = float(size_bytes), local or min(n, hw.devices_per_host)
     hosts = max(1, n // local)
@@ -74,7 +80,10 @@ def algorithm_cost(
         return a_in + payload / b_in
 
     if algorithm in ("xla", "xla_flat") and hw.xla_allreduce == "flat_ring":
-        return AlgorithmCost(algorithm, n, hosts, 1, ring_busy, 2 * (n - 1) * ring_step(s / n))
+        calls = max(1, arrays) if algorithm == "xla" else 1  # one gloo ring per array
+        extra = (calls - 1) * 2 * (n - 1) * (a_x if hosts > 1 else a_in)
+        t = 2 * (n - 1) * ring_step(s / n) + extra
+        return AlgorithmCost(algorithm, n, hosts, calls, ring_busy, t)
     if algorithm in (
         "xla",
         "xla_flat",
@@ -125,13 +134,14 @@ def algorithm_cost(
 
 
 def recommend_algorithm(
-    size_bytes: float, n: int, hw: Hardware, local: int = 0
+    size_bytes: float, n: int, hw: Hardware, local: int = 0, arrays: int = 1
 ) -> list[AlgorithmCost]:
-    """Every algorithm that can run on `n` devices, fastest first (the first is the pick)."""
+    """Every algorithm that can run on `n` devices, fastest first (the first is the pick; a tie
+    keeps `allreduce.ALGORITHMS`' order, `xla` first)."""
     costs = []
     for name in allreduce.ALGORITHMS:
         try:
-            costs.append(algorithm_cost(name, size_bytes, n, hw, local))
+            costs.append(algorithm_cost(name, size_bytes, n, hw, local, arrays))
         except ConfigError:
             continue
     return sorted(costs, key=lambda c: c.time_s)
@@ -147,7 +157,7 @@ def algorithm_table(best: Prediction, model: ModelInfo, hw: Hardware) -> tuple[s
     if n <= 1:
         return "grad_sync.algorithm: mesh.data = 1, nothing to reduce over data (keep 'xla')", []
     local = hosts_of(lay, hw)[0]["data"]
-    costs = recommend_algorithm(size, n, hw, local)
+    costs = recommend_algorithm(size, n, hw, local, arrays=len(model.params))
     rows = [dataclasses.asdict(c) for c in costs]
     lines = [
         f"gradient all-reduce over data (N={n}, {local} per host, {size / 2**20:.1f} MiB per "
