@@ -481,6 +481,18 @@ NOT_RUN = {
     "--methods=xla,ring,bf16,powersgd,diloco_h8,ddp,ddp_fp16 --links=rate=1gbit "
     "--network_steps=20 --network_devices=1 --network_hosts=4": _NETEM
     + "; 14 training runs take 9 min on 2 cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_4hosts_all_methods.json "
+    "--methods=int8,onebit_adam,ef_sign,topk,diloco_h32,streaming_h8,stale1,ps,sharded_ps,"
+    "halving_doubling,tree,ddp_powersgd --links=rate=50mbit,delay=5ms,rate=1gbit "
+    "--network_steps=20 --network_devices=1 --network_hosts=4": _NETEM
+    + "; 36 training runs take 26 min on 2 quiet cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_4x2_delay.json "
+    "--methods=xla_flat,ring,hierarchical --links=rate=50mbit,delay=5ms --network_steps=20 "
+    "--network_hosts=4 --network_devices=2": _NETEM + "; 6 training runs take 5 min on 2 cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_4hosts_jitter.json "
+    "--methods=xla_flat,ring,bf16,ddp,ddp_fp16 --links=rate=50mbit,delay=5ms,jitter=1ms "
+    "--network_steps=20 --network_devices=1 --network_hosts=4": _NETEM
+    + "; 10 training runs take 5 min on 2 cores",
     "python scripts/bench.py --study=network --out=docs/data/network_rate50_methods.json "
     "--methods=xla,int8,halving_doubling,ef_sign,topk,onebit_adam,diloco_h8 "
     "--links=rate=50mbit --network_steps=10": _NETEM,
