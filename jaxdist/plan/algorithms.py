@@ -58,14 +58,12 @@ def algorithm_cost(
     the axis, H = N / local hosts, as `hierarchical` and the mesh lay them out. A ring step
     crosses with one device per host (consecutive devices), a halving-doubling or tree step at
     distance >= `local` and the hierarchical and sharded-PS exchanges with all `local` at once, a
-    tree's step with one (`_cross`). `xla` is the backend's own all-reduce (`Hardware.xla_allreduce`): two-level
-    (NCCL) or gloo's flat ring (XLA:CPU); `xla_flat` the same all-reduce of one flat buffer.
-    `arrays`: the gradient's arrays. XLA's combiner joins their all-reduces into one variadic
-    all-reduce, which NCCL runs as one grouped call but XLA:CPU as one gloo ring per array, one
-    after another (`hlo_cost.CollectiveOp.buffers`): on `flat_ring` hardware `xla` pays each
-    array's 2(N-1) message latencies (docs/AGGREGATION.md, "Latency and loss"). The other
-    algorithms reduce one flat buffer (`allreduce.mean_tree`). Raises ConfigError where the
-    algorithm cannot run.
+    tree's step with one (`_cross`). `xla` is the backend's all-reduce (`Hardware.xla_allreduce`):
+    two-level (NCCL) or gloo's flat ring (XLA:CPU); `xla_flat` the same of one flat buffer.
+    `arrays`: the gradient's arrays, in one variadic all-reduce that NCCL runs as one grouped
+    call but XLA:CPU as one gloo ring per array (`hlo_cost.CollectiveOp.buffers`): on `flat_ring`
+    hardware `xla` pays each array's 2(N-1) latencies; the others reduce one flat buffer
+    (`allreduce.mean_tree`). Raises ConfigError where the algorithm cannot run.
     """
     s, local = float(size_bytes), local or min(n, hw.devices_per_host)
     hosts = max(1, n // local)
