@@ -205,6 +205,15 @@ def manual_axes() -> set[str]:
     return _manual_axes()[1]
 
 
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The manual axes over which `x` may differ (shard_map's vma type): empty outside a
+    `jax.shard_map` and for values replicated there."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "manual_axis_type"):  # jax >= 0.10
+        return frozenset(aval.manual_axis_type.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
 _tokens = threading.local()
 
 

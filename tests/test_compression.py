@@ -330,6 +330,36 @@ def test_powersgd_compresses_each_stacked_layer_separately():
         residual = new.residual["w"]
 
 
+def test_powersgd_sends_all_factors_in_one_buffer_each():
+    """The compiled sync all-reduces every matrix's P in one flat buffer and every Q in another,
+    and the uncompressed tensors in a third (as PyTorch's powerSGD_hook packs them): three arrays
+    a step (and the loss) however many tensors, where XLA:CPU runs each array of an all-reduce as one gloo call
+    (hlo_cost.CollectiveOp.buffers; docs/AGGREGATION.md, "Every other method at 5 ms")."""
+    from jaxdist import hlo_cost
+
+    shapes = {"a": (13, 7), "b": (9, 11), "c": (2, 8, 6), "v": (5,), "u": (3,)}
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+    tx = C.powersgd("data", rank=2, batch_dims={"a": 0, "b": 0, "c": 1, "v": 0, "u": 0})
+    step = jax.jit(sync_grads(_identity_grad_fn, tx, MESH, "data"))
+    g = _grads(7, shapes=shapes)
+    state = C.init_global(tx, params, MESH, "data")
+    text = step.lower(params, g, state).compile().as_text()
+    reduces = [op for op in hlo_cost.collective_ops(text) if op.kind == "all-reduce"]
+    # P's of a, b, c (76 floats), Q's (60), the two vectors (8) and the 4-byte loss: four arrays
+    # (XLA's combiner pairs them into variadic all-reduces), against nine one tensor at a time.
+    assert sum(op.buffers for op in reduces) == 4, [
+        (op.buffers, op.bytes_per_exec) for op in reduces
+    ]
+    assert sum(op.bytes_per_exec for op in reduces) == 4 * (76 + 60 + 8 + 1)
+    # The same means as one tensor at a time: P = mean(M Q), orthonormalised, times mean(M^T P).
+    ((out, old, _),) = _run(tx, [g], params=params)
+    for k in ("a", "b"):
+        mbar = g[k].astype(np.float64).mean(0)
+        p, _ = np.linalg.qr(mbar @ old.q[k][0, 0].astype(np.float64))
+        np.testing.assert_allclose(out[k], p @ p.T @ mbar, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(out["v"], g["v"].mean(0), rtol=0, atol=1e-6)
+
+
 def test_powersgd_start_iter_is_dense():
     g = _grads(13)
     (out0, _, s0), (out1, _, _) = _run(C.powersgd("data", rank=1, start_iter=1), [g, g])

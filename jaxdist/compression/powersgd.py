@@ -99,21 +99,33 @@ def powersgd(
         del params
         count = state.count[0]
         shapes = matrices(grads)
-
-        def leaf(i, g, b, q, e):
-            bnm = shapes[i]
-            if bnm is None:
-                return jax.lax.pmean(g, replica.axes(axis_name)), None, None
-            m_i = g.reshape(bnm).astype(jnp.float32)
-            if e is not None:
-                m_i = m_i + e[0].reshape(bnm).astype(jnp.float32)
-            q = q[0] if warm_start else _fresh_q(q[0], seed, count, i)
-            mean, left, q = sync(m_i, q, count)
-            left = None if e is None else left.reshape(e.shape).astype(e.dtype)
-            return mean.reshape(g.shape).astype(g.dtype), q[None], left
-
-        out, (qs, res) = tensors.map_float_leaves(leaf, grads, (state.q, state.residual), None)
-        return out, PowerSGDState(state.count + 1, qs, res)
+        leaves, treedef = jax.tree.flatten(grads)
+        qs, res = (
+            [None] * len(leaves) if t is None else treedef.flatten_up_to(t)
+            for t in (state.q, state.residual)
+        )
+        dense = [i for i, g in enumerate(leaves) if tensors.is_float(g) and shapes[i] is None]
+        packed = [i for i, bnm in enumerate(shapes) if bnm is not None]
+        out, new_q, new_res = list(leaves), list(qs), list(res)
+        for i, mean in zip(dense, replica.pmean_flat([leaves[i] for i in dense], axis_name)):
+            out[i] = mean
+        ms, q0 = [], []
+        for i in packed:
+            m_i = leaves[i].reshape(shapes[i]).astype(jnp.float32)
+            if res[i] is not None:
+                m_i = m_i + res[i][0].reshape(shapes[i]).astype(jnp.float32)
+            ms.append(m_i)
+            q0.append(qs[i][0] if warm_start else _fresh_q(qs[i][0], seed, count, i))
+        if packed:
+            means, lefts, q_news = sync(ms, q0, count)
+            for i, mean, left, q in zip(packed, means, lefts, q_news, strict=True):
+                out[i] = mean.reshape(leaves[i].shape).astype(leaves[i].dtype)
+                new_q[i] = q[None]
+                if res[i] is not None:
+                    new_res[i] = left.reshape(res[i].shape).astype(res[i].dtype)
+        return treedef.unflatten(out), PowerSGDState(
+            state.count + 1, treedef.unflatten(new_q), treedef.unflatten(new_res)
+        )
 
     return optax.GradientTransformation(init, update)
 
@@ -138,22 +150,22 @@ def _fresh_q(q: jax.Array, seed: int, count: jax.Array, i: int) -> jax.Array:
     return replica.varying_like(jnp.broadcast_to(fresh, q.shape), q)
 
 
-def _dense_then_compressed(m_i, q, count, *, start_iter: int, axis_name: AxisName, epsilon):
-    """(mean, this replica's residual, new Q) of m_i [b, n, m]: an f32 pmean (residual zero, Q
-    kept) for the first `start_iter` steps, then `_powersgd_compress`."""
+def _dense_then_compressed(ms, qs, count, *, start_iter: int, axis_name: AxisName, epsilon):
+    """(means, this replica's residuals, new Qs) of the matrices ms [b, n, m]: an f32 pmean
+    (residuals zero, Qs kept) for the first `start_iter` steps, then `_powersgd_compress`."""
     compress = functools.partial(_powersgd_compress, axis_name=axis_name, epsilon=epsilon)
     if start_iter <= 0:
-        return compress(m_i, q)
+        return compress(ms, qs)
 
-    def dense(m_i, q):
-        mean = jax.lax.pmean(m_i, replica.axes(axis_name))
-        return mean, jnp.zeros_like(m_i), replica.varying_like(q, q)
+    def dense(ms, qs):
+        means = replica.pmean_flat(ms, axis_name)
+        return means, [jnp.zeros_like(m) for m in ms], [replica.varying_like(q, q) for q in qs]
 
-    def compressed(m_i, q):
-        mean, left, q_new = compress(m_i, q)
-        return mean, left, replica.varying_like(q_new, q)
+    def compressed(ms, qs):
+        means, lefts, q_news = compress(ms, qs)
+        return means, lefts, [replica.varying_like(a, q) for a, q in zip(q_news, qs)]
 
-    return jax.lax.cond(count < start_iter, dense, compressed, m_i, q)
+    return jax.lax.cond(count < start_iter, dense, compressed, ms, qs)
 
 
 def _powersgd_init(params, shapes, rank: int, seed: int, error_feedback: bool) -> PowerSGDState:
@@ -190,13 +202,18 @@ def _orthogonalize(p: jax.Array, epsilon: float) -> jax.Array:
     return jnp.stack(cols, axis=-1)
 
 
-def _powersgd_compress(m_i, q, *, axis_name: AxisName, epsilon: float):
-    """(mean approximation, this replica's residual, new Q); m_i [b, n, m], q [b, m, r]."""
-    p = jax.lax.pmean(m_i @ q, replica.axes(axis_name))  # [b, n, r]
-    p = _orthogonalize(p, epsilon)
-    q_i = jnp.swapaxes(m_i, 1, 2) @ p  # [b, m, r]
-    q_new = jax.lax.pmean(q_i, replica.axes(axis_name))
-    return p @ jnp.swapaxes(q_new, 1, 2), m_i - p @ jnp.swapaxes(q_i, 1, 2), q_new
+def _powersgd_compress(ms, qs, *, axis_name: AxisName, epsilon: float):
+    """(mean approximations, this replica's residuals, new Qs); ms [b, n, m], qs [b, m, r].
+
+    Every matrix's P is all-reduced in one flat buffer, then every Q (PyTorch's `powerSGD_hook`
+    packs them alike): two collectives a step, not two per tensor (`replica.pmean_flat`)."""
+    ps = replica.pmean_flat([m @ q for m, q in zip(ms, qs, strict=True)], axis_name)  # [b, n, r]
+    ps = [_orthogonalize(p, epsilon) for p in ps]
+    q_is = [jnp.swapaxes(m, 1, 2) @ p for m, p in zip(ms, ps, strict=True)]  # [b, m, r]
+    q_news = replica.pmean_flat(q_is, axis_name)
+    means = [p @ jnp.swapaxes(q, 1, 2) for p, q in zip(ps, q_news, strict=True)]
+    lefts = [m - p @ jnp.swapaxes(q_i, 1, 2) for m, p, q_i in zip(ms, ps, q_is, strict=True)]
+    return means, lefts, q_news
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxdist import sharding
+
 AxisName = str | tuple[str, ...]
 
 
@@ -57,6 +59,30 @@ def replica_local(tree: Any, axis_name: AxisName) -> Any:
     instead to get this replica's own gradient.
     """
     return jax.lax.pcast(tree, axes(axis_name), to="varying")
+
+
+def pmean_flat(xs: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+    """Each array's mean over the replicas, all of them reduced as one flat float32 buffer.
+
+    One all-reduce of one array, where a pmean per array (which XLA's combiner joins into one
+    variadic all-reduce) runs on XLA:CPU as one gloo call per array, each paying its messages'
+    latency (docs/AGGREGATION.md, "Latency and loss"). Same sums, up to the order of additions.
+    Arrays that vary over different manual axes (a pipeline stage's own layers beside the
+    embedding) go in separate buffers, so each mean keeps its type.
+    """
+    groups: dict[frozenset[str], list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(sharding.varying_axes(x), []).append(i)
+    out: list[Any] = [None] * len(xs)
+    for members in groups.values():
+        flat = jnp.concatenate([jnp.ravel(xs[i]).astype(jnp.float32) for i in members])
+        flat = jax.lax.pmean(flat, axes(axis_name))
+        start = 0
+        for i in members:
+            x = xs[i]
+            out[i] = flat[start : start + x.size].reshape(x.shape).astype(x.dtype)
+            start += x.size
+    return out
 
 
 def varying_like(x: jax.Array, ref: jax.Array) -> jax.Array:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxdist import sharding
+
 
 def varying(x: jax.Array) -> jax.Array:
     """Marks `x` as different on every device of the manual axes (shard_map's vma typing).
@@ -14,11 +16,7 @@ def varying(x: jax.Array) -> jax.Array:
     tick loop) makes autodiff transpose it into one psum after the loop instead of one per tick.
     """
     manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-    aval = jax.typeof(x)
-    if hasattr(aval, "manual_axis_type"):  # jax >= 0.10
-        have = aval.manual_axis_type.varying
-    else:
-        have = getattr(aval, "vma", frozenset())
+    have = sharding.varying_axes(x)
     missing = tuple(a for a in manual if a not in have)
     if not missing:
         return x
