@@ -21,14 +21,19 @@ from jaxdist.errors import ConfigError
 def residual_norm(state: Any) -> jax.Array:
     """RMS over replicas of the L2 norm of each replica's compression error (all residual fields).
 
-    `state` is the global sync state ([R, ...] leaves); 0 for compressors without residuals.
+    `state` is the global sync state ([R, ...] leaves, split over the data axes); 0 for
+    compressors without residuals. Each replica's squares are summed over all its residuals
+    first, so the replicas meet in one scalar all-reduce, not one per residual array (on
+    XLA:CPU each array's all-reduce pays its own messages' latency).
     """
-    total, r = jnp.zeros((), jnp.float32), 1
+    per_replica, r = None, 1
     for name in residual_fields():
         for x in jax.tree.leaves(getattr(state, name, None)):
-            total = total + jnp.sum(jnp.square(x.astype(jnp.float32)))
-            r = x.shape[0]
-    return jnp.sqrt(total / r)
+            sq = jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
+            per_replica, r = sq if per_replica is None else per_replica + sq, x.shape[0]
+    if per_replica is None:
+        return jnp.zeros((), jnp.float32)
+    return jnp.sqrt(jnp.sum(per_replica) / r)
 
 
 def resize_replicas(saved: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]]) -> dict:

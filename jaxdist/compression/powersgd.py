@@ -107,8 +107,6 @@ def powersgd(
         dense = [i for i, g in enumerate(leaves) if tensors.is_float(g) and shapes[i] is None]
         packed = [i for i, bnm in enumerate(shapes) if bnm is not None]
         out, new_q, new_res = list(leaves), list(qs), list(res)
-        for i, mean in zip(dense, replica.pmean_flat([leaves[i] for i in dense], axis_name)):
-            out[i] = mean
         ms, q0 = [], []
         for i in packed:
             m_i = leaves[i].reshape(shapes[i]).astype(jnp.float32)
@@ -116,13 +114,14 @@ def powersgd(
                 m_i = m_i + res[i][0].reshape(shapes[i]).astype(jnp.float32)
             ms.append(m_i)
             q0.append(qs[i][0] if warm_start else _fresh_q(qs[i][0], seed, count, i))
-        if packed:
-            means, lefts, q_news = sync(ms, q0, count)
-            for i, mean, left, q in zip(packed, means, lefts, q_news, strict=True):
-                out[i] = mean.reshape(leaves[i].shape).astype(leaves[i].dtype)
-                new_q[i] = q[None]
-                if res[i] is not None:
-                    new_res[i] = left.reshape(res[i].shape).astype(res[i].dtype)
+        means, lefts, q_news, dense_means = sync(ms, q0, count, [leaves[i] for i in dense])
+        for i, mean in zip(dense, dense_means, strict=True):
+            out[i] = mean
+        for i, mean, left, q in zip(packed, means, lefts, q_news, strict=True):
+            out[i] = mean.reshape(leaves[i].shape).astype(leaves[i].dtype)
+            new_q[i] = q[None]
+            if res[i] is not None:
+                new_res[i] = left.reshape(res[i].shape).astype(res[i].dtype)
         return treedef.unflatten(out), PowerSGDState(
             state.count + 1, treedef.unflatten(new_q), treedef.unflatten(new_res)
         )
@@ -150,22 +149,24 @@ def _fresh_q(q: jax.Array, seed: int, count: jax.Array, i: int) -> jax.Array:
     return replica.varying_like(jnp.broadcast_to(fresh, q.shape), q)
 
 
-def _dense_then_compressed(ms, qs, count, *, start_iter: int, axis_name: AxisName, epsilon):
-    """(means, this replica's residuals, new Qs) of the matrices ms [b, n, m]: an f32 pmean
-    (residuals zero, Qs kept) for the first `start_iter` steps, then `_powersgd_compress`."""
+def _dense_then_compressed(ms, qs, count, dense, *, start_iter: int, axis_name, epsilon):
+    """(means, this replica's residuals, new Qs) of the matrices ms [b, n, m], and the means of
+    the `dense` tensors (sent with the P's): an f32 pmean of all (residuals zero, Qs kept) for
+    the first `start_iter` steps, then `_powersgd_compress`."""
     compress = functools.partial(_powersgd_compress, axis_name=axis_name, epsilon=epsilon)
     if start_iter <= 0:
-        return compress(ms, qs)
+        return compress(ms, qs, dense)
 
-    def dense(ms, qs):
-        means = replica.pmean_flat(ms, axis_name)
-        return means, [jnp.zeros_like(m) for m in ms], [replica.varying_like(q, q) for q in qs]
+    def warm(ms, qs, dense):
+        means = replica.pmean_flat(ms + dense, axis_name)
+        zeros = [jnp.zeros_like(m) for m in ms]
+        return means[: len(ms)], zeros, [replica.varying_like(q, q) for q in qs], means[len(ms) :]
 
-    def compressed(ms, qs):
-        means, lefts, q_news = compress(ms, qs)
-        return means, lefts, [replica.varying_like(a, q) for a, q in zip(q_news, qs)]
+    def compressed(ms, qs, dense):
+        means, lefts, q_news, dense_means = compress(ms, qs, dense)
+        return means, lefts, [replica.varying_like(a, q) for a, q in zip(q_news, qs)], dense_means
 
-    return jax.lax.cond(count < start_iter, dense, compressed, ms, qs)
+    return jax.lax.cond(count < start_iter, warm, compressed, ms, qs, dense)
 
 
 def _powersgd_init(params, shapes, rank: int, seed: int, error_feedback: bool) -> PowerSGDState:
@@ -202,18 +203,19 @@ def _orthogonalize(p: jax.Array, epsilon: float) -> jax.Array:
     return jnp.stack(cols, axis=-1)
 
 
-def _powersgd_compress(ms, qs, *, axis_name: AxisName, epsilon: float):
-    """(mean approximations, this replica's residuals, new Qs); ms [b, n, m], qs [b, m, r].
+def _powersgd_compress(ms, qs, dense, *, axis_name: AxisName, epsilon: float):
+    """(mean approximations, this replica's residuals, new Qs, means of `dense`); ms [b, n, m],
+    qs [b, m, r].
 
-    Every matrix's P is all-reduced in one flat buffer, then every Q (PyTorch's `powerSGD_hook`
-    packs them alike): two collectives a step, not two per tensor (`replica.pmean_flat`)."""
-    ps = replica.pmean_flat([m @ q for m, q in zip(ms, qs, strict=True)], axis_name)  # [b, n, r]
-    ps = [_orthogonalize(p, epsilon) for p in ps]
+    Every matrix's P and every dense tensor are all-reduced in one flat buffer, then every Q
+    (PyTorch's `powerSGD_hook` packs them alike): two collectives a step, not two per tensor."""
+    sent = replica.pmean_flat([m @ q for m, q in zip(ms, qs, strict=True)] + dense, axis_name)
+    ps = [_orthogonalize(p, epsilon) for p in sent[: len(ms)]]  # [b, n, r]
     q_is = [jnp.swapaxes(m, 1, 2) @ p for m, p in zip(ms, ps, strict=True)]  # [b, m, r]
     q_news = replica.pmean_flat(q_is, axis_name)
     means = [p @ jnp.swapaxes(q, 1, 2) for p, q in zip(ps, q_news, strict=True)]
     lefts = [m - p @ jnp.swapaxes(q_i, 1, 2) for m, p, q_i in zip(ms, ps, q_is, strict=True)]
-    return means, lefts, q_news
+    return means, lefts, q_news, sent[len(ms) :]
 
 
 # --------------------------------------------------------------------------------------------------
