@@ -360,6 +360,62 @@ def test_powersgd_sends_all_factors_in_one_buffer_each():
     np.testing.assert_allclose(out["v"], g["v"].mean(0), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda bd: C.bf16("data", batch_dims=bd),
+        lambda bd: C.int8("data", batch_dims=bd, error_feedback=True, stochastic_rounding=True),
+        lambda bd: C.ef_sign("data", batch_dims=bd, start_step=1),
+        lambda bd: C.onebit_adam("data", freeze_step=1, batch_dims=bd),
+    ],
+    ids=["bf16", "int8", "ef_sign", "onebit_adam"],
+)
+def test_two_phase_compressors_send_every_tensor_in_one_buffer_per_phase(make):
+    """Every tensor's all-to-all travels in one byte buffer, and every all-gather in another
+    (`tensors.two_phase`): two gloo calls a step, not two or four per tensor (on XLA:CPU each
+    array pays its messages' latency: docs/AGGREGATION.md, "Every other method at 5 ms")."""
+    from jaxdist import hlo_cost
+
+    shapes = {"a": (13, 7), "b": (9, 11), "c": (2, 8, 6), "v": (5,), "u": (3,)}
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+    tx = make({"a": 0, "b": 0, "c": 1, "v": 0, "u": 0})
+    step = jax.jit(sync_grads(_identity_grad_fn, tx, MESH, "data"))
+    text = step.lower(params, _grads(7, shapes=shapes), C.init_global(tx, params, MESH, "data"))
+    # (The cheapest branch: with a dense warm-up the costliest is its f32 pmean.)
+    ops = hlo_cost.collective_ops(text.compile().as_text(), branch="cheapest")
+    kinds = sorted(op.kind for op in ops if op.kind != "all-reduce")
+    assert kinds == ["all-gather", "all-to-all"], kinds
+
+
+def test_many_array_exchanges_move_the_same_bits_as_one_array_at_a_time():
+    """`replica.all_to_all_many` / `gather_many` (one byte buffer) against one `all_to_all` /
+    `gather` per array, bit for bit, for every dtype the compressors send."""
+    from jaxdist.compression import replica
+
+    rng = np.random.default_rng(0)
+    xs = [
+        rng.normal(size=(R, R, 3, 5)).astype(np.float32),
+        rng.integers(-127, 128, size=(R, R, 7)).astype(np.int8),
+        rng.integers(0, 2**16, size=(R, R, 2)).astype(np.uint16),
+        rng.integers(0, 256, size=(R, R, 1)).astype(np.uint8),
+        rng.integers(0, 2**31, size=(R, R, 4)).astype(np.int32),
+    ]
+
+    def body(*xs):
+        xs = [x[0] for x in xs]  # this replica's [R, ...] rows
+        many = replica.all_to_all_many(xs, "data") + replica.gather_many(xs, "data")
+        one = [replica.all_to_all(x, "data") for x in xs] + [replica.gather(x, "data") for x in xs]
+        return tuple(y[None] for y in many + one)
+
+    spec = P("data")
+    out = jax.jit(
+        jax.shard_map(body, mesh=MESH, in_specs=(spec,) * len(xs), out_specs=(spec,) * 20)
+    )(*xs)
+    for many, one in zip(out[:10], out[10:], strict=True):
+        assert many.dtype == one.dtype and many.shape == one.shape
+        np.testing.assert_array_equal(np.asarray(many), np.asarray(one))
+
+
 def test_powersgd_start_iter_is_dense():
     g = _grads(13)
     (out0, _, s0), (out1, _, _) = _run(C.powersgd("data", rank=1, start_iter=1), [g, g])

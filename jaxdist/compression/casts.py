@@ -8,7 +8,6 @@ in both phases; `int8` optionally rounds stochastically and keeps both phases' r
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -67,24 +66,34 @@ def bf16(
         del params
         r = num_replicas(axis_name)
 
-        def one(g):
-            if not tensors.is_float(g):
-                return g
-            if not two_phase:
-                s = jax.lax.psum(g.astype(jnp.bfloat16), replica.axes(axis_name))
-                return (s.astype(jnp.float32) / r).astype(g.dtype)
-            shard, c = shard_layout(g.size, r, g.size)
-            x = replica.all_to_all(
-                bf16_bits(tensors.to_rows(g, r, shard, c)), axis_name
-            )  # [R, 1, shard]
-            mean = jnp.sum(from_bf16_bits(x), axis=0) / r  # [1, shard], this replica's part
-            return tensors.from_rows(from_bf16_bits(replica.gather(bf16_bits(mean), axis_name)), g)
+        def psum(g):
+            s = jax.lax.psum(g.astype(jnp.bfloat16), replica.axes(axis_name))
+            return (s.astype(jnp.float32) / r).astype(g.dtype)
 
-        leaves, treedef = jax.tree.flatten(grads)
-        dims = tensors.leaf_batch_dims(batch_dims, treedef, len(leaves))
-        return treedef.unflatten(
-            [tensors.per_layer(one, b)(g) for g, b in zip(leaves, dims)]
-        ), state
+        def first(g):
+            shard, c = shard_layout(g.size, r, g.size)
+            return (bf16_bits(tensors.to_rows(g, r, shard, c)),), g  # [R, 1, shard]
+
+        def middle(got, g):  # got: every replica's bf16 of this replica's part
+            return (bf16_bits(jnp.sum(from_bf16_bits(got[0]), axis=0) / r),), g
+
+        def last(got, g):
+            return tensors.from_rows(from_bf16_bits(got[0]), g)
+
+        if not two_phase:
+            return tensors.map_float_leaves(
+                lambda i, g, b: (tensors.per_layer(psum, b)(g),), grads, (), batch_dims
+            )[0], state
+        out, _ = tensors.two_phase_leaves(
+            lambda i, g, b: (g,),
+            (first, middle, last),
+            lambda i, g, mean: (mean,),
+            grads,
+            (),
+            batch_dims,
+            axis_name,
+        )
+        return out, state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
@@ -161,19 +170,19 @@ def int8(
         key = jax.random.wrap_key_data(state.key[0])
         replica_key = jax.random.fold_in(key, jax.lax.axis_index(replica.axes(axis_name)))
 
-        def leaf(i, g, b, ew, es):
+        def start(i, g, b, ew, es):
             lead = g.shape[:b]
             keys = jax.random.split(jax.random.fold_in(replica_key, i), math.prod(lead))
-            keys = keys.reshape(*lead, *keys.shape[1:])
             e0 = (None, None) if ew is None else (ew[0], es[0])
-            mean, w, srv = tensors.per_layer(one_int8, b)(g, *e0, keys)
+            return g, *e0, keys.reshape(*lead, *keys.shape[1:])
+
+        def end(i, g, result, ew, es):
+            mean, w, srv = result
             return mean, None if w is None else w[None], None if srv is None else srv[None]
 
-        one_int8 = functools.partial(
-            _int8_allreduce, axis_name=axis_name, chunk=chunk, stochastic=stochastic_rounding
-        )
-        out, (worker, server) = tensors.map_float_leaves(
-            leaf, grads, (state.worker, state.server), batch_dims
+        phases = _int8_phases(num_replicas(axis_name), chunk, stochastic_rounding)
+        out, (worker, server) = tensors.two_phase_leaves(
+            start, phases, end, grads, (state.worker, state.server), batch_dims, axis_name
         )
         new_key = jax.random.key_data(jax.random.split(key)[0])[None]
         return out, Int8State(new_key, worker, server)
@@ -181,22 +190,32 @@ def int8(
     return optax.GradientTransformation(init, update)
 
 
-def _int8_allreduce(g, ew, es, key, *, axis_name: AxisName, chunk: int, stochastic: bool):
-    """One layer's two-phase int8 mean: (mean, new worker residual, new server residual [s])."""
-    r = num_replicas(axis_name)
-    k1, k2 = jax.random.split(key) if stochastic else (None, None)
-    acc = g.astype(jnp.float32) if ew is None else g.astype(jnp.float32) + ew
-    shard, c = shard_layout(acc.size, r, chunk)
-    q, scale = quantize_int8(tensors.to_rows(acc, r, shard, c), k1)  # [R, s/c, c], [R, s/c]
-    worker_left = None if ew is None else acc - tensors.from_rows(dequantize_int8(q, scale), acc)
-    q, scale = replica.all_to_all(q, axis_name), replica.all_to_all(scale, axis_name)
-    mean = jnp.sum(dequantize_int8(q, scale), axis=0) / r  # [s/c, c]: my shard
-    if es is not None:
-        mean = mean + es.reshape(mean.shape)
-    q2, scale2 = quantize_int8(mean, k2)
-    server_left = None if es is None else (mean - dequantize_int8(q2, scale2)).reshape(-1)
-    full = dequantize_int8(replica.gather(q2, axis_name), replica.gather(scale2, axis_name))
-    return tensors.from_rows(full, g), worker_left, server_left
+def _int8_phases(r: int, chunk: int, stochastic: bool):
+    """One layer's two-phase int8 mean as `tensors.two_phase`'s (first, middle, last): the mean,
+    the new worker residual and the new server residual [s] (both None without error feedback)."""
+
+    def first(g, ew, es, key):
+        k1, k2 = jax.random.split(key) if stochastic else (None, None)
+        acc = g.astype(jnp.float32) if ew is None else g.astype(jnp.float32) + ew
+        shard, c = shard_layout(acc.size, r, chunk)
+        q, scale = quantize_int8(tensors.to_rows(acc, r, shard, c), k1)  # [R, s/c, c], [R, s/c]
+        left = None if ew is None else acc - tensors.from_rows(dequantize_int8(q, scale), acc)
+        return (q, scale), (g, left, es, k2)
+
+    def middle(got, kept):
+        g, worker_left, es, k2 = kept
+        mean = jnp.sum(dequantize_int8(*got), axis=0) / r  # [s/c, c]: my shard
+        if es is not None:
+            mean = mean + es.reshape(mean.shape)
+        q2, scale2 = quantize_int8(mean, k2)
+        server_left = None if es is None else (mean - dequantize_int8(q2, scale2)).reshape(-1)
+        return (q2, scale2), (g, worker_left, server_left)
+
+    def last(got, kept):
+        g, worker_left, server_left = kept
+        return tensors.from_rows(dequantize_int8(*got), g), worker_left, server_left
+
+    return first, middle, last
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,7 +19,12 @@ import optax
 import jaxdist.compression.replica as replica
 import jaxdist.compression.tensors as tensors
 from jaxdist.compression.replica import AxisName, num_replicas
-from jaxdist.compression.sign import QUANTIZERS, SIGN_CHUNK, sign_allreduce, sign_wire_bytes
+from jaxdist.compression.sign import (
+    QUANTIZERS,
+    SIGN_CHUNK,
+    sign_phases,
+    sign_wire_bytes,
+)
 from jaxdist.compression.spec import CompressorSpec, TrainFields, field
 from jaxdist.compression.tensors import shard_layout
 from jaxdist.compression.topk import topk_k, topk_send, topk_wire_bytes
@@ -42,24 +47,21 @@ def _momentum_exchange(
 ):
     """How `onebit_adam` reduces the momenta after the freeze: (shard_of, reduce).
 
-    `shard_of(size)` is the length of a layer's server residual; `reduce(acc, es, like, u)`
-    returns (mean, new worker residual, new server residual, u zeroed where this replica sent):
-    DeepSpeed's `compressed_allreduce` with `bits`-bit codes (everything is sent: u as it was;
-    `rms=False`: ef_sign's scale ||x||_1 / d instead of ||x||_2 / sqrt(d)), or with `topk_ratio` `topk`'s exchange (`two_phase`: sparse reduce-scatter of ceil(k / R)
-    pairs per row, server re-sparsification, all-gather; else an all-gather of each replica's k
-    pairs), both with error feedback.
+    `shard_of(size)` is the length of a layer's server residual. With `topk_ratio`,
+    `reduce(acc, es, like, u)` is `topk`'s exchange of one layer (`two_phase`: sparse
+    reduce-scatter of ceil(k / R) pairs per row, server re-sparsification, all-gather; else an
+    all-gather of each replica's k pairs) with error feedback, returning (mean, new worker
+    residual, new server residual, u zeroed where this replica sent). Without, reduce is None:
+    the momenta go through DeepSpeed's `compressed_allreduce` with `bits`-bit codes
+    (`sign_phases`; `rms=False`: ef_sign's scale ||x||_1 / d instead of ||x||_2 / sqrt(d)), every
+    layer in one exchange (`tensors.two_phase`).
     """
     if bits not in QUANTIZERS:
         raise ValueError(f"onebit_adam: bits={bits} must be one of {sorted(QUANTIZERS)}")
     if chunk <= 0 or chunk % 8:
         raise ValueError(f"onebit_adam: chunk={chunk} must be a positive multiple of 8")
     if topk_ratio is None:
-        sign = functools.partial(
-            sign_allreduce, axis_name=axis_name, chunk=chunk, rms=rms, bits=bits
-        )
-        return lambda n: shard_layout(n, num_replicas(axis_name), chunk, 8)[0], (
-            lambda acc, es, like, u: (*sign(acc, es, like), u)
-        )
+        return lambda n: shard_layout(n, num_replicas(axis_name), chunk, 8)[0], None
 
     def reduce_topk(acc, es, like, u):
         del like
@@ -127,23 +129,55 @@ def onebit_adam(
         _compressed_momentum, b1=b1, reduce=reduce, local_momentum=local_momentum, masking=masking
     )
 
+    def compressed(grads, parts):
+        if topk_ratio is not None:
+            return _each_leaf(comp, batch_dims, grads, parts)
+        phases = sign_phases(axis_name, chunk, rms, bits)
+        start, end = _sign_momentum_ends(b1, local_momentum)
+        return tensors.two_phase_leaves(start, phases, end, grads, parts, batch_dims, axis_name)
+
+    warmup = functools.partial(_each_leaf, warm, batch_dims)
+
     def update(grads, state, params=None):
         del params
-        frozen = state.count[0] >= freeze_step
-
-        def one(g, m, ew, es, like):
-            if freeze_step == 0:  # no warm-up: compiled without it (bytes of the steady state)
-                return comp(g, m, ew, es, like)
-            return jax.lax.cond(frozen, comp, warm, g, m, ew, es, like)
-
-        def leaf(i, g, b, m, ew, es):
-            mean, m2, w, s = tensors.per_layer(one, b)(g.astype(jnp.float32), m[0], ew[0], es[0], g)
-            return mean.astype(g.dtype), m2[None], w[None], s[None]
-
-        out, (m, w, s) = tensors.map_float_leaves(leaf, grads, state[1:], batch_dims)
-        return out, OneBitAdamState(state.count + 1, m, w, s)
+        parts = tuple(state[1:])
+        if freeze_step == 0:  # no warm-up: compiled without it (bytes of the steady state)
+            out, new = compressed(grads, parts)
+        else:
+            frozen = state.count[0] >= freeze_step
+            out, new = jax.lax.cond(frozen, compressed, warmup, grads, parts)
+        return out, OneBitAdamState(state.count + 1, *new)
 
     return optax.GradientTransformation(init, update)
+
+
+def _each_leaf(step, batch_dims, grads, parts):
+    """`onebit_adam`'s `step` (`_warm_momentum`, `_compressed_momentum`) one tensor at a time,
+    per layer: (mean gradients, [momentum, worker, server residual trees])."""
+
+    def leaf(i, g, b, m, ew, es):
+        mean, m2, w, s = tensors.per_layer(step, b)(g.astype(jnp.float32), m[0], ew[0], es[0], g)
+        return mean.astype(g.dtype), m2[None], w[None], s[None]
+
+    return tensors.map_float_leaves(leaf, grads, parts, batch_dims)
+
+
+def _sign_momentum_ends(b1: float, local_momentum: bool):
+    """`tensors.two_phase_leaves`' (start, end) of `onebit_adam` with the sign code after the
+    freeze: each replica sends u = b1 m + (1 - b1) g plus its worker residual (every layer's in
+    one exchange); the next m is the mean, or with `local_momentum` u itself (signs send every
+    coordinate: nothing is masked)."""
+
+    def start(i, g, b, m, ew, es):
+        return b1 * m[0] + (1 - b1) * g.astype(jnp.float32) + ew[0], es[0], g
+
+    def end(i, g, result, m, ew, es):
+        mean, w, s = result
+        u = b1 * m[0] + (1 - b1) * g.astype(jnp.float32)
+        m2 = replica.varying_like(u if local_momentum else mean.astype(jnp.float32), w)
+        return mean.astype(g.dtype), m2[None], w[None], s[None]
+
+    return start, end
 
 
 def _warm_momentum(g, m, ew, es, like, *, b1: float, axis_name: AxisName):

@@ -4,8 +4,9 @@ A compressor, local SGD and the exact algorithms all run inside `jax.shard_map` 
 data-parallel mesh axes (`axis_name`) manual, and keep per-replica state as leaves with a leading
 replica axis of size R sharded over those axes (`[1, ...]` per replica inside the shard_map).
 These are the small pieces they share: the axes as a tuple, R, the two collectives with a typed
-result (`gather`, `all_to_all`), the type casts between replicated and per-replica values, and
-the `[1, ...]` block convention. All but `data_spec` must be called inside the shard_map.
+result (`gather`, `all_to_all`) and their one-buffer forms for many arrays (`*_many`,
+`pmean_flat`), the type casts between replicated and per-replica values, and the `[1, ...]` block
+convention. All but `data_spec` must be called inside the shard_map.
 
 The invariance contract: a value that leaves the shard_map with `P()` (the mean gradient) must be
 typed invariant over `axis_name`, i.e. come out of a collective that makes it so (`psum`,
@@ -83,6 +84,52 @@ def pmean_flat(xs: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
             out[i] = flat[start : start + x.size].reshape(x.shape).astype(x.dtype)
             start += x.size
     return out
+
+
+def all_to_all_many(xs: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+    """`all_to_all` of every array in `xs` (each [R, ...]), as one collective of one byte buffer.
+
+    The same values as one `all_to_all` per array (nothing is summed: bytes only move), in one
+    gloo call where XLA:CPU would make one per array, each paying its messages' latency
+    (docs/AGGREGATION.md, "Latency and loss"). Arrays varying over other manual axes (a pipeline
+    stage's own layers) go in a buffer of their own.
+    """
+    return _bytes_exchange(xs, lambda b: jax.lax.all_to_all(b, axes(axis_name), 0, 0), True)
+
+
+def gather_many(xs: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+    """`gather` of every array in `xs` ([...] -> [R, ...]), as one collective of one byte buffer
+    (`all_to_all_many`)."""
+    return _bytes_exchange(xs, lambda b: gather(b[0], axis_name), False)
+
+
+def _bytes_exchange(xs, exchange, rows: bool) -> list[jax.Array]:
+    """Each group of `xs` alike in vma type, viewed as bytes (`rows`: [x.shape[0], -1], else
+    [1, -1]), concatenated along the last axis and passed through `exchange` ([m, n] -> [R, n]);
+    the result cut back into [R, *x.shape[1:]] (`rows`) or [R, *x.shape] arrays."""
+    groups: dict[frozenset[str], list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(sharding.varying_axes(x), []).append(i)
+    out: list[Any] = [None] * len(xs)
+    for members in groups.values():
+        views = [_as_bytes(xs[i]).reshape(xs[i].shape[0] if rows else 1, -1) for i in members]
+        got = exchange(jnp.concatenate(views, axis=1))
+        start = 0
+        for i, v in zip(members, views, strict=True):
+            x, n = xs[i], v.shape[1]
+            shape = (got.shape[0], *(x.shape[1:] if rows else x.shape))
+            out[i] = _from_bytes(got[:, start : start + n], shape, x.dtype)
+            start += n
+    return out
+
+
+def _as_bytes(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.uint8)  # [..., itemsize] (no new axis for 1)
+
+
+def _from_bytes(b: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    size = jnp.dtype(dtype).itemsize
+    return jax.lax.bitcast_convert_type(b.reshape(*shape, *([size] if size > 1 else [])), dtype)
 
 
 def varying_like(x: jax.Array, ref: jax.Array) -> jax.Array:

@@ -9,7 +9,6 @@ the result (DeepSpeed's `compressed_allreduce`). 1-bit Adam's exchange (onebit.p
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -88,37 +87,50 @@ def twobit_decompress(packed: jax.Array, scale: jax.Array, c: int) -> jax.Array:
     return _twobit_values(bits.reshape(*packed.shape[:-1], c, 2), scale)
 
 
-# bits per element -> (compress, decompress) of the two-phase exchange (`sign_allreduce`)
+# bits per element -> (compress, decompress) of the two-phase exchange (`sign_phases`)
 QUANTIZERS = {1: (sign_compress, sign_decompress), 2: (twobit_compress, twobit_decompress)}
 
 
-def sign_allreduce(
-    acc, es, like, *, axis_name: AxisName, chunk: int, rms: bool = False, bits: int = 1
-):
-    """DeepSpeed's `compressed_allreduce` of one tensor `acc` (this replica's, worker residual
-    already added): (mean over replicas, new worker residual, new server residual `[s]`).
+def sign_phases(axis_name: AxisName, chunk: int, rms: bool = False, bits: int = 1):
+    """DeepSpeed's `compressed_allreduce` of one tensor as `tensors.two_phase`'s (first, middle,
+    last), `first(acc, es, like)`: acc this replica's tensor with its worker residual added, es
+    its server residual [s] (or None); the result is (mean over replicas, new worker residual,
+    new server residual [s]).
 
     Phase 1: cut into [R, s], compress per chunk to `bits` bits per element (`QUANTIZERS`),
     all-to-all; replica j decompresses and averages shard j and adds its server residual `es`.
     Phase 2: re-compress, all-gather.
     """
     compress, decompress = QUANTIZERS[bits]
-    r = num_replicas(axis_name)
-    me = jax.lax.axis_index(replica.axes(axis_name))
-    shard, c = shard_layout(acc.size, r, chunk, 8)
-    x = tensors.to_rows(acc, r, shard, c)  # [R, s/c, c]
-    valid = (np.arange(r * shard) < acc.size).reshape(x.shape)
-    packed, scale, approx = compress(x, valid, rms)
-    worker_left = acc - tensors.from_rows(approx, acc)
-    packed, scale = replica.all_to_all(packed, axis_name), replica.all_to_all(scale, axis_name)
-    my_valid = (me * shard + jnp.arange(shard) < acc.size).reshape(shard // c, c)
-    mean = jnp.where(my_valid, jnp.mean(decompress(packed, scale, c), axis=0), 0)
-    if es is not None:
-        mean = mean + es.reshape(mean.shape)
-    packed2, scale2, approx2 = compress(mean, my_valid, rms)
-    server_left = (mean - approx2).reshape(shard)
-    full = decompress(replica.gather(packed2, axis_name), replica.gather(scale2, axis_name), c)
-    return tensors.from_rows(full, like), worker_left, server_left
+
+    def layout(like):
+        r = num_replicas(axis_name)
+        return (r, *shard_layout(like.size, r, chunk, 8))
+
+    def first(acc, es, like):
+        r, shard, c = layout(like)
+        x = tensors.to_rows(acc, r, shard, c)  # [R, s/c, c]
+        valid = (np.arange(r * shard) < acc.size).reshape(x.shape)
+        packed, scale, approx = compress(x, valid, rms)
+        return (packed, scale), (like, acc - tensors.from_rows(approx, acc), es)
+
+    def middle(got, kept):
+        like, worker_left, es = kept
+        r, shard, c = layout(like)
+        me = jax.lax.axis_index(replica.axes(axis_name))
+        my_valid = (me * shard + jnp.arange(shard) < like.size).reshape(shard // c, c)
+        mean = jnp.where(my_valid, jnp.mean(decompress(*got, c), axis=0), 0)
+        if es is not None:
+            mean = mean + es.reshape(mean.shape)
+        packed2, scale2, approx2 = compress(mean, my_valid, rms)
+        return (packed2, scale2), (like, worker_left, (mean - approx2).reshape(shard))
+
+    def last(got, kept):
+        like, worker_left, server_left = kept
+        full = decompress(*got, layout(like)[2])
+        return tensors.from_rows(full, like), worker_left, server_left
+
+    return first, middle, last
 
 
 def ef_sign(
@@ -165,39 +177,55 @@ def ef_sign(
         server = tensors.server_zeros(params, batch_dims, shard_of)
         return SignState(count, tensors.worker_zeros(params), server, momentum_buf)
 
-    compressed = functools.partial(sign_allreduce, axis_name=axis_name, chunk=chunk)
+    phases = sign_phases(axis_name, chunk)
+    start, end = _ef_sign_ends(momentum)
 
-    def dense(acc, es0, like):
-        mean = jax.lax.pmean(acc, replica.axes(axis_name)).astype(like.dtype)
-        return mean, jnp.zeros_like(acc), es0
+    def compressed(grads, parts):
+        return tensors.two_phase_leaves(start, phases, end, grads, parts, batch_dims, axis_name)
+
+    def dense(grads, parts):  # the first `start_step` steps: an exact f32 pmean
+        def leaf(i, g, b, *xs):
+            acc, es0, _ = start(i, g, b, *xs)
+            mean = jax.lax.pmean(acc, replica.axes(axis_name)).astype(g.dtype)
+            return end(i, g, (mean, jnp.zeros_like(acc), es0), *xs)
+
+        return tensors.map_float_leaves(leaf, grads, parts, batch_dims)
 
     def update(grads, state, params=None):
         del params
-
-        def one(acc, es0, like):
-            if start_step > 0:
-                return jax.lax.cond(state.count[0] < start_step, dense, compressed, acc, es0, like)
-            return compressed(acc, es0, like)
-
-        def leaf(i, g, b, ew, es, u):
-            acc = g.astype(jnp.float32)
-            if u is not None:  # compress m_i = momentum * m + g_i
-                acc = momentum * u[0] + acc
-            if ew is not None:
-                acc = acc + ew[0]
-            mean, w, s = tensors.per_layer(one, b)(acc, None if es is None else es[0], g)
-            return (
-                mean,
-                None if ew is None else w[None],
-                None if es is None else s[None],
-                None if u is None else mean.astype(jnp.float32)[None],
-            )
-
         parts = (state.worker, state.server, state.momentum)
-        out, (worker, server, mom) = tensors.map_float_leaves(leaf, grads, parts, batch_dims)
-        return out, SignState(state.count + 1, worker, server, mom)
+        if start_step > 0:
+            out, new = jax.lax.cond(state.count[0] < start_step, dense, compressed, grads, parts)
+        else:
+            out, new = compressed(grads, parts)
+        return out, SignState(state.count + 1, *new)
 
     return optax.GradientTransformation(init, update)
+
+
+def _ef_sign_ends(momentum: float):
+    """`tensors.two_phase_leaves`' (start, end) of `ef_sign`: each replica sends its gradient
+    (with momentum correction m_i = momentum * m + g_i) plus its worker residual; the state
+    fields (worker, server residual, momentum) are None where not kept."""
+
+    def start(i, g, b, ew, es, u):
+        acc = g.astype(jnp.float32)
+        if u is not None:
+            acc = momentum * u[0] + acc
+        if ew is not None:
+            acc = acc + ew[0]
+        return acc, None if es is None else es[0], g
+
+    def end(i, g, result, ew, es, u):
+        mean, w, s = result
+        return (
+            mean,
+            None if ew is None else w[None],
+            None if es is None else s[None],
+            None if u is None else mean.astype(jnp.float32)[None],
+        )
+
+    return start, end
 
 
 sign = ef_sign  # the old name of `ef_sign`
@@ -207,7 +235,7 @@ sign = ef_sign  # the old name of `ef_sign`
 
 
 def sign_wire_bytes(grad_bytes: float, replicas: int, bits: int = 1) -> float:
-    """Both phases of `sign_allreduce` for one tensor at `bits` bits per element (chunk 2048)."""
+    """Both phases of `sign_phases` for one tensor at `bits` bits per element (chunk 2048)."""
     shard, c = shard_layout(int(grad_bytes // 4), replicas, SIGN_CHUNK, 8)
     phase = replicas * (shard * bits // 8 + 4 * (shard // c))
     return 2 * ring("all-to-all", phase, replicas)

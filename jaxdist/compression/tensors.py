@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxdist.compression import replica
+
 
 def leaf_batch_dims(batch_dims: Any, treedef: Any, n: int) -> list[int]:
     """Per leaf, how many leading stacked-layer axes it has (`batch_dims`: None, an int or a tree)."""
@@ -34,6 +36,50 @@ def per_layer(fn: Any, batch_dims: int) -> Any:
     for _ in range(batch_dims):
         fn = jax.vmap(fn)
     return fn
+
+
+def two_phase(args, dims, first, middle, last, axis_name) -> list[Any]:
+    """Every leaf's two-phase reduce (all-to-all, then all-gather), all leaves in one collective
+    per phase (`replica.all_to_all_many`, `replica.gather_many`): two gloo calls a step, not two
+    per tensor, with the same values.
+
+    For leaf i, each function mapped over its `dims[i]` stacked-layer axes (`per_layer`):
+    `first(*args[i]) -> (sent, kept)`, sent a tuple of [R, ...] arrays whose row j goes to
+    replica j; `middle(received, kept) -> (sent2, kept2)`, received shaped like sent, row j from
+    replica j; `last(gathered, kept2) -> result`, each of sent2 gathered to [R, ...]. Returns the
+    results, one per leaf.
+    """
+    ones = [per_layer(first, b)(*a) for a, b in zip(args, dims, strict=True)]
+    got = _exchange(replica.all_to_all_many, [s for s, _ in ones], dims, axis_name, True)
+    twos = [per_layer(middle, b)(g, k) for g, (_, k), b in zip(got, ones, dims, strict=True)]
+    got = _exchange(replica.gather_many, [s for s, _ in twos], dims, axis_name, False)
+    return [per_layer(last, b)(g, k) for g, (_, k), b in zip(got, twos, dims, strict=True)]
+
+
+def two_phase_leaves(start, phases, end, grads, parts, batch_dims, axis_name):
+    """`two_phase` over every float leaf of `grads`, laid out as `map_float_leaves`:
+    `start(i, g, b, *part_leaves)` gives leaf i's arguments of `first`, `end(i, g, result,
+    *part_leaves)` its `(out, *new_part_leaves)`; `phases` is (first, middle, last)."""
+    args, dims = {}, {}
+
+    def collect(i, g, b, *xs):
+        args[i], dims[i] = start(i, g, b, *xs), b
+        return (g, *xs)
+
+    map_float_leaves(collect, grads, parts, batch_dims)
+    got = two_phase(list(args.values()), list(dims.values()), *phases, axis_name)
+    results = dict(zip(args, got, strict=True))
+    return map_float_leaves(
+        lambda i, g, b, *xs: end(i, g, results[i], *xs), grads, parts, batch_dims
+    )
+
+
+def _exchange(collective, sent, dims, axis_name, rows: bool) -> list[tuple[jax.Array, ...]]:
+    """`collective` of every leaf's arrays at once: a leaf's stacked-layer axes go after the
+    replica axis (its rows if `rows`) for the exchange and back in front after it."""
+    flat = [jnp.moveaxis(x, b, 0) if rows else x for xs, b in zip(sent, dims) for x in xs]
+    got = iter(collective(flat, axis_name))
+    return [tuple(jnp.moveaxis(next(got), 0, b) for _ in xs) for xs, b in zip(sent, dims)]
 
 
 def is_float(x: Any) -> bool:
