@@ -210,7 +210,9 @@ def _run(
         "load_avg": [load_start, _load()],
     }
     if method in WARMUP and "cross_process_cheapest_branch" in layout:
-        row["hlo_steady_bytes_per_step"] = layout["cross_process_cheapest_branch"]["bytes_per_step"]
+        cheapest = layout["cross_process_cheapest_branch"]
+        row["hlo_steady_bytes_per_step"] = cheapest["bytes_per_step"]
+        row["hlo_steady_messages_per_step"] = cheapest["messages_per_step"]
     net_recs = [r for r in recs if r.get("kind") == "net" and r["step"] >= STEADY_FROM]
     if net_recs:
         row["kernel_bytes_per_step"] = [
@@ -372,11 +374,12 @@ def add_predictions(result: dict, latency_s: float = MESSAGE_LATENCY_S) -> dict:
 
 def _messages(row: dict) -> float | None:
     """The most messages a host's processes send across per step, as the compiled step says
-    (`hlo_cost.cross_host_traffic`, one gloo call per array of a variadic all-reduce), where the
-    row has them counted that way (`hlo_messages_by_buffer`); None otherwise (DDP, older rows)."""
+    (`hlo_cost.cross_host_traffic`, one gloo call per array of a variadic all-reduce; a `WARMUP`
+    method's cheapest branch where the row has it), where the row has them counted that way
+    (`hlo_messages_by_buffer`); None otherwise (DDP, older rows)."""
     if not row.get("hlo_messages_by_buffer") or not row.get("hlo_messages_per_step"):
         return None
-    return max(row["hlo_messages_per_step"])
+    return max(row.get("hlo_steady_messages_per_step") or row["hlo_messages_per_step"])
 
 
 def planner_table(result: dict) -> str:
@@ -503,6 +506,7 @@ def _record(
         "hlo_messages_by_buffer": row.get("hlo_messages_by_buffer", False),
         "hlo_steady_bytes_per_step": row.get("hlo_steady_bytes_per_step"),
         "hlo_messages_per_step": row.get("hlo_messages_per_step"),
+        "hlo_steady_messages_per_step": row.get("hlo_steady_messages_per_step"),
         "time_to_target_s": _time_to(row, target),
         "loss_within_budget": _loss_within(row, BUDGET_S),
         "final_eval_loss": row["final_eval_loss"],
