@@ -493,6 +493,18 @@ NOT_RUN = {
     "--methods=xla_flat,ring,bf16,ddp,ddp_fp16 --links=rate=50mbit,delay=5ms,jitter=1ms "
     "--network_steps=20 --network_devices=1 --network_hosts=4": _NETEM
     + "; 10 training runs take 5 min on 2 cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_4hosts_powersgd_5ms.json "
+    "--methods=powersgd,ddp_powersgd --links=rate=50mbit,delay=5ms --network_steps=20 "
+    "--network_devices=1 --network_hosts=4 --target_loss=3.06": _NETEM
+    + "; 4 training runs take 6 min on 2 cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_4hosts_one_buffer.json "
+    "--methods=bf16,int8,ef_sign,onebit_adam,topk,ddp_fp16 --links=rate=50mbit,delay=5ms "
+    "--network_steps=20 --network_devices=1 --network_hosts=4 --target_loss=3.06": _NETEM
+    + "; 12 training runs take 9 min on 2 cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_4hosts_one_buffer_onebit.json "
+    "--methods=onebit_adam --links=rate=50mbit,delay=5ms --network_steps=20 "
+    "--network_devices=1 --network_hosts=4 --target_loss=3.06": _NETEM
+    + "; 2 training runs take 2 min on 2 cores",
     "python scripts/bench.py --study=network --out=docs/data/network_rate50_methods.json "
     "--methods=xla,int8,halving_doubling,ef_sign,topk,onebit_adam,diloco_h8 "
     "--links=rate=50mbit --network_steps=10": _NETEM,
