@@ -104,18 +104,23 @@ def topk(
         two_phase=two_phase,
         batch_dims=batch_dims,
     )
-    send = functools.partial(topk_send, axis_name=axis_name, two_phase=two_phase)
 
     def update(grads, state, params=None):
         del params
-        r = num_replicas(axis_name)
-        stage = _topk_stage(state.count[0], densities, warmup_steps)
-        leaf = functools.partial(
-            _topk_leaf, densities=densities, stage=stage, send=send, r=r, momentum=momentum
-        )
+        stages = [
+            functools.partial(
+                _topk_all, density=d, r=num_replicas(axis_name), momentum=momentum,
+                axis_name=axis_name, two_phase=two_phase, batch_dims=batch_dims,
+            )
+            for d in densities
+        ]  # fmt: skip
         parts = (state.residual, state.velocity, state.server)
-        out, (residual, velocity, server) = tensors.map_float_leaves(leaf, grads, parts, batch_dims)
-        return out, TopKState(state.count + 1, residual, velocity, server)
+        if len(stages) == 1:
+            out, new = stages[0](grads, parts)
+        else:
+            stage = _topk_stage(state.count[0], densities, warmup_steps)
+            out, new = jax.lax.switch(stage, stages, grads, parts)
+        return out, TopKState(state.count + 1, *new)
 
     return optax.GradientTransformation(init, update)
 
@@ -141,27 +146,37 @@ def _topk_stage(count: jax.Array, densities: list[float], warmup_steps: int) -> 
     return jnp.minimum(count // per, len(densities) - 1)
 
 
-def _topk_leaf(i, g, b, e, u, es, *, densities, stage, send, r, momentum):
-    """One float leaf of `topk`'s update, each of its layers (`b` stacked axes) on its own: g its
-    gradient, e / u / es its [1, ...] residual, velocity, server residual (or None). Returns
-    (mean, new e, new u, new es), each state [1, ...] (e and u in their own dtype)."""
-    del i
-    size = math.prod(g.shape[b:])  # one layer's
-    ks = [topk_k(d, size) for d in densities]
-    one = functools.partial(_topk_layer, ks=ks, stage=stage, send=send, r=r, momentum=momentum)
-    e0, u0, s0 = (None if x is None else x[0].astype(jnp.float32) for x in (e, u, es))
-    mean, left, v, s1 = tensors.per_layer(one, b)(g, e0, u0, s0)
-    return (
-        mean,
-        None if e is None else left[None].astype(e.dtype),
-        None if u is None else v[None].astype(u.dtype),
-        None if es is None else s1[None],
-    )
+def _topk_all(grads, parts, *, density, r, momentum, axis_name, two_phase, batch_dims):
+    """`topk`'s update at one density: every float leaf, each of its layers (stacked axes) a
+    tensor of its own, through `_exchange` at once. `parts`: the residual, velocity and server
+    residual trees ([1, ...] leaves, or None). Returns (mean gradients, [new part trees])."""
+    items = {}
+
+    def collect(i, g, b, e, u, es):
+        e0, u0, s0 = (None if x is None else x[0].astype(jnp.float32) for x in (e, u, es))
+        acc, v = tensors.per_layer(functools.partial(_accumulate, momentum=momentum), b)(g, e0, u0)
+        items[i] = (acc, v, s0, b)
+        return (g, e, u, es)
+
+    tensors.map_float_leaves(collect, grads, parts, batch_dims)
+    k_of = functools.partial(topk_k, density)
+    got = dict(zip(items, _exchange(list(items.values()), k_of, r, axis_name, two_phase)))
+
+    def finish(i, g, b, e, u, es):
+        mean, left, v, s1 = got[i]
+        return (
+            mean.reshape(g.shape).astype(g.dtype),
+            None if e is None else left.reshape(g.shape)[None].astype(e.dtype),
+            None if u is None else v.reshape(g.shape)[None].astype(u.dtype),
+            None if es is None else s1[None],
+        )
+
+    return tensors.map_float_leaves(finish, grads, parts, batch_dims)
 
 
-def _topk_layer(g, e, u, es, *, ks, stage, send, r, momentum):
-    """One layer of `topk`: g its gradient, e / u / es its residual, velocity, server residual;
-    `ks[stage]` entries sent. Returns (mean, new e, new u, new es)."""
+def _accumulate(g, e, u, *, momentum):
+    """One layer's (what top-k selects from, the velocity it zeroes where sent), flat f32: g plus
+    the residual e; with a velocity u (DGC) u <- momentum u + g accumulated instead."""
     flat = g.reshape(-1).astype(jnp.float32)
     if u is not None:  # DGC: accumulate the locally momentum-corrected gradient
         u = momentum * u.reshape(-1) + flat
@@ -170,62 +185,120 @@ def _topk_layer(g, e, u, es, *, ks, stage, send, r, momentum):
         acc = e.reshape(-1) + flat
     else:
         acc = flat
-    branches = [lambda a, v, s, k=k: send(a, v, s, k, r) for k in ks]
-    v = acc if u is None else u
-    if len(set(ks)) == 1:
-        mean, left, v, es = branches[0](acc, v, es)
-    else:
-        mean, left, v, es = jax.lax.switch(stage, branches, acc, v, es)
-    left = None if e is None else left.reshape(g.shape)
-    v = None if u is None else v.reshape(g.shape)
-    return mean.reshape(g.shape).astype(g.dtype), left, v, es
+    return acc, acc if u is None else u
 
 
-def _topk_two_phase(acc, u, es, k, r, axis_name: AxisName):
-    """Sparse reduce-scatter + all-gather of acc [n] (see `topk`)."""
-    n = acc.size
-    shard, kr = -(-n // r), two_phase_k(n, k, r)
-    rows = jnp.pad(acc, (0, r * shard - n)).reshape(r, shard)
-    _, idx = jax.lax.top_k(jnp.abs(rows), kr)  # [R, kr]
-    vals = jnp.take_along_axis(rows, idx, axis=1)
-    rows_idx = jnp.arange(r)[:, None]
-    left = rows.at[rows_idx, idx].set(0).reshape(-1)[:n]
-    u_rows = jnp.pad(u, (0, r * shard - n)).reshape(r, shard)
-    u = u_rows.at[rows_idx, idx].set(0).reshape(-1)[:n]
-    vals, idx = (
-        replica.all_to_all(vals, axis_name),
-        replica.all_to_all(idx.astype(jnp.int32), axis_name),
-    )
-    mine = jnp.zeros((shard,), acc.dtype).at[idx.reshape(-1)].add(vals.reshape(-1)) / r
-    if es is not None:
-        mine = mine + es
-    _, idx2 = jax.lax.top_k(jnp.abs(mine), kr)
-    es = None if es is None else mine.at[idx2].set(0)
-    g_vals, g_idx = (
-        replica.gather(mine[idx2], axis_name),
-        replica.gather(idx2.astype(jnp.int32), axis_name),
-    )
-    full = jnp.zeros((r, shard), acc.dtype).at[rows_idx, g_idx].set(g_vals)
-    return full.reshape(-1)[:n], left, u, es
+def _route(n: int, k: int, r: int, two_phase: bool) -> str:
+    """How a tensor of n entries with k sent goes over r replicas: "all" (k >= n: the dense mean,
+    nothing left), "two_phase" (the sparse reduce-scatter and all-gather), "union" (the pairs
+    would outweigh the tensor: a dense all-reduce of the sparse union) or "gather" (an
+    all-gather of every replica's k pairs)."""
+    if k >= n:
+        return "all"
+    if two_phase and 2 * r * two_phase_k(n, k, r) < n:
+        return "two_phase"
+    return "union" if two_phase or r * k >= n else "gather"
+
+
+def _exchange(items, k_of, r, axis_name: AxisName, two_phase: bool) -> list[tuple]:
+    """Top-k of every tensor in `items`, each (acc [*L, n], u [*L, n], server residual [*L, s]
+    or None, L's rank b), each of its L layers with k_of(n) entries sent (`_route`): per tensor
+    (mean over replicas of what was sent, acc and u zeroed where sent, the new server residual).
+    One all-reduce for every dense route's tensor (`replica.pmean_flat`), one all-to-all and one
+    all-gather for every pair route's (`tensors.two_phase`): not two or four per tensor."""
+    routes = [_route(it[0].shape[-1], k_of(it[0].shape[-1]), r, two_phase) for it in items]
+    dense = [i for i, route in enumerate(routes) if route in ("all", "union")]
+    pairs = [i for i, route in enumerate(routes) if route not in ("all", "union")]
+    out: list[Any] = [None] * len(items)
+    local = {}
+    for i in dense:
+        acc, u, es, b = items[i]
+        one = functools.partial(_dense_local, k_of=k_of, route=routes[i])
+        local[i] = (*tensors.per_layer(one, b)(acc, u), es)
+    means = replica.pmean_flat([local[i][0] for i in dense], axis_name)
+    for i, mean in zip(dense, means, strict=True):
+        out[i] = (mean, *local[i][1:])
+    phases = (_two_phase_phases if two_phase else _gather_phases)(k_of, r)
+    sent = [items[i][:3] for i in pairs]
+    for i, res in zip(
+        pairs, tensors.two_phase(sent, [items[i][3] for i in pairs], *phases, axis_name)
+    ):
+        out[i] = res
+    return out
+
+
+def _dense_local(acc, u, *, k_of, route: str):
+    """One layer's dense route: (what is all-reduced, acc left, u left)."""
+    if route == "all":  # everything sent: nothing left, the velocity kept (momentum SGD)
+        return acc, jnp.zeros_like(acc), u
+    _, idx = jax.lax.top_k(jnp.abs(acc), k_of(acc.size))  # the union of everyone's top-k
+    return jnp.zeros_like(acc).at[idx].set(acc[idx]), acc.at[idx].set(0), u.at[idx].set(0)
+
+
+def _gather_phases(k_of, r: int):
+    """The all-gather route as `tensors.two_phase`'s (first, middle, last) on one layer
+    (acc [n], u [n], es): nothing in the all-to-all; every replica's k (value, index) pairs
+    gathered and scatter-added. Returns (mean, acc and u zeroed where sent, es)."""
+
+    def first(acc, u, es):
+        _, idx = jax.lax.top_k(jnp.abs(acc), k_of(acc.size))
+        return (), (acc[idx], idx.astype(jnp.int32), acc.at[idx].set(0), u.at[idx].set(0), es)
+
+    def middle(got, kept):
+        vals, idx, left, u, es = kept
+        return (vals, idx), (left, u, es)
+
+    def last(got, kept):
+        (vals, idx), (left, u, es) = got, kept  # [R, k] each
+        mean = jnp.zeros(left.shape, left.dtype).at[idx.reshape(-1)].add(vals.reshape(-1))
+        return mean / r, left, u, es
+
+    return first, middle, last
+
+
+def _two_phase_phases(k_of, r: int):
+    """The sparse reduce-scatter + all-gather (`topk`'s `two_phase`) as `tensors.two_phase`'s
+    (first, middle, last) on one layer (acc [n], u [n], server residual es [s] or None)."""
+
+    def layout(n):
+        return -(-n // r), two_phase_k(n, k_of(n), r)  # (s, entries sent per row)
+
+    def first(acc, u, es):
+        n = acc.size
+        shard, kr = layout(n)
+        rows = jnp.pad(acc, (0, r * shard - n)).reshape(r, shard)
+        _, idx = jax.lax.top_k(jnp.abs(rows), kr)  # [R, kr]
+        vals = jnp.take_along_axis(rows, idx, axis=1)
+        rows_idx = jnp.arange(r)[:, None]
+        left = rows.at[rows_idx, idx].set(0).reshape(-1)[:n]
+        u_rows = jnp.pad(u, (0, r * shard - n)).reshape(r, shard)
+        u = u_rows.at[rows_idx, idx].set(0).reshape(-1)[:n]
+        return (vals, idx.astype(jnp.int32)), (left, u, es)
+
+    def middle(got, kept):
+        (vals, idx), (left, u, es) = got, kept
+        shard, kr = layout(left.size)
+        mine = jnp.zeros((shard,), left.dtype).at[idx.reshape(-1)].add(vals.reshape(-1)) / r
+        if es is not None:
+            mine = mine + es
+        _, idx2 = jax.lax.top_k(jnp.abs(mine), kr)
+        es = None if es is None else mine.at[idx2].set(0)
+        return (mine[idx2], idx2.astype(jnp.int32)), (left, u, es)
+
+    def last(got, kept):
+        (g_vals, g_idx), (left, u, es) = got, kept
+        shard, _ = layout(left.size)
+        full = jnp.zeros((r, shard), left.dtype).at[jnp.arange(r)[:, None], g_idx].set(g_vals)
+        return full.reshape(-1)[: left.size], left, u, es
+
+    return first, middle, last
 
 
 def topk_send(acc, u, es, k, r, *, axis_name: AxisName, two_phase: bool):
-    """Top-k of acc [n] over `r` replicas (also 1-bit Adam's top-k momentum exchange): (mean over replicas of what was sent, acc and u zeroed where sent,
-    the server residual `es` (two_phase) or None)."""
-    if k >= acc.size:  # everything sent: nothing left, the velocity kept (momentum SGD)
-        return jax.lax.pmean(acc, replica.axes(axis_name)), jnp.zeros_like(acc), u, es
-    if two_phase and 2 * r * two_phase_k(acc.size, k, r) < acc.size:
-        return _topk_two_phase(acc, u, es, k, r, axis_name)
-    _, idx = jax.lax.top_k(jnp.abs(acc), k)
-    if two_phase or r * k >= acc.size:  # pairs outweigh the tensor: dense reduce of the union
-        sparse = jnp.zeros_like(acc).at[idx].set(acc[idx])
-        mean = jax.lax.pmean(sparse, replica.axes(axis_name))
-    else:
-        vals = replica.gather(acc[idx], axis_name)
-        all_idx = replica.gather(idx.astype(jnp.int32), axis_name)
-        mean = jnp.zeros(acc.shape, acc.dtype).at[all_idx.reshape(-1)].add(vals.reshape(-1))
-        mean = mean / r
-    return mean, acc.at[idx].set(0), u.at[idx].set(0), es
+    """Top-k of one tensor acc [n] over `r` replicas (1-bit Adam's top-k momentum exchange):
+    (mean over replicas of what was sent, acc and u zeroed where sent, the server residual `es`
+    (two_phase) or None); `_exchange` of one tensor."""
+    return _exchange([(acc, u, es, 0)], lambda n: k, r, axis_name, two_phase)[0]
 
 
 def topk_wire_ratio(size: int, replicas: int, ratio: float, two_phase: bool = False) -> float:
