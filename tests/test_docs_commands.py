@@ -505,6 +505,10 @@ NOT_RUN = {
     "--methods=onebit_adam --links=rate=50mbit,delay=5ms --network_steps=20 "
     "--network_devices=1 --network_hosts=4 --target_loss=3.06": _NETEM
     + "; 2 training runs take 2 min on 2 cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_4hosts_one_buffer_topk.json "
+    "--methods=topk --links=rate=50mbit,delay=5ms --network_steps=20 "
+    "--network_devices=1 --network_hosts=4 --target_loss=3.06": _NETEM
+    + "; 2 training runs take 2 min on 2 cores",
     "python scripts/bench.py --study=network --out=docs/data/network_rate50_methods.json "
     "--methods=xla,int8,halving_doubling,ef_sign,topk,onebit_adam,diloco_h8 "
     "--links=rate=50mbit --network_steps=10": _NETEM,
