@@ -71,11 +71,8 @@ def pmean_flat(xs: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
     Arrays that vary over different manual axes (a pipeline stage's own layers beside the
     embedding) go in separate buffers, so each mean keeps its type.
     """
-    groups: dict[frozenset[str], list[int]] = {}
-    for i, x in enumerate(xs):
-        groups.setdefault(sharding.varying_axes(x), []).append(i)
     out: list[Any] = [None] * len(xs)
-    for members in groups.values():
+    for members in _alike(xs):
         flat = jnp.concatenate([jnp.ravel(xs[i]).astype(jnp.float32) for i in members])
         flat = jax.lax.pmean(flat, axes(axis_name))
         start = 0
@@ -107,11 +104,8 @@ def _bytes_exchange(xs, exchange, rows: bool) -> list[jax.Array]:
     """Each group of `xs` alike in vma type, viewed as bytes (`rows`: [x.shape[0], -1], else
     [1, -1]), concatenated along the last axis and passed through `exchange` ([m, n] -> [R, n]);
     the result cut back into [R, *x.shape[1:]] (`rows`) or [R, *x.shape] arrays."""
-    groups: dict[frozenset[str], list[int]] = {}
-    for i, x in enumerate(xs):
-        groups.setdefault(sharding.varying_axes(x), []).append(i)
     out: list[Any] = [None] * len(xs)
-    for members in groups.values():
+    for members in _alike(xs):
         views = [_as_bytes(xs[i]).reshape(xs[i].shape[0] if rows else 1, -1) for i in members]
         got = exchange(jnp.concatenate(views, axis=1))
         start = 0
@@ -121,6 +115,15 @@ def _bytes_exchange(xs, exchange, rows: bool) -> list[jax.Array]:
             out[i] = _from_bytes(got[:, start : start + n], shape, x.dtype)
             start += n
     return out
+
+
+def _alike(xs: list[jax.Array]) -> list[list[int]]:
+    """The indices of `xs` grouped by vma type (the manual axes each varies over): what may
+    share one buffer of a collective and keep its type."""
+    groups: dict[frozenset[str], list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(sharding.varying_axes(x), []).append(i)
+    return list(groups.values())
 
 
 def _as_bytes(x: jax.Array) -> jax.Array:

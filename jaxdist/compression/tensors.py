@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxdist.compression import replica
+import jaxdist.compression.replica as replica
 
 
 def leaf_batch_dims(batch_dims: Any, treedef: Any, n: int) -> list[int]:
