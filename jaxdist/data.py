@@ -49,21 +49,27 @@ PACKED_KEYS = ("inputs", "targets", "segment_ids", "positions")  # a `documents`
 NO_TARGET = -1  # a target the loss skips (a document boundary, padding) under `documents`
 
 
+def _text_paths(root: str, suffix: str | None):
+    """The files under `root` (or `root` itself), folders and files in sorted order, found
+    lazily: a reader that stops early never lists the rest of the tree."""
+    if os.path.isfile(root):
+        yield root
+        return
+    for d, dirs, files in os.walk(root):
+        dirs.sort()
+        for f in sorted(files):
+            if suffix is None or f.endswith(suffix):
+                yield os.path.join(d, f)
+
+
 def _read_text_files(
     root: str, max_bytes: int, suffix: str | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(the bytes of the files under `root`, each file's start offset in them: its documents)."""
-    if os.path.isfile(root):
-        paths = [root]
-    else:
-        paths = []
-        for d, dirs, files in os.walk(root):
-            dirs.sort()
-            paths += [
-                os.path.join(d, f) for f in sorted(files) if suffix is None or f.endswith(suffix)
-            ]
     chunks, starts, total = [], [], 0
-    for p in paths:
+    for p in _text_paths(root, suffix):
+        if total >= max_bytes:
+            break
         try:
             with open(p, "rb") as f:
                 b = f.read(max_bytes - total)
@@ -73,8 +79,6 @@ def _read_text_files(
             starts.append(total)
         chunks.append(b)
         total += len(b)
-        if total >= max_bytes:
-            break
     data = np.frombuffer(b"".join(chunks), dtype=np.uint8)
     if data.size == 0:
         raise ConfigError(f"data.source={root!r}: no readable text found")

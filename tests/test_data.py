@@ -54,6 +54,30 @@ def test_text_directory_and_token_bin(tmp_path):
         data.load(data_cfg(str(bin_dir)), seq_len=16, vocab_size=512)
 
 
+def test_a_text_folder_is_read_in_sorted_order_and_only_as_far_as_max_bytes(tmp_path, monkeypatch):
+    """Folders and files in sorted order, each file a document; the walk stops at `max_bytes`
+    instead of listing the whole tree first (the default `stdlib` source sits beside thousands
+    of folders of site-packages: listing them cost every job ~0.5 s at start)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "2.txt").write_text("bb")
+    (tmp_path / "a" / "1.txt").write_text("aaa")
+    for i in range(20):
+        (tmp_path / "z" / str(i)).mkdir(parents=True)
+        (tmp_path / "z" / str(i) / "x.txt").write_text("zzzz")
+    walked = []
+    real_walk = data.os.walk
+
+    def walk(root):
+        for d, dirs, files in real_walk(root):
+            walked.append(d)
+            yield d, dirs, files
+
+    monkeypatch.setattr(data.os, "walk", walk)
+    tokens, starts = data._read_text_files(str(tmp_path), max_bytes=6, suffix=".txt")
+    assert bytes(tokens) == b"aaabbz" and starts.tolist() == [0, 3, 5]
+    assert len(walked) <= 5, walked  # the root, a, z, z/0 and z/1 (the next file): not z/2..19
+
+
 def test_npz_images_epoch_order(tmp_path):
     images = np.random.default_rng(0).integers(0, 255, (100, 4, 4), dtype=np.uint8)
     np.savez(tmp_path / "img.npz", images=images, labels=np.arange(100) % 10)

@@ -75,6 +75,7 @@ _BATCH_STUDY = (
     "each optimizer's study is tens of training runs of up to 500 steps (an hour on 2 loaded "
     "cores); one batch pair for 2 steps runs the same code",
 )
+_TINY_MOMENTS = "--max_steps=4 --config.model.num_layers=1 --config.model.d_model=32"
 # command as documented -> (flags appended, why it cannot run as written here)
 SHORTENED = {
     "python scripts/train.py": (
@@ -161,19 +162,21 @@ SHORTENED = {
         "optimizer's batch pair for 2 steps, with one re-tune, runs the same code",
     ),
     "python scripts/bench.py --study=moments --out=docs/data/moments_default.json": (
-        "--max_steps=4",
+        _TINY_MOMENTS,
         "the default job's 300 steps three times (float32, bfloat16 nearest and stochastic) take "
-        "minutes on 2 cores",
+        "minutes on 2 cores; 4 steps of a 1-layer, 32-wide GPT run the same study",
     ),
     "python scripts/bench.py --study=moments --config.train.seed=1 "
     "--out=docs/data/moments_default_seed1.json": (
-        "--max_steps=4",
-        "the moments study's 300 steps three times (another seed) take minutes on 2 cores",
+        _TINY_MOMENTS,
+        "the moments study's 300 steps three times (another seed) take minutes on 2 cores; 4 "
+        "steps of a 1-layer, 32-wide GPT run the same study",
     ),
     "python scripts/bench.py --study=moments --config.train.seed=2 "
     "--out=docs/data/moments_default_seed2.json": (
-        "--max_steps=4",
-        "the moments study's 300 steps three times (another seed) take minutes on 2 cores",
+        _TINY_MOMENTS,
+        "the moments study's 300 steps three times (another seed) take minutes on 2 cores; 4 "
+        "steps of a 1-layer, 32-wide GPT run the same study",
     ),
     "python scripts/bench.py --study=fp8 --out=docs/data/fp8_default.json": (
         "--max_steps=2",
