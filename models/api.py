@@ -327,7 +327,15 @@ class Stages:
         block's tokens, so that the mean over token shards (and microbatches) is the whole
         batch's; they are summed over the layers (`stage_layers`).
       aux_loss: (statistics summed over layers, averaged over microbatches) -> (the term added
-        to the loss, linear in the statistics; metrics). Used when `aux_zero` is set.
+        to the loss; metrics). Used when `aux_zero` is set.
+      aux_linear: `aux_loss`'s term is linear in the statistics (the Llama family's per-layer
+        router losses), so the schedules that add it per microbatch and per device (1f1b, zb,
+        any schedule inside grad_sync's shard_map) get the batch's term by summing. False for a
+        term that is not (Mixtral's pooled product of two means): those schedules first run the
+        forward ticks once without gradient for the batch's statistics and add the term's
+        linearization there (`pipeline.gradients`): the same loss and gradient, one more
+        forward pass a step. gpipe and interleaved differentiate the term of the batch's
+        statistics directly either way.
       order: sequence length -> the storage order of the length axis the blocks expect (e.g.
         ring attention's zig-zag over `mesh.context`, read from the active mesh), or None for
         the natural order; the pipeline permutes inputs and targets by it before the embedding.
@@ -342,6 +350,7 @@ class Stages:
     order: Callable[[int], Any] = lambda length: None
     aux_zero: Callable[[jax.Array], dict[str, jax.Array]] | None = None
     aux_loss: Callable[[dict[str, jax.Array]], tuple[jax.Array, dict]] | None = None
+    aux_linear: bool = True
     head_logits: Callable[[Params, jax.Array], jax.Array] | None = None
 
 

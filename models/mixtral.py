@@ -14,8 +14,9 @@ the router logits of all L layers are pooled before the product,
     assignments expert e got (no gradient), P̄_e = mean over layers and tokens of e's probability,
 
 where the Llama family's MoE averages the per-layer products E · Σ_e f_e · P_e instead. The
-pooled product is not linear in each layer's statistics, which pipeline stages need
-(`api.Stages.aux_loss`), so a pipelined Mixtral takes `model.moe_aux_loss_weight=0` (`check`).
+pooled product is not linear in the layers' statistics, which the pipeline's stages hold apart
+(`stages`): gpipe and interleaved differentiate it on the batch's statistics, 1f1b and zb add
+its linearization at them, found by one more forward pass a step (`api.Stages.aux_linear`).
 Hugging Face `MixtralForCausalLM` weights map 1:1, one tensor per expert (`HF` below).
 
 Shapes: B batch, T length, D d_model, E experts, k experts per token, F expert width, L layers.
@@ -101,9 +102,34 @@ class Mixtral(llama.Llama):
         return x, pooled_stats(stats, self.cfg)
 
 
+def layer(lp: dict[str, jax.Array], x: jax.Array, *, cfg, qkv: Any = llama.qkv, segments=None):
+    """One Mixtral layer as the pipeline's block: (x, this layer's router stats with
+    `moe_prob`)."""
+    return block(lp, (x, stats_zero(cfg, x)), cfg=cfg, qkv=qkv, segments=segments)
+
+
+def aux_loss(stats: dict, cfg) -> tuple[jax.Array, dict]:
+    """The router losses of stats summed over the layers (`pooled_stats`; the pooled product is
+    not linear in them) and their metrics: the pipeline's `Stages.aux_loss`, as `Mixtral.loss`
+    adds them without a pipeline."""
+    return llama.moe_loss(jnp.zeros((), jnp.float32), pooled_stats(stats, cfg), cfg)
+
+
+def stages(cfg, qkv: Any = llama.qkv) -> api.Stages:
+    """Llama's stages with Mixtral's layer and pooled router loss; the loss is linear in the
+    statistics only when `model.moe_aux_loss_weight` is 0 (the z-loss alone). `qkv`: the
+    attention's input projections (Qwen3-MoE's own)."""
+    return dataclasses.replace(
+        llama.stages(cfg, qkv=qkv),
+        block=functools.partial(layer, cfg=cfg, qkv=qkv),
+        aux_zero=functools.partial(stats_zero, cfg),
+        aux_loss=functools.partial(aux_loss, cfg=cfg),
+        aux_linear=not cfg.moe_aux_loss_weight,
+    )
+
+
 def check(m, mesh: Mapping[str, int]) -> None:
-    """Llama's shape rules with experts (k ≥ 2 of E, no shared expert); a pipeline needs
-    `model.moe_aux_loss_weight=0` (the pooled loss is not linear in each stage's statistics)."""
+    """Llama's shape rules with experts (k ≥ 2 of E, no shared expert)."""
     _need(
         isinstance(m.num_experts, int) and m.num_experts >= 2,
         f"model.num_experts={m.num_experts!r}: model.name={m.name!r} needs >= 2 experts; "
@@ -120,13 +146,6 @@ def check(m, mesh: Mapping[str, int]) -> None:
         not m.moe_shared_expert,
         f"model.moe_shared_expert=True: model.name={m.name!r} has no shared expert; set it to "
         "False, or use model.name='llama' for jaxdist's MoE with one",
-    )
-    p = mesh.get("pipeline", 1)
-    _need(
-        p == 1 or not m.moe_aux_loss_weight,
-        f"mesh.pipeline={p} with model.moe_aux_loss_weight={m.moe_aux_loss_weight}: the "
-        "load-balancing loss pools every layer's router statistics before their product, which "
-        "pipeline stages cannot; set model.moe_aux_loss_weight=0 or mesh.pipeline=1",
     )
     llama.check(m, mesh)
 
@@ -272,7 +291,7 @@ FAMILY = api.ModelFamily(
     check_data=gpt.check_data,
     flops_per_token=llama.flops_per_token,
     tokens_per_example=lambda cfg: cfg.seq_len,
-    stages=llama.stages,
+    stages=stages,
     decoder=llama.decoder,
     hf=HF,
     plan_cost=plan_cost,

@@ -121,7 +121,7 @@ FAMILY = api.ModelFamily(
     check_data=gpt.check_data,
     flops_per_token=llama.flops_per_token,
     tokens_per_example=lambda cfg: cfg.seq_len,
-    stages=lambda cfg: llama.stages(cfg, qkv=qwen3.qkv),
+    stages=lambda cfg: mixtral.stages(cfg, qkv=qwen3.qkv),
     decoder=qwen3.decoder,
     hf=HF,
     plan_cost=plan_cost,

@@ -375,8 +375,8 @@ def test_bad_packing_is_one_line(tmp_path):
 @pytest.mark.parametrize("name", list(MOE))
 def test_moe_configs_take_packed_documents(name):
     """configs/{mixtral,qwen3_moe}_tiny.py (fsdp 2 × tensor 2 × expert 2) validate with
-    data.packing=documents, and pipelined too (without the load-balancing loss, which a pipelined
-    pooled loss refuses in one line as before)."""
+    data.packing=documents, and pipelined too, with their pooled load-balancing loss (refused in
+    one line before the pipeline linearized it: `pipeline.gradients._linearized_aux`)."""
     spec = importlib.util.spec_from_file_location(name, f"configs/{name}_tiny.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -385,9 +385,7 @@ def test_moe_configs_take_packed_documents(name):
     c.data.packing = "documents"
     config_lib.validate(c, 8)
     c.mesh.fsdp, c.mesh.pipeline = 1, 2
-    with pytest.raises(ConfigError, match=r"^mesh.pipeline=2 with model.moe_aux_loss_weight="):
-        config_lib.validate(c, 8)
-    c.model.moe_aux_loss_weight = 0.0
+    assert c.model.moe_aux_loss_weight > 0
     config_lib.validate(c, 8)
 
 
@@ -466,8 +464,8 @@ def _engine_batch(name: str, schedule: str = "1f1b", **mesh):
     c.train.batch_size = len(PIPE_ROWS)
     c.pipeline.schedule, c.pipeline.microbatches = schedule, 2
     c.model.vocab_size = 256  # the data's (byte) vocabulary, which train.build checks
-    if name in MOE:  # a pipelined Mixtral takes no load-balancing loss (`mixtral.check`), and
-        # the pipeline's router statistics are means per microbatch (26 and 23 real tokens here)
+    if name in MOE:  # the pipeline's router statistics are means per microbatch (26 and 23
+        # real tokens here), averaged: not the batch's means (docs/MODELS.md, packed documents)
         c.model.moe_aux_loss_weight = c.model.moe_z_loss_weight = 0.0
     eng, _ = engine_for(c)
     batch, _, _ = _packed(256)

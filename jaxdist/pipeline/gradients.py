@@ -191,8 +191,15 @@ class _Pipe:
                 return api.stage_layers(self.stages, chunk, x, remat=remat, segments=segments)
 
     def aux_term(self, stats: dict) -> jax.Array:
-        """The blocks' statistics' term of the loss (`Stages.aux_loss`, linear in them)."""
+        """The blocks' statistics' term of the loss (`Stages.aux_loss`)."""
         return self.stages.aux_loss(stats)[0] if stats else jnp.float32(0)
+
+    @property
+    def prepass(self) -> bool:
+        """The statistics' term is not linear in them (`Stages.aux_linear`): where it is added
+        per microbatch and device (`_backward_inside`), it is linearized at the batch's
+        statistics, found by a forward pass first (`_linearized_aux`)."""
+        return self.stages.aux_zero is not None and not self.stages.aux_linear
 
     def aux_total(self, stats: dict) -> dict:
         """Per-device statistics summed over microbatches -> the batch's (their mean over the
@@ -339,13 +346,13 @@ def _forward_ticks(sched: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return looped_forward_table(sched.stages, sched.microbatches, 1)
 
 
-def _looped_loss(pipe: _Pipe) -> Callable:
-    """loss(params, batch) -> (mean loss, {}): the looped forward ticks of the schedule
-    in the stages' shard_map, embedding and head outside it."""
+def _looped_run(pipe: _Pipe) -> Callable:
+    """run(stage chunks [p, v, Lc, ...], embedded microbatches [m, B/m, ...], segments) ->
+    (every stage's outputs [p, m, B/m, ...], the batch's statistics): the looped forward ticks
+    of the schedule (gpipe's for an explicit-backward schedule) in the stages' shard_map."""
     p, v = pipe.sched.stages, pipe.sched.virtual_stages
     valid, micro, virtual = _forward_ticks(pipe.sched)
     stage_fn = pipe.looped_stage_fn()
-    act = pipe.stages.activation_axes
 
     def body(chunks, x0, segments):
         chunks = jax.tree.map(lambda a: a[0], chunks)  # [v, Lc, ...]
@@ -357,7 +364,13 @@ def _looped_loss(pipe: _Pipe) -> Callable:
 
     out_spec = PartitionSpec(AXIS, None, *pipe.batch_spec[1:])
     in_specs = (pipe.chunk_specs, pipe.batch_spec, pipe.batch_spec)
-    run = pipe.shard_map(body, in_specs, (out_spec, PartitionSpec()))
+    return pipe.shard_map(body, in_specs, (out_spec, PartitionSpec()))
+
+
+def _looped_loss(pipe: _Pipe) -> Callable:
+    """loss(params, batch) -> (mean loss, {}): the looped forward ticks of the schedule
+    in the stages' shard_map, embedding and head outside it."""
+    p, act, run = pipe.sched.stages, pipe.stages.activation_axes, _looped_run(pipe)
 
     def loss_fn(params, batch):
         embed, layers, head = pipe.stages.split(params)
@@ -392,11 +405,13 @@ def _stage_executor(pipe: _Pipe) -> Callable:
         stage_fn = pipe.stage_fn()
         scale = 1.0 / (m * pipe.n_summed)
 
-        def explicit(head_loss, chunks, head, x0, targets, segments=None, head_scale=None):
+        def explicit(
+            head_loss, chunks, head, x0, targets, segments=None, head_scale=None, aux_term=None
+        ):
             chunk = jax.tree.map(lambda a: a[0], chunks)  # [Lc, ...]
             out = spec.executor(
                 stage_fn, head_loss, chunk, head, x0, targets,
-                scale=scale, dtype=pipe.dtype, tables=tables, aux_term=pipe.aux_term,
+                scale=scale, dtype=pipe.dtype, tables=tables, aux_term=aux_term or pipe.aux_term,
                 segments=segments, head_scale=head_scale,
             )  # fmt: skip
             loss, g_c, g_h, dx0, stats = out
@@ -406,9 +421,11 @@ def _stage_executor(pipe: _Pipe) -> Callable:
     valid, micro, virtual = pipe.sched.forward_ticks()
     stage_fn = pipe.looped_stage_fn()
 
-    def looped(head_loss, chunks, head, x0, targets, segments=None, head_scale=None):
+    def looped(
+        head_loss, chunks, head, x0, targets, segments=None, head_scale=None, aux_term=None
+    ):
         return looped_gradients(
-            stage_fn, head_loss, pipe.aux_term, chunks, head, x0, targets,
+            stage_fn, head_loss, aux_term or pipe.aux_term, chunks, head, x0, targets,
             p=p, v=v, scale=1.0 / pipe.n_summed, valid=valid, micro=micro, virtual=virtual,
             segments=segments, head_scale=head_scale,
         )  # fmt: skip
@@ -432,11 +449,13 @@ def _backward_inside(pipe: _Pipe) -> microbatch.GradFn:
         with sharding.activation_rules(jax.sharding.get_abstract_mesh(), pipe.inner_rules):
             return pipe.head_sum(hp, y, tgt)
 
-    def body(chunks, head, x0, targets, segments, head_scale):
+    def body(chunks, head, x0, targets, segments, head_scale, coef):
         chunks = jax.tree.map(lambda a: a[0], chunks)  # [v, Lc, ...]
         packed = segments is not None  # the head sums over the targets, scaled by head_scale
+        term = _tree_dot(coef) if coef else None  # the linearized term (`_linearized_aux`)
         loss, g_c, g_h, dx0, stats = execute(
-            head_sum if packed else head_loss, chunks, head, x0, targets, segments, head_scale
+            head_sum if packed else head_loss, chunks, head, x0, targets, segments, head_scale,
+            term,
         )
         g_c = pipe.sum_chunk_grads(g_c)
         g_c = jax.tree.map(lambda g: g[None], g_c)  # [1, v, Lc, ...]
@@ -450,8 +469,9 @@ def _backward_inside(pipe: _Pipe) -> microbatch.GradFn:
     # stage holds the whole [m, b, T, D] batch and no all-reduce over `pipeline` sums d x0.
     blocks = pipe.x0_blocks
     x_spec = P(AXIS, *spec[1:]) if blocks else spec
-    in_specs = (chunk_specs, P(), x_spec, spec, spec, P())
+    in_specs = (chunk_specs, P(), x_spec, spec, spec, P(), P())
     run = pipe.shard_map(body, in_specs, (P(), chunk_specs, P(), x_spec, P()))
+    linearized = _linearized_aux(pipe) if pipe.prepass else None
 
     def gradients(params, batch):
         embed, layers, head = stages.split(params)
@@ -467,14 +487,47 @@ def _backward_inside(pipe: _Pipe) -> microbatch.GradFn:
             targets = split(batch["targets"], pipe.batch_axes["targets"])
             segments, head_scale = pipe.segments(batch, split), pipe.head_scale(batch)
             stacked = pipe.to_stages(layers)
+            coef, rest = linearized(embed, stacked, batch) if linearized else ({}, 0.0)
             loss, g_stages, g_head, dx0, stats = run(
-                stacked, head, x0, targets, segments, head_scale
+                stacked, head, x0, targets, segments, head_scale, coef
             )
+            loss = loss + rest
             (g_embed,) = embed_vjp(dx0.astype(x0.dtype))
             grads = stages.join(g_embed, pipe.from_stages(g_stages), g_head)
         return loss, pipe.aux_metrics(stats), grads
 
     return gradients
+
+
+def _tree_dot(coef: dict) -> Callable[[dict], jax.Array]:
+    """stats -> the sum over leaves of coef · stats: a linear statistics term."""
+    return lambda stats: sum(
+        jnp.sum(c * s) for c, s in zip(jax.tree.leaves(coef), jax.tree.leaves(stats), strict=True)
+    )
+
+
+def _linearized_aux(pipe: _Pipe) -> Callable:
+    """(embedding part, stage chunks, batch) -> (coef, rest): a statistics term that is not
+    linear (`Stages.aux_linear` False), linearized at the batch's statistics S.
+
+    The looped forward ticks run once, without gradient, for S (the statistics summed over the
+    layers and averaged over microbatches and token shards, as `_Pipe.aux_total` gives them);
+    coef = d term / d S there. Each microbatch and device then adds coef · its own statistics,
+    which sums to coef · S, and the caller adds rest = term(S) - coef · S once: the loss is
+    term(S), and its gradient through the statistics is coef · dS, the batch's term's own. One
+    more forward pass per step (the router statistics depend on every layer below)."""
+    act, run = pipe.stages.activation_axes, _looped_run(pipe)
+    term = lambda stats: pipe.stages.aux_loss(stats)[0]
+
+    def linearized(embed, stacked, batch):
+        embed, stacked = jax.lax.stop_gradient((embed, stacked))
+        x = pipe.stages.embed(microbatch.cast_floating(embed, pipe.dtype), batch["inputs"])
+        segments = pipe.segments(batch, pipe.micro_split)
+        _, stats = run(stacked, pipe.micro_split(x, act), segments)
+        value, coef = jax.value_and_grad(term)(stats)
+        return coef, value - _tree_dot(coef)(stats)
+
+    return linearized
 
 
 def make_gradients(

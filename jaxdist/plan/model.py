@@ -43,6 +43,8 @@ class ModelInfo:
       opt: every optimizer-state leaf as (shape, itemsize, index of the parameter whose sharding it
         takes, or -1 for replicated leaves such as step counts), as `train.build` maps them.
       flops: model FLOPs per token, the family's `flops_per_token`.
+      forward_prepass: the family's pipeline stages add a statistics term that is not linear
+        (`models.api.Stages.aux_linear`): 1f1b and zb run the forward ticks once more a step.
     """
 
     family: str
@@ -50,6 +52,7 @@ class ModelInfo:
     params: tuple[Leaf, ...]
     opt: tuple[tuple[tuple[int, ...], int, int], ...]
     flops: float
+    forward_prepass: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -113,11 +116,8 @@ def model_info(config) -> ModelInfo:
     index = jax.tree.unflatten(treedef, [np.int64(i) for i in range(len(flat))])
     # The embedding's leaves, as the family's pipeline stages split them (its lookup is no matmul
     # and it stays outside the stages); a family without stages has none.
-    embed = (
-        {int(i) for i in jax.tree.leaves(family.stages(m).split(index)[0])}
-        if family.stages is not None
-        else set()
-    )
+    stages = family.stages(m) if family.stages is not None else None
+    embed = {int(i) for i in jax.tree.leaves(stages.split(index)[0])} if stages else set()
     leaves = tuple(
         Leaf(
             "/".join(str(getattr(k, "key", k)) for k in path),
@@ -149,4 +149,5 @@ def model_info(config) -> ModelInfo:
         params=leaves,
         opt=opt,
         flops=flops,
+        forward_prepass=bool(stages and stages.aux_zero is not None and not stages.aux_linear),
     )
