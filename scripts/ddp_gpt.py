@@ -383,6 +383,11 @@ def main(argv: list[str]) -> int:
             writer.flush()
 
     dist.barrier()
+    if net is not None:
+        # DDP's constructor broadcast rank 0's parameters (4 bytes each); its call returns while
+        # the link still drains them, and past this barrier the other ranks hold them all: the
+        # first step's window starts here, without them.
+        net.take(0)
     t_last = time.perf_counter()
     for step in range(t.steps):
         inputs, targets = local(step)
