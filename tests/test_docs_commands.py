@@ -512,6 +512,15 @@ NOT_RUN = {
     "--methods=topk --links=rate=50mbit,delay=5ms --network_steps=20 "
     "--network_devices=1 --network_hosts=4 --target_loss=3.06": _NETEM
     + "; 2 training runs take 2 min on 2 cores",
+    "python scripts/launch.py --network=rate=50mbit --num_processes=2 --devices_per_process=1 "
+    "--platform=cpu -- python tests/netem_job.py collectives 1000000 "
+    "docs/data/network_collectives_2hosts.json": _NETEM,
+    "python scripts/launch.py --network=rate=50mbit --num_processes=4 --devices_per_process=1 "
+    "--platform=cpu -- python tests/netem_job.py collectives 1000000 "
+    "docs/data/network_collectives_4hosts.json": _NETEM,
+    "python scripts/bench.py --study=network --out=docs/data/network_overlap_2h_one_buffer.json "
+    "--methods=bf16,bf16_overlap,ddp_fp16 --links=rate=50mbit --network_steps=20 "
+    "--network_devices=1": _NETEM + "; 6 training runs take 4 min on 2 cores",
     "python scripts/bench.py --study=network --out=docs/data/network_rate50_methods.json "
     "--methods=xla,int8,halving_doubling,ef_sign,topk,onebit_adam,diloco_h8 "
     "--links=rate=50mbit --network_steps=10": _NETEM,
