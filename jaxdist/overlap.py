@@ -44,7 +44,7 @@ from jaxdist.errors import ConfigError
 from models import api
 
 Reduce = Callable[[Any], Any]  # a tree of one replica's gradients -> their mean over replicas
-COMPRESSIONS = ("none", "bf16")  # stateless per bucket
+COMPRESSIONS = ("none", "bf16", "fp16")  # stateless per bucket
 MODES = {
     "none": "the whole gradient reduced after the backward",
     "backward": "each layer reduced inside the backward",
@@ -76,9 +76,11 @@ def bucket_reducer(grad_sync, axis: str, hosts: int) -> Reduce:
     """One bucket's mean over `axis`, as `grad_sync` (compression, algorithm) says, the bucket's
     tensors sent as one buffer. bf16's two-phase mean is elementwise (each element rounded to
     bf16, summed over replicas in replica order in f32, the mean rounded), so cutting the buffer
-    differently leaves every element's value as the per-tensor `compressed` strategy's."""
-    if grad_sync.compression == "bf16":
-        tx = casts.bf16(axis)
+    differently leaves every element's value as the per-tensor `compressed` strategy's. fp16's
+    float16 sum is rounded at each addition in the order the all-reduce adds (gloo's ring starts
+    each chunk at another host), so its last bits may move with the bucketing."""
+    if grad_sync.compression in ("fp16", "bf16"):
+        tx = getattr(casts, grad_sync.compression)(axis)
         return lambda tree: allreduce.as_one_buffer(tree, lambda flat: tx.update(flat, None)[0])
     return lambda tree: allreduce.mean_tree(tree, axis, grad_sync.algorithm, hosts)
 

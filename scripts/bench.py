@@ -672,6 +672,7 @@ _SGD = {"optimizer": "sgd", "momentum": 0.9}
 COMPRESSION_SETTINGS = [
     ("none", {}, {}, "none"),
     ("bf16", {"compression": "bf16"}, {}, "none"),
+    ("fp16", {"compression": "fp16"}, {}, "none"),
     ("int8", {"compression": "int8"}, {}, "none"),
     ("onebit_adam", {"compression": "onebit_adam", "warmup_steps": 40}, {}, "none"),
     ("twobit_adam", {"compression": "twobit_adam", "warmup_steps": 40}, {}, "none"),

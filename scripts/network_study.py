@@ -61,6 +61,7 @@ METHODS: dict[str, tuple[str, ...]] = {
     "halving_doubling": ("--config.grad_sync.algorithm=halving_doubling",),
     "tree": ("--config.grad_sync.algorithm=tree",),
     "bf16": ("--config.grad_sync.compression=bf16",),
+    "fp16": ("--config.grad_sync.compression=fp16",),
     "int8": ("--config.grad_sync.compression=int8",),
     "powersgd": ("--config.grad_sync.compression=powersgd", "--config.grad_sync.rank=4"),
     "ef_sign": ("--config.grad_sync.compression=ef_sign",),
@@ -74,6 +75,7 @@ METHODS: dict[str, tuple[str, ...]] = {
     "xla_overlap": ("--config.grad_sync.overlap=backward",),
     "ring_overlap": ("--config.grad_sync.algorithm=ring", "--config.grad_sync.overlap=backward"),
     "bf16_overlap": ("--config.grad_sync.compression=bf16", "--config.grad_sync.overlap=backward"),
+    "fp16_overlap": ("--config.grad_sync.compression=fp16", "--config.grad_sync.overlap=backward"),
     # ... or each step's gradient reduced during the next step's compute (staleness 1)
     "xla_next": ("--config.grad_sync.overlap=next_step",),
     "ring_next": ("--config.grad_sync.algorithm=ring", "--config.grad_sync.overlap=next_step"),
@@ -445,6 +447,8 @@ PAIRS = {
     "xla_next": "ddp",
     "ring_next": "ddp",
     "bf16_next": "ddp_fp16",
+    "fp16": "ddp_fp16",
+    "fp16_overlap": "ddp_fp16",
     "powersgd": "ddp_powersgd",
 }
 

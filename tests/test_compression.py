@@ -59,7 +59,7 @@ def _run(tx, grads_per_step, params=PARAMS, mesh=MESH, axes="data"):
 
 
 # --------------------------------------------------------------------------------------------------
-# none, bf16
+# none, fp16, bf16
 
 
 def _linear_loss(params, batch):
@@ -150,6 +150,36 @@ def test_bf16_with_the_load_balancing_loss_is_the_batchs_gradient_rounded():
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
         rel = np.linalg.norm(g - r) / np.linalg.norm(r)
         assert rel <= u, (jax.tree_util.keystr(path), rel)
+
+
+def _np_ddp_fp16(g):
+    """DDP's fp16_compress_hook replayed in numpy: cast to float16, divide by R in float16, sum
+    the replicas in float16 one addition at a time in replica order, cast back."""
+    with np.errstate(over="ignore"):
+        halves = g.astype(np.float16) / np.float16(R)
+    total = halves[0]
+    for h in halves[1:]:
+        total = total + h  # float16 + float16: rounded to float16
+    return total.astype(F32)
+
+
+def test_fp16_is_ddps_fp16_hook_bit_for_bit_and_one_float16_all_reduce():
+    """On the 8 devices of one process the all-reduce adds in replica order: the mean is the
+    numpy replay's to the bit. The compiled sync is one float16 all-reduce of every tensor (13*7
+    + 5 values, 2 bytes each), nothing widened to float32."""
+    g = _grads(3, common=1.0)
+    g["w"][:, 0, 0] = 70000.0  # over float16's 65504: inf once cast, as in DDP's hook
+    [(out, _, _)] = _run(C.fp16("data"), [g])
+    for k in g:
+        np.testing.assert_array_equal(out[k], _np_ddp_fp16(g[k]), err_msg=k)
+    assert np.isinf(out["w"][0, 0])
+    exact = g["b"].astype(np.float64).mean(0)
+    assert np.linalg.norm(out["b"] - exact) / np.linalg.norm(exact) <= R * 2.0**-11
+    step = jax.jit(sync_grads(_identity_grad_fn, C.fp16("data"), MESH, "data"))
+    state = C.init_global(C.fp16("data"), PARAMS, MESH, "data")
+    hlo = step.lower(PARAMS, _grads(4), state).compile().as_text()
+    reduces = [ln for ln in hlo.splitlines() if " all-reduce(" in ln and "f16[" in ln]
+    assert len(reduces) == 1 and "f16[96]" in reduces[0], reduces
 
 
 def test_bf16_single_cast_round_trip():
@@ -580,13 +610,14 @@ BIG = {"w": (1024, 1024), "b": (1024,)}  # ~1M parameters
 @pytest.mark.parametrize(
     "tx,min_ratio",
     [
+        (C.fp16("data"), 1.99),  # 2 less the f32 bytes of the loss's scalar mean
         (C.bf16("data"), 1.9),
         (C.int8("data"), 3.5),
         (C.topk("data", 0.01), 10.0),
         (C.powersgd("data", rank=2), 10.0),
         (C.sign("data"), 15.0),
     ],
-    ids=["bf16", "int8", "topk", "powersgd", "sign"],
+    ids=["fp16", "bf16", "int8", "topk", "powersgd", "sign"],
 )
 def test_wire_bytes_vs_none(tx, min_ratio):
     ratio = _none_wire_bytes() / _wire_bytes(tx, BIG)

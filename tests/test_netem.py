@@ -609,6 +609,22 @@ def test_planner_on_the_one_buffer_rows():
     assert onebit[0]["hlo_steady_messages_per_step"] == [18.0] * 4
 
 
+def test_planner_on_the_fp16_rows():
+    """docs/data/network_fp16_2h.json (2 hosts x 1 device at 50 Mbit/s, measured as root, DDP's
+    hook in the same run): the planner is within 20% on `fp16` (one float16 all-reduce), its
+    overlapped form and DDP's `fp16_compress_hook`, and misses `bf16`'s half-duplex all-to-all
+    (docs/AGGREGATION.md, "Half-duplex pairs"); `fp16` exposes no more than DDP's hook."""
+    sys.path.insert(0, os.path.join(str(ROOT), "scripts"))
+    import network_study
+
+    with open(os.path.join(ROOT, "docs", "data", "network_fp16_2h.json"), encoding="utf-8") as f:
+        runs = network_study.add_predictions(json.load(f))["runs"]
+    assert sorted(r["method"] for r in runs) == ["bf16", "ddp_fp16", "fp16", "fp16_overlap"]
+    assert _planner_misses(network_study, runs) == {("bf16", "rate=50mbit")}
+    exposed = {r["method"]: r["exposed_comm_s"] for r in runs}
+    assert exposed["fp16"] <= exposed["ddp_fp16"] < exposed["bf16"], exposed
+
+
 def test_network_study_launches_the_hosts_it_is_given():
     """`--network_hosts`: H hosts x D devices launch H processes (DDP: H·D) with `mesh.data` = H·D
     across `mesh.dcn_data` = H; fewer than 2 hosts is refused in one line."""

@@ -14,6 +14,7 @@ slice. `init` returns leaves of that `[1, ...]` shape, `update` takes and return
 
 Wire formats (per tensor; s = per-replica shard length, R * s >= size, cut into chunks of c):
   none      f32 all-reduce.
+  fp16      f16 all-reduce of every tensor in one buffer (summed in f16: DDP's fp16 hook).
   bf16      all-to-all of bf16 [R, s], then all-gather of bf16 [s] (f32 sum in between).
   int8      all-to-all of int8 [R, s] + f32 scale per chunk, then all-gather of int8 [s] + scales.
   topk      all-gather of k f32 values + k int32 indices; `two_phase`: all-to-all of ceil(k / R)
@@ -28,7 +29,7 @@ Wire formats (per tensor; s = per-replica shard length, R * s >= size, cut into 
 
 Files: replica.py (the replica collectives other modules share), tensors.py (cutting tensors into
 rows, state buffers), spec.py (`CompressorSpec`), one file per method family (casts.py: none,
-bf16, int8; topk.py; powersgd.py; sign.py: ef_sign; onebit.py: 1-bit Adam and its variants;
+fp16, bf16, int8; topk.py; powersgd.py; sign.py: ef_sign; onebit.py: 1-bit Adam and its variants;
 randk.py), registry.py (`COMPRESSORS`, `check`, `from_config`), state.py (global state layout),
 elastic.py (resizing the state onto another replica count). See docs/COMPRESSION.md for when to
 use which, and docs/ARCHITECTURE.md for how to add one.
@@ -40,6 +41,7 @@ from jaxdist.compression.casts import (
     bf16,
     bf16_bits,
     dequantize_int8,
+    fp16,
     from_bf16_bits,
     int8,
     none,
@@ -88,10 +90,10 @@ __all__ = [
     "COMPRESSORS", "FIELD_RULES", "INT8_BLOCK", "QUANTIZERS", "TOPK_EXCHANGES", "TWOBIT_LEVELS",
     "TWOBIT_THRESHOLD", "AxisName", "Codec", "CompressorSpec", "FrozenAdamState", "Int8State",
     "OneBitAdamState", "PowerSGDState", "RandKState", "SignState", "TopKState", "TrainFields",
-    "bf16", "bf16_bits", "check", "deprecated", "dequantize_int8", "ef_sign", "from_bf16_bits",
-    "from_config", "frozen_variance_adam", "init_global", "int8", "none", "num_replicas",
-    "onebit_adam", "powersgd", "powersgd_shape", "preconditioner", "quantize_int8", "randk",
-    "replica_local", "resize_replicas", "residual_norm", "shard_layout", "sharded_state", "sign",
-    "spec_of", "state_partition_spec", "topk", "topk_densities", "topk_k", "topk_wire_ratio",
-    "total_wire_bytes",
+    "bf16", "bf16_bits", "check", "deprecated", "dequantize_int8", "ef_sign", "fp16",
+    "from_bf16_bits", "from_config", "frozen_variance_adam", "init_global", "int8", "none",
+    "num_replicas", "onebit_adam", "powersgd", "powersgd_shape", "preconditioner", "quantize_int8",
+    "randk", "replica_local", "resize_replicas", "residual_norm", "shard_layout", "sharded_state",
+    "sign", "spec_of", "state_partition_spec", "topk", "topk_densities", "topk_k",
+    "topk_wire_ratio", "total_wire_bytes",
 ]  # fmt: skip

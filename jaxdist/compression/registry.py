@@ -13,7 +13,7 @@ from typing import Any
 
 import optax
 
-from jaxdist.compression.casts import BF16, INT8, NONE
+from jaxdist.compression.casts import BF16, FP16, INT8, NONE
 from jaxdist.compression.onebit import (
     ONEBIT_ADAM,
     TOPK_ADAM,
@@ -34,7 +34,7 @@ from jaxdist.errors import ConfigError
 COMPRESSORS: dict[str, CompressorSpec] = {
     s.name: s
     for s in (
-        NONE, BF16, INT8, TOPK, POWERSGD, EF_SIGN, ONEBIT_ADAM, TWOBIT_ADAM, TOPK_ADAM, SIGN,
+        NONE, FP16, BF16, INT8, TOPK, POWERSGD, EF_SIGN, ONEBIT_ADAM, TWOBIT_ADAM, TOPK_ADAM, SIGN,
         RANDK,
     )
 }  # fmt: skip

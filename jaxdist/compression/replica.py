@@ -71,15 +71,27 @@ def pmean_flat(xs: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
     Arrays that vary over different manual axes (a pipeline stage's own layers beside the
     embedding) go in separate buffers, so each mean keeps its type.
     """
+    means = _flat(xs, jnp.float32, lambda flat: jax.lax.pmean(flat, axes(axis_name)))
+    return [m.astype(x.dtype) for m, x in zip(means, xs, strict=True)]
+
+
+def psum_flat(xs: list[jax.Array], axis_name: AxisName, dtype: Any) -> list[jax.Array]:
+    """Each array's sum over the replicas in `dtype` (the sum's type too), as one flat buffer
+    per vma type (`pmean_flat`). A float16 all-reduce stays float16 on XLA:CPU (gloo sums in it);
+    a bfloat16 one is widened to float32 there."""
+    return _flat(xs, dtype, lambda flat: jax.lax.psum(flat, axes(axis_name)))
+
+
+def _flat(xs: list[jax.Array], dtype: Any, reduce: Any) -> list[jax.Array]:
+    """`reduce` of each vma-alike group of `xs`, raveled as `dtype` into one buffer, cut back
+    into the arrays' shapes (in `dtype`)."""
     out: list[Any] = [None] * len(xs)
     for members in _alike(xs):
-        flat = jnp.concatenate([jnp.ravel(xs[i]).astype(jnp.float32) for i in members])
-        flat = jax.lax.pmean(flat, axes(axis_name))
+        flat = reduce(jnp.concatenate([jnp.ravel(xs[i]).astype(dtype) for i in members]))
         start = 0
         for i in members:
-            x = xs[i]
-            out[i] = flat[start : start + x.size].reshape(x.shape).astype(x.dtype)
-            start += x.size
+            out[i] = flat[start : start + xs[i].size].reshape(xs[i].shape)
+            start += xs[i].size
     return out
 
 
