@@ -316,7 +316,10 @@ def test_planner_prices_the_forward_pass_the_router_loss_adds():
         record = loop.layout_record(eng, compiled, c)["pipeline"]["lockstep_flops"]
         return record, plan.predict(c, hw="cpu_here", num_devices=8).lockstep_flops
 
-    (with_loss, pred_with), (without, pred_without) = lockstep("1f1b", True), lockstep("1f1b", False)
+    (with_loss, pred_with), (without, pred_without) = (
+        lockstep("1f1b", True),
+        lockstep("1f1b", False),
+    )
     assert with_loss / without > 1.25, (with_loss, without)
     assert pred_with / pred_without == pytest.approx(with_loss / without, rel=0.01)
     assert lockstep("gpipe", True) == lockstep("gpipe", False)

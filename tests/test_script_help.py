@@ -41,8 +41,12 @@ def _parser_of(script: pathlib.Path, monkeypatch) -> argparse.ArgumentParser:
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", stop)
     monkeypatch.setattr(sys, "argv", [str(script)])
-    monkeypatch.setattr(os, "environ", dict(os.environ))  # scripts may set flags before importing jax
-    monkeypatch.setattr(sys, "path", [str(script.parent), *sys.path])  # as `python scripts/X.py` has
+    monkeypatch.setattr(
+        os, "environ", dict(os.environ)
+    )  # scripts may set flags before importing jax
+    monkeypatch.setattr(
+        sys, "path", [str(script.parent), *sys.path]
+    )  # as `python scripts/X.py` has
     with pytest.raises(_Parsed) as parsed:
         runpy.run_path(str(script), run_name="__main__")
     return parsed.value.parser

@@ -421,9 +421,7 @@ def _stage_executor(pipe: _Pipe) -> Callable:
     valid, micro, virtual = pipe.sched.forward_ticks()
     stage_fn = pipe.looped_stage_fn()
 
-    def looped(
-        head_loss, chunks, head, x0, targets, segments=None, head_scale=None, aux_term=None
-    ):
+    def looped(head_loss, chunks, head, x0, targets, segments=None, head_scale=None, aux_term=None):
         return looped_gradients(
             stage_fn, head_loss, aux_term or pipe.aux_term, chunks, head, x0, targets,
             p=p, v=v, scale=1.0 / pipe.n_summed, valid=valid, micro=micro, virtual=virtual,
@@ -454,7 +452,13 @@ def _backward_inside(pipe: _Pipe) -> microbatch.GradFn:
         packed = segments is not None  # the head sums over the targets, scaled by head_scale
         term = _tree_dot(coef) if coef else None  # the linearized term (`_linearized_aux`)
         loss, g_c, g_h, dx0, stats = execute(
-            head_sum if packed else head_loss, chunks, head, x0, targets, segments, head_scale,
+            head_sum if packed else head_loss,
+            chunks,
+            head,
+            x0,
+            targets,
+            segments,
+            head_scale,
             term,
         )
         g_c = pipe.sum_chunk_grads(g_c)
