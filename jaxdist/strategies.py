@@ -454,6 +454,11 @@ def local_sgd(setup: Setup) -> Strategy:
     return Strategy("local_sgd", step, entries, outer_tx, schedule)
 
 
+# The strategies that compute each replica's gradients inside a shard_map manual over `data`
+# (`_replica_gradients(..., data_manual=True)`): a pipeline's stages nest in it and every schedule
+# runs its backward inside them (jaxdist/pipeline/gradients.py `make_gradients`).
+DATA_MANUAL = ("compressed", "allreduce", "local_sgd")
+
 STRATEGIES: dict[str, Callable[[Setup], Strategy]] = {
     "plain": plain,
     "accumulated": accumulated,

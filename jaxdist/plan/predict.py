@@ -180,9 +180,10 @@ def _lockstep(s: Step) -> tuple[float, float]:
     executed schedule table with every tick charged its slowest stage's branch
     (`pipeline.branch_lockstep`), the branch FLOPs from the model's shapes (a layer's weight
     matmuls, its attention's two [T, T] matmuls, the head), plus the head gpipe and interleaved
-    run outside the ticks, and for 1f1b / zb with a statistics term that is not linear (Mixtral's
-    pooled router loss, `ModelInfo.forward_prepass`) the forward ticks run once more first
-    (gpipe's m + p - 1, no head). The bubble is the share of the lock-step ticks that is not the
+    run outside the ticks, and for 1f1b / zb, or any schedule inside grad_sync's shard_map over
+    `data`, with a statistics term that is not linear (Mixtral's pooled router loss,
+    `ModelInfo.forward_prepass`) the looped forward ticks run once more first (m v + p - 1 ticks
+    of 1/v of a stage's layers, no head). The bubble is the share of the lock-step ticks that is not the
     schedule's own work: 1 - useful / (p · lock-step).
     """
     model, T, D = s.model, s.model.seq_len, s.model.d_model
@@ -199,8 +200,8 @@ def _lockstep(s: Step) -> tuple[float, float]:
     b_input, b_weight = (bwd, 0.0) if full else (weights + 2 * attn, weights)
     total, useful = pipeline.branch_lockstep(sched, fwd, bwd, b_input, b_weight, head)
     outside = 0.0 if s.one_f_one_b else 3 * head * s.edge_rows / s.chunk_rows
-    if s.one_f_one_b and model.forward_prepass:
-        outside += (s.m + s.p - 1) * fwd
+    if (s.one_f_one_b or s.data_manual) and model.forward_prepass:
+        outside += s.ticks * fwd / s.v  # the looped forward ticks, each 1/v of a stage
     return (total + outside) * s.A, 1 - useful / (s.p * total)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from jaxdist import compression, hlo_cost, optim, pipeline, sharding
+from jaxdist import compression, hlo_cost, optim, pipeline, sharding, strategies
 from jaxdist import config as config_lib
 from jaxdist.plan.hardware import Hardware
 from jaxdist.plan.layouts import Layout
@@ -223,6 +223,7 @@ class Step:
     reps: int  # layer executions per step on one device
     edge_rows: int  # rows the embedding / head run on
     one_f_one_b: bool  # 1f1b or zb: a switch per tick
+    data_manual: bool  # p > 1 inside grad_sync's shard_map over data (strategies.DATA_MANUAL)
     ticks_1f1b: int
     # 1f1b: its costliest branch (the last stage's forward, head, loss and backward of one
     # microbatch in one tick) runs a forward too; zb's runs a backward only
@@ -290,6 +291,7 @@ def step_of(config, layout: Layout, model: ModelInfo, hw: Hardware) -> Step:
         reps=(Lp // v * ticks if p > 1 else Lp) * A,
         edge_rows=rows_mb // p if p > 1 and rows_mb % p == 0 else rows_mb,
         one_f_one_b=explicit,
+        data_manual=p > 1 and strategies.choose(config, sizes) in strategies.DATA_MANUAL,
         ticks_1f1b=ticks_1f1b,
         fused=bool(tick and tick.fused),
         slots=slots,
