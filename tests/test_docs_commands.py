@@ -527,6 +527,9 @@ NOT_RUN = {
     "python scripts/bench.py --study=network --out=docs/data/network_fp16_4h.json "
     "--methods=fp16,bf16,ddp_fp16 --links=rate=50mbit --network_steps=20 --network_devices=1 "
     "--network_hosts=4": _NETEM + "; 6 training runs on 4 hosts take 5 min on 2 cores",
+    "python scripts/bench.py --study=network --out=docs/data/network_fp16_4h_200.json "
+    "--methods=fp16,fp16_overlap,ddp_fp16 --links=rate=200mbit --network_steps=20 "
+    "--network_devices=1 --network_hosts=4": _NETEM + "; 6 training runs on 4 hosts take 5 min",
     "python scripts/bench.py --study=network --out=docs/data/network_rate50_methods.json "
     "--methods=xla,int8,halving_doubling,ef_sign,topk,onebit_adam,diloco_h8 "
     "--links=rate=50mbit --network_steps=10": _NETEM,

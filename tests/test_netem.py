@@ -610,29 +610,42 @@ def test_planner_on_the_one_buffer_rows():
 
 
 def test_planner_on_the_fp16_rows():
-    """docs/data/network_fp16_2h.json and network_fp16_4h.json (2 and 4 hosts x 1 device at
-    50 Mbit/s, measured as root, DDP's hook in the same run, the message latency measured right
-    after): the planner is within 20% on `fp16` (one float16 all-reduce), its overlapped form and
-    DDP's `fp16_compress_hook`, and misses only `bf16`'s half-duplex all-to-all on 2 hosts
-    (docs/AGGREGATION.md, "Half-duplex pairs"); `fp16` exposes no more than DDP's hook."""
+    """docs/data/network_fp16_2h.json, network_fp16_4h.json and network_fp16_4h_200.json (2 and 4
+    hosts x 1 device at 50 Mbit/s, 4 at 200 Mbit/s, measured as root, DDP's hook in the same run,
+    the message latency measured right after): `fp16` (one float16 all-reduce) exposes no more
+    than DDP's hook. At 50 Mbit/s the planner is within 20% on `fp16`, its overlapped form and the
+    hook, and misses only `bf16`'s half-duplex all-to-all on 2 hosts (docs/AGGREGATION.md,
+    "Half-duplex pairs"); at 200 Mbit/s it is high on `fp16` and `fp16_overlap` (the link time
+    added to a loopback step that holds the loopback all-reduce, as docs/AGGREGATION.md says)."""
     sys.path.insert(0, os.path.join(str(ROOT), "scripts"))
     import network_study
 
+    small = {  # the 4-byte all-reduce after the runs: seconds, messages
+        "network_fp16_2h": (0.175e-3, 2),
+        "network_fp16_4h": (0.494e-3, 6),
+        "network_fp16_4h_200": (0.425e-3, 6),
+    }
     misses, methods = {}, {}
-    for name, small in (("network_fp16_2h", 0.175e-3 / 2), ("network_fp16_4h", 0.494e-3 / 6)):
+    for name, (allreduce_s, messages) in small.items():
         with open(os.path.join(ROOT, "docs", "data", f"{name}.json"), encoding="utf-8") as f:
             study = json.load(f)
-        assert study["message_latency_s"] == pytest.approx(small, rel=0.01)
+        assert study["message_latency_s"] == pytest.approx(allreduce_s / messages, rel=0.01)
         runs = network_study.add_predictions(study)["runs"]
         methods[name] = sorted(r["method"] for r in runs)
         misses[name] = _planner_misses(network_study, runs)
         exposed = {r["method"]: r["exposed_comm_s"] for r in runs}
-        assert exposed["fp16"] <= exposed["ddp_fp16"] < exposed["bf16"], (name, exposed)
+        assert exposed["fp16"] <= exposed["ddp_fp16"], (name, exposed)
+        assert exposed["ddp_fp16"] < exposed.get("bf16", 1.0), (name, exposed)
     assert methods == {
         "network_fp16_2h": ["bf16", "ddp_fp16", "fp16", "fp16_overlap"],
         "network_fp16_4h": ["bf16", "ddp_fp16", "fp16"],
+        "network_fp16_4h_200": ["ddp_fp16", "fp16", "fp16_overlap"],
     }
-    assert misses == {"network_fp16_2h": {("bf16", "rate=50mbit")}, "network_fp16_4h": set()}
+    assert misses == {
+        "network_fp16_2h": {("bf16", "rate=50mbit")},
+        "network_fp16_4h": set(),
+        "network_fp16_4h_200": {("fp16", "rate=200mbit"), ("fp16_overlap", "rate=200mbit")},
+    }
 
 
 def test_network_study_launches_the_hosts_it_is_given():
