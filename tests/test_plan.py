@@ -367,3 +367,19 @@ def test_scaling_plot_draws_equal_curves_distinguishably(tmp_path, monkeypatch):
     by_label = {label: (m, ls) for label, m, ls in styles}
     assert set(by_label) == {"h100", "h200"} and by_label["h100"] != by_label["h200"], styles
     assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_data_manual_names_every_strategy_whose_replicas_run_in_a_shard_map():
+    """The planner prices a pipeline under `strategies.DATA_MANUAL` as it runs inside grad_sync's
+    shard_map over `data`: the list must be exactly the strategies that build their replicas'
+    gradients with `data_manual=True` (read from their source, so a new one cannot be missed)."""
+    import inspect
+
+    from jaxdist import strategies
+
+    nested = {
+        name
+        for name, build in strategies.STRATEGIES.items()
+        if "data_manual=True" in inspect.getsource(build)
+    }
+    assert nested == set(strategies.DATA_MANUAL), (nested, strategies.DATA_MANUAL)
