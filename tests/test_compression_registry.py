@@ -231,6 +231,26 @@ def test_randk_draws_new_coordinates_each_step():
     assert (masks[0] != masks[1]).any()
 
 
+def test_randk_sends_every_tensor_in_one_all_reduce():
+    """Every tensor's (and every stacked layer's) k values go in one f32 all-reduce
+    (`replica.pmean_flat`), beside the step's 4-byte pmax and the loss's mean, where a pmean per
+    tensor runs on XLA:CPU as one gloo call per array; the bytes are the k values'."""
+    from jaxdist import hlo_cost
+
+    shapes = {"a": (13, 7), "c": (2, 8, 6), "v": (5,)}
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+    tx = C.randk("data", 0.25, batch_dims={"a": 0, "c": 1, "v": 0})
+    step = jax.jit(sync_grads(_identity_grad_fn, tx, MESH, "data"))
+    state = C.init_global(tx, params, MESH, "data")
+    text = step.lower(params, _grads(9, shapes=shapes), state).compile().as_text()
+    reduces = [op for op in hlo_cost.collective_ops(text) if op.kind == "all-reduce"]
+    k = C.topk_k(0.25, 13 * 7) + 2 * C.topk_k(0.25, 8 * 6) + C.topk_k(0.25, 5)
+    assert sum(op.buffers for op in reduces) == 3, [
+        (op.buffers, op.bytes_per_exec) for op in reduces
+    ]
+    assert sum(op.bytes_per_exec for op in reduces) == 4 * k + 4 + 4
+
+
 def test_randk_converges_like_none():
     """The least-squares problem of test_compressors_converge_like_none, 150 SGD steps: unbiased
     random-k at 10% and error-feedback random-k at 25% end within 5% of `none` (docs/COMPRESSION.md;

@@ -1,9 +1,9 @@
 """Random-k sparsification with a key shared by every replica (`randk`), and its spec.
 
 Every replica draws the same k = ceil(topk_ratio * size) random coordinates of each tensor (the
-key is the step number, the same everywhere), so no indices cross the network: one f32
-all-reduce of k values per tensor, ~size / k times fewer bytes than `none`, at any number of
-replicas (top-k's all-gather grows with it). Two ways to account for what is not sent:
+key is the step number, the same everywhere), so no indices cross the network: every tensor's k
+values in one f32 all-reduce (`replica.pmean_flat`), ~size / k times fewer bytes than `none`, at
+any number of replicas (top-k's all-gather grows with it). Two ways to account for what is not sent:
 
   error_feedback=True   (default) the values go unscaled and this replica's residual keeps the
                         rest, added next step: the sum of what is sent follows the sum of the
@@ -57,30 +57,47 @@ def randk(
         residual = tensors.worker_zeros(params) if error_feedback else None
         return RandKState(jnp.zeros((1,), jnp.int32), residual)
 
-    def one(g, e, key):
+    def pick(g, e, key):
+        """One layer's k coordinates: (their values, their indices, the error-fed gradient)."""
         acc = g.reshape(-1).astype(jnp.float32)
         if e is not None:
             acc = acc + e.reshape(-1)
         n = acc.size
         k = topk_k(ratio, n)
         if k >= n:
-            return jax.lax.pmean(acc, axes).reshape(g.shape).astype(g.dtype), jnp.zeros_like(acc)
+            return acc, jnp.arange(n), acc
         idx = jax.random.choice(key, n, (k,), replace=False)  # the same on every replica
-        sent = jax.lax.pmean(acc[idx], axes)  # [k]: the only collective
-        scale = 1.0 if error_feedback else n / k
-        out = jnp.zeros((n,), jnp.float32).at[idx].set(sent * scale)
-        return out.reshape(g.shape).astype(g.dtype), acc.at[idx].set(0)
+        return acc[idx], idx, acc
+
+    def place(mean, idx, acc):
+        """The mean of the k values back at their coordinates; what stays in the residual."""
+        n, k = acc.size, idx.size
+        scale = 1.0 if error_feedback or k >= n else n / k
+        return jnp.zeros((n,), jnp.float32).at[idx].set(mean * scale), acc.at[idx].set(0)
 
     def update(grads, state, params=None):
         del params
         step = jax.lax.pmax(state.count[0], axes)  # typed invariant: see the contract above
         key = jax.random.fold_in(jax.random.key(seed), step)
+        picked = {}
 
-        def leaf(i, g, b, e):
+        def select(i, g, b, e):
             lead = g.shape[:b]
             keys = jax.random.split(jax.random.fold_in(key, i), math.prod(lead)).reshape(lead)
-            mean, left = tensors.per_layer(one, b)(g, None if e is None else e[0], keys)
-            return mean, None if e is None else left.reshape(e.shape[1:])[None]
+            picked[i] = tensors.per_layer(pick, b)(g, None if e is None else e[0], keys)
+            return g, e
+
+        tensors.map_float_leaves(select, grads, (state.residual,), batch_dims)
+        order = sorted(picked)
+        means = replica.pmean_flat([picked[i][0] for i in order], axis_name)  # the one collective
+        means = dict(zip(order, means, strict=True))
+
+        def leaf(i, g, b, e):
+            _, idx, acc = picked[i]
+            out, left = tensors.per_layer(place, b)(means[i], idx, acc)
+            return out.reshape(g.shape).astype(g.dtype), (
+                None if e is None else left.reshape(e.shape[1:])[None]
+            )
 
         out, (residual,) = tensors.map_float_leaves(leaf, grads, (state.residual,), batch_dims)
         return out, RandKState(state.count + 1, residual)
