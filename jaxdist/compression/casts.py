@@ -1,10 +1,11 @@
 """Casts on the wire: `none` (f32), `fp16`, `bf16` and `int8` (absmax per chunk), and their specs.
 
 `none` is the compiler's f32 mean. `fp16` is PyTorch DDP's `fp16_compress_hook`: one float16
-all-reduce that also sums in float16 (gloo's ring on CPU, NCCL on GPUs). `bf16` and `int8` run a two-phase reduce (all-to-all of each
-replica's shard rows, a mean in f32, all-gather of the result) with the narrower type on the wire
-in both phases; `int8` optionally rounds stochastically and keeps both phases' rounding error
-(error feedback). Both also run at every hop of a ring (`per_hop` codecs, jaxdist/allreduce.py).
+all-reduce that also sums in float16 (gloo's ring on CPU, NCCL on GPUs). `bf16` and `int8` run a
+two-phase reduce (all-to-all of each replica's shard rows, a mean in f32, all-gather of the
+result) with the narrower type on the wire in both phases; `int8` optionally rounds
+stochastically and keeps both phases' rounding error (error feedback). Both also run at every hop
+of a ring (`per_hop` codecs, jaxdist/allreduce.py).
 """
 
 from __future__ import annotations

@@ -183,8 +183,8 @@ def _lockstep(s: Step) -> tuple[float, float]:
     run outside the ticks, and for 1f1b / zb, or any schedule inside grad_sync's shard_map over
     `data`, with a statistics term that is not linear (Mixtral's pooled router loss,
     `ModelInfo.forward_prepass`) the looped forward ticks run once more first (m v + p - 1 ticks
-    of 1/v of a stage's layers, no head). The bubble is the share of the lock-step ticks that is not the
-    schedule's own work: 1 - useful / (p · lock-step).
+    of 1/v of a stage's layers, no head). The bubble is the share of the lock-step ticks that is
+    not the schedule's own work: 1 - useful / (p · lock-step).
     """
     model, T, D = s.model, s.model.seq_len, s.model.d_model
     sched = pipeline.build_schedule(s.config.pipeline.schedule, s.p, s.m, s.v)
