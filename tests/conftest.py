@@ -20,7 +20,15 @@ decompress), so a race costs time, never a wrong program.
 XLA:CPU compiles at LLVM optimisation level 0 (`--xla_backend_optimization_level=0`): the suite's
 programs are tiny and compile-bound, and the flag only changes machine-code generation after the
 HLO passes, so sharding, collectives and buffer assignment are those of a default compile
-(docs/PLANNER.md). It halves the suite's time.
+(docs/PLANNER.md). It halves the suite's time. It also emits the LLVM module in one piece
+(`--xla_cpu_parallel_codegen_split_count=1`): XLA:CPU otherwise splits it to compile the parts on
+its thread pool, which saves wall time on an idle many-core machine but costs CPU here, where both
+cores are busy with the two workers; the parts are the same functions, so the machine code does
+not change. Measured with `farm-bench -n 3 --vs` (the same pytest command with and without the
+flag, pair by pair, CPU seconds of the whole process), 2026-11-27: 0.889 of the CPU time on two MoE
+tests of tests/test_compose_context_expert.py (60.4 -> 54.1 s), 0.978 on three pipeline MoE tests
+of tests/test_pipeline_context_expert.py with tests/test_script.py's bad-input runs, and 0.994
+(no change) on the bitwise tests of tests/test_gpt.py and tests/test_staleness.py.
 
 With JAXDIST_TEST_FAST_CODEGEN=1 (the first half of README's test command) fusions are also
 emitted by XLA:CPU's elemental IR emitter instead of its MLIR fusion emitters
@@ -72,6 +80,7 @@ def _add_xla_flag(flag: str, probe: bool = False) -> None:
 
 FAST_CODEGEN = os.environ.get("JAXDIST_TEST_FAST_CODEGEN") == "1"
 _add_xla_flag("--xla_backend_optimization_level=0")
+_add_xla_flag("--xla_cpu_parallel_codegen_split_count=1", probe=True)
 if FAST_CODEGEN:
     _add_xla_flag(_FUSION_EMITTERS, probe=True)  # the first process of the session probes once
 

@@ -139,7 +139,11 @@ def flip_a_bit_that_still_decodes(ckpt_dir: pathlib.Path, step: int) -> str:
 
 
 # The XLA:CPU code-generation flags tests/conftest.py puts in XLA_FLAGS for the session.
-SUITE_CODEGEN_FLAGS = ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")
+SUITE_CODEGEN_FLAGS = (
+    "--xla_backend_optimization_level",
+    "--xla_cpu_parallel_codegen_split_count",
+    "--xla_cpu_use_fusion_emitters",
+)
 
 
 def suite_xla_flags() -> str:
