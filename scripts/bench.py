@@ -83,6 +83,12 @@ _STUDY = flags.DEFINE_enum(
     "Which benchmark.",
 )
 _LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "--study=context: lengths T.")
+_CONTEXTS = flags.DEFINE_list(
+    "contexts",
+    ["1", "2", "4", "8"],
+    "--study=context: mesh.context sizes (each divides the 8 devices; data = 8 / context), the "
+    "first the baseline of each row's temp ratio.",
+)
 _EXPERTS = flags.DEFINE_list("experts", ["4", "8", "16"], "--study=moe: numbers of experts.")
 _BATCHES = flags.DEFINE_list(
     "batch_sizes", ["16", "32", "64", "128", "256", "512"], "--study=batch: global batches."
@@ -1032,6 +1038,17 @@ def study_network(config) -> dict:
         )
 
 
+def _contexts() -> list[int]:
+    valid = ("1", "2", "4", "8")
+    bad = [c for c in _CONTEXTS.value if c not in valid]
+    if bad or not _CONTEXTS.value:
+        raise ConfigError(
+            f"--contexts={','.join(_CONTEXTS.value)}: each must divide the study's 8 devices; "
+            f"valid: {', '.join(valid)} (e.g. --contexts=1,2,4,8)"
+        )
+    return [int(c) for c in _CONTEXTS.value]
+
+
 def main(argv):
     del argv
     if not flags.FLAGS["verbosity"].present:
@@ -1053,7 +1070,7 @@ def main(argv):
         "network": study_network,
         "fp8": study_fp8,
         "context": lambda c: bench_parallel.study_context(
-            c, [int(t) for t in _LENGTHS.value], _STEPS.value, _WARMUP.value
+            c, [int(t) for t in _LENGTHS.value], _STEPS.value, _WARMUP.value, _contexts()
         ),
         "moe": lambda c: bench_parallel.study_moe(
             c, [int(e) for e in _EXPERTS.value], _STEPS.value, _WARMUP.value

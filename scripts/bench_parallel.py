@@ -1,7 +1,7 @@
 """`bench.py --study=context` and `--study=moe`: context and expert parallelism on small sizes.
 
 context  temp memory per device (compiled memory analysis) and step time vs sequence length T for
-         mesh.context = 1, 2, 4, 8 (data = 8 / context, one sequence per data replica, so every
+         mesh.context = 1, 2, 4, 8 (`--contexts`; data = 8 / context, one sequence per data replica, so every
          device holds T / context tokens of one sequence), ring and all_gather attention.
 moe      step time and tokens/s vs the number of experts at equal active and equal total expert
          parameters (E experts of width 128·4/E, top E/4: finer experts, same FLOPs; MaxText
@@ -45,7 +45,9 @@ def _run(cfg, ds, steps: int, warmup: int) -> dict:
     }
 
 
-def study_context(config, lengths: list[int], steps: int, warmup: int) -> dict:
+def study_context(
+    config, lengths: list[int], steps: int, warmup: int, contexts: list[int] = (1, 2, 4, 8)
+) -> dict:
     from jaxdist import data
 
     out = {"study": "context", "runs": []}
@@ -53,7 +55,7 @@ def study_context(config, lengths: list[int], steps: int, warmup: int) -> dict:
     for mode in ("ring", "all_gather"):
         for T in lengths:
             base = None
-            for c in (1, 2, 4, 8):
+            for c in contexts:
                 cfg = config.copy_and_resolve_references()
                 with cfg.unlocked():
                     cfg.mesh.update(data=8 // c, fsdp=1, tensor=1, pipeline=1, expert=1, context=c)

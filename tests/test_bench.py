@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -134,3 +136,26 @@ def test_batch_study_tunes_once_scales_by_the_rule_and_retunes(tmp_path):
     assert summary["critical_batch_rule_lower_bound"]  # 32 is the largest batch measured
     assert result["lr_rules"] == {"muon": "none"} and len(result["load_average_start"]) == 3
     assert all(r["step_time_s"] > 0 for r in runs)
+
+
+def test_context_study_refuses_a_context_size_that_does_not_divide_the_devices(tmp_path):
+    """`--contexts` (the context sizes `--study=context` runs, data = 8 / context): a size that
+    does not divide the 8 devices is refused in one line naming the valid ones, before anything
+    compiles, and no result is written."""
+    out = tmp_path / "context.json"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench.py", "--study=context", "--config=configs/llama_tiny.py"]
+        + ["--contexts=1,3", f"--out={out}"],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == [
+        "error: --contexts=1,3: each must divide the study's 8 devices; valid: 1, 2, 4, 8 "
+        "(e.g. --contexts=1,2,4,8)"
+    ]
+    assert not out.exists() and "mode" not in proc.stdout  # no row was run

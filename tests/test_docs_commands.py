@@ -223,8 +223,9 @@ SHORTENED = {
     ),
     "python scripts/bench.py --study=context --config=configs/llama_tiny.py --lengths=256,1024 "
     "--steps=3 --warmup=1 --out=runs/bench/context.json": (
-        "--lengths=32 --steps=1 --warmup=0",
-        "16 compiles and timed runs up to T=1024 take ~15 minutes on 2 cores; T=32 runs the same code",
+        "--lengths=32 --contexts=1,2 --steps=1 --warmup=0",
+        "16 compiles and timed runs up to T=1024 take ~15 minutes on 2 cores; T=32 on context 1 "
+        "and 2 runs the same code (tests/test_context.py checks every context size)",
     ),
     "python scripts/bench.py --study=moe --config=configs/llama_tiny.py --steps=5 --warmup=2 "
     "--out=runs/bench/moe.json": (
