@@ -25,6 +25,9 @@ Three tables (docs/AGGREGATION.md quotes them):
              the config's `grad_sync.local_steps`: the costliest single sync and the mean bytes
              per step (HLO), validation loss after `--max_steps` steps.
 
+`rows` (bench.py's `--rows`, 1-based) picks rows of the per_hop, per_hop_topk, compress_over and
+streaming tables, in each the rows it holds; the default is every row.
+
 No flags here: bench.py passes their values in.
 """
 
@@ -172,13 +175,16 @@ def _val_loss_after(engine, compiled, batches, max_steps: int, eval_batches: int
     return float(np.mean([float(engine.eval_step(state, v)["loss"]) for v in val]))
 
 
-def per_hop(config, m, ds, max_steps: int, eval_batches: int = 4, rows=PER_HOP) -> list[dict]:
+def per_hop(
+    config, m, ds, max_steps: int, eval_batches: int = 4, rows=PER_HOP, hosts: int | None = None
+) -> list[dict]:
     """Busiest-device bytes (HLO) and validation loss after `max_steps` for each of `rows`
     ((label, `_variant` fields)); with `hosts` > 1 also the busiest bytes of the phases that
-    cross hosts (tier dcn), the devices of `data` split into `hosts` consecutive groups."""
+    cross hosts (tier dcn), the devices of `data` split into `hosts` consecutive groups (by
+    default the most `dcn_data` of `rows`)."""
     from jaxdist import hlo_cost, mesh
 
-    hosts = max(int(f.get("dcn_data", 1)) for _, f in rows)
+    hosts = hosts or max(int(f.get("dcn_data", 1)) for _, f in rows)
     processes = emulated_hosts(m, hosts)
     out = []
     for label, fields in rows:
@@ -271,14 +277,16 @@ STREAMING = [
 ]
 
 
-def streaming_rows(config, m, ds, max_steps: int, eval_batches: int = 4) -> list[dict]:
+def streaming_rows(
+    config, m, ds, max_steps: int, eval_batches: int = 4, table=STREAMING
+) -> list[dict]:
     """Per STREAMING row: the costliest single sync and the mean collective bytes per step of one
     device (both from the compiled HLO), and validation loss after `max_steps` steps."""
     from jaxdist import hlo_cost, streaming
 
     h = config.grad_sync.local_steps
     rows = []
-    for label, fields in STREAMING:
+    for label, fields in table:
         engine, batches = benchlib.build(_variant(config, **fields), m, ds)
         compiled = engine.train_step.lower(engine.abstract_state, batches.get(0)).compile()
         text = compiled.as_text()
@@ -342,14 +350,54 @@ def print_tables(out: dict) -> None:
             print(f"{profile:<16}{n:>6}" + row)
 
 
+ROW_TABLES = {
+    "per_hop": PER_HOP,
+    "per_hop_topk": PER_HOP_TOPK,
+    "compress_over": COMPRESS_OVER,
+    "streaming": STREAMING,
+}
+
+
+def picked(table: list, rows: list[int] | None) -> list:
+    """`table`'s rows numbered (1-based) in `rows` that it holds, in table order; all for None."""
+    return table if rows is None else [r for i, r in enumerate(table, 1) if i in rows]
+
+
+def check_rows(parts, rows: list[int] | None) -> None:
+    """Refuses `rows` that pick no row of some requested table (one line, before anything runs)."""
+    from jaxdist.errors import ConfigError
+
+    for part in (p for p in parts if p in ROW_TABLES and rows is not None):
+        if not picked(ROW_TABLES[part], rows):
+            n = len(ROW_TABLES[part])
+            raise ConfigError(
+                f"--rows={','.join(map(str, rows))}: --parts={part} has rows 1 to {n}, none of "
+                f"them picked; name at least one (e.g. --rows=1)"
+            )
+
+
 def run(
-    config, *, parts, steps, warmup, taus, target, max_steps, eval_every, planner_config, out_path
+    config,
+    *,
+    parts,
+    steps,
+    warmup,
+    taus,
+    target,
+    max_steps,
+    eval_every,
+    planner_config,
+    out_path,
+    rows=None,
 ):
     """The study's `parts` ("algorithms": measured + predicted, "staleness", "per_hop",
-    "per_hop_topk", "compress_over", "streaming"); the JSON payload."""
+    "per_hop_topk", "compress_over", "streaming"), the tables' `rows` (1-based; None: all); the
+    JSON payload."""
     import jax
 
     from jaxdist import data, mesh
+
+    check_rows(parts, rows)
 
     ds = data.load(config.data, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
     m = mesh.make_mesh(config.mesh)
@@ -363,18 +411,19 @@ def run(
         out["predicted"] = predicted(planner_config)
         print_tables(out)
     if "per_hop" in parts:
-        out["per_hop"] = {"steps": max_steps, "runs": per_hop(config, m, ds, max_steps)}
+        rows_ = per_hop(config, m, ds, max_steps, rows=picked(PER_HOP, rows))
+        out["per_hop"] = {"steps": max_steps, "runs": rows_}
     if "per_hop_topk" in parts:
-        rows = per_hop(config, m, ds, max_steps, rows=PER_HOP_TOPK)
-        out["per_hop_topk"] = {"steps": max_steps, "runs": rows}
+        rows_ = per_hop(config, m, ds, max_steps, rows=picked(PER_HOP_TOPK, rows))
+        out["per_hop_topk"] = {"steps": max_steps, "runs": rows_}
     if "compress_over" in parts:
         hosts = _compress_over_hosts(config)
-        rows = per_hop(config, m, ds, max_steps, rows=COMPRESS_OVER)
-        out["compress_over"] = {"steps": max_steps, hosts: 2, "runs": rows}
+        rows_ = per_hop(config, m, ds, max_steps, rows=picked(COMPRESS_OVER, rows), hosts=2)
+        out["compress_over"] = {"steps": max_steps, hosts: 2, "runs": rows_}
     if "streaming" in parts:
         h = config.grad_sync.local_steps
-        rows = streaming_rows(config, m, ds, max_steps)
-        out["streaming"] = {"steps": max_steps, "local_steps": h, "runs": rows}
+        rows_ = streaming_rows(config, m, ds, max_steps, table=picked(STREAMING, rows))
+        out["streaming"] = {"steps": max_steps, "local_steps": h, "runs": rows_}
     if "staleness" in parts:
         runs = staleness(config, m, ds, taus, target, max_steps, eval_every)
         out["staleness"] = {"target_loss": target, "runs": runs}

@@ -169,6 +169,12 @@ _PARTS = flags.DEFINE_list(
     "--study=aggregation: which parts to run (algorithms, staleness, per_hop, per_hop_topk, "
     "compress_over, streaming).",
 )
+_ROWS = flags.DEFINE_list(
+    "rows",
+    None,
+    "--study=aggregation: row numbers (1-based) of the per_hop, per_hop_topk, compress_over and "
+    "streaming tables to run, in each the rows it holds (default: every row).",
+)
 _TAUS = flags.DEFINE_list(
     "taus", ["0", "1", "2", "4"], "--study=aggregation: grad_sync.staleness values to train."
 )
@@ -992,7 +998,18 @@ def study_aggregation(config) -> dict:
         eval_every=_EVAL_EVERY.value,
         planner_config=_PLANNER_CONFIG.value,
         out_path=_OUT.value,
+        rows=_rows(),
     )
+
+
+def _rows() -> list[int] | None:
+    if _ROWS.value is None:
+        return None
+    if not all(r.isdigit() and int(r) >= 1 for r in _ROWS.value):
+        raise ConfigError(
+            f"--rows={','.join(_ROWS.value)}: row numbers are whole numbers from 1 (e.g. --rows=1,3)"
+        )
+    return [int(r) for r in _ROWS.value]
 
 
 _LINKS = flags.DEFINE_list(

@@ -78,6 +78,7 @@ def test_aggregation_study_end_to_end(tmp_path):
         "--max_steps=4",
         "--eval_every=2",
         "--parts=algorithms,staleness,per_hop",
+        "--rows=1,3",
     )
     result = json.loads(out.read_text())
     rows = {r["algorithm"]: r for r in result["measured"]}
@@ -94,6 +95,7 @@ def test_aggregation_study_end_to_end(tmp_path):
     assert [r["staleness"] for r in runs] == [0, 1] and all(len(r["curve"]) == 2 for r in runs)
     assert "planner: one all-reduce" in proc.stdout
     hops = {r["method"]: r["busiest_device_bytes_per_step"] for r in result["per_hop"]["runs"]}
+    assert list(hops) == ["none", "ring + bf16 per hop"]  # --rows=1,3 of the per_hop table
     assert hops["ring + bf16 per hop"] == pytest.approx(hops["none"] / 2, rel=1e-3)
 
 
@@ -159,3 +161,33 @@ def test_context_study_refuses_a_context_size_that_does_not_divide_the_devices(t
         "(e.g. --contexts=1,2,4,8)"
     ]
     assert not out.exists() and "mode" not in proc.stdout  # no row was run
+
+
+@pytest.mark.parametrize(
+    "rows, line",
+    [
+        ("3,x", "error: --rows=3,x: row numbers are whole numbers from 1 (e.g. --rows=1,3)"),
+        (
+            "3,4",
+            "error: --rows=3,4: --parts=per_hop_topk has rows 1 to 2, none of them picked; name "
+            "at least one (e.g. --rows=1)",
+        ),
+    ],
+)
+def test_aggregation_study_refuses_rows_that_pick_nothing(tmp_path, rows, line):
+    """`--rows` numbers the rows of the per-hop / compress_over / streaming tables; a number that
+    is not one, or a set that picks no row of a requested table, is refused in one line before
+    anything compiles, and no result is written."""
+    out = tmp_path / "aggregation.json"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench.py", *TINY, "--study=aggregation"]
+        + ["--parts=per_hop,per_hop_topk", f"--rows={rows}", f"--out={out}"],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [line]
+    assert not out.exists() and "busiest" not in proc.stdout  # no row was run

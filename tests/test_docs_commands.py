@@ -251,14 +251,16 @@ SHORTENED = {
     ),
     "python scripts/bench.py --study=aggregation --parts=per_hop --config.mesh.data=8 "
     "--config.mesh.fsdp=1 --config.mesh.tensor=1 --max_steps=300 --out=runs/bench/per_hop.json": (
-        _TINY_BENCH_MODEL + " --max_steps=2",
-        "five training runs of 300 steps take many minutes on 2 cores",
+        _TINY_BENCH_MODEL + " --max_steps=2 --rows=4,5",
+        "five training runs of 300 steps take many minutes on 2 cores; rows 4 and 5 (int8 over "
+        "the whole reduction and at every ring hop) run the table's code",
     ),
     "python scripts/bench.py --study=aggregation --parts=compress_over --config.mesh.data=8 "
     "--config.mesh.fsdp=1 --config.mesh.tensor=1 --max_steps=300 "
     "--out=runs/bench/compress_over.json": (
-        _TINY_BENCH_MODEL + " --max_steps=2",
-        "six training runs of 300 steps take many minutes on 2 cores",
+        _TINY_BENCH_MODEL + " --max_steps=2 --rows=5,6",
+        "six training runs of 300 steps take many minutes on 2 cores; rows 5 and 6 (int8 over the "
+        "whole reduction, hierarchical + int8 across hosts) run the table's code",
     ),
     "python scripts/bench.py --study=aggregation --parts=per_hop_topk --config.mesh.data=8 "
     "--config.mesh.fsdp=1 --config.mesh.tensor=1 --max_steps=300 "
@@ -270,14 +272,16 @@ SHORTENED = {
     "--study=aggregation --parts=compress_over --config.mesh.data=8 --config.mesh.fsdp=1 "
     "--config.mesh.tensor=1 --config.mesh.dcn_data=2 --max_steps=300 "
     "--out=runs/bench/compress_over_2proc.json": (
-        _TINY_BENCH_MODEL + " --max_steps=2",
-        "six training runs of 300 steps on 2 processes take many minutes on 2 cores",
+        _TINY_BENCH_MODEL + " --max_steps=2 --rows=5,6",
+        "six training runs of 300 steps on 2 processes take many minutes on 2 cores; rows 5 and "
+        "6 (int8 over the whole reduction, hierarchical + int8 across hosts) run the table's code",
     ),
     "python scripts/bench.py --study=aggregation --parts=streaming "
     "--config.grad_sync.local_steps=10 --config.grad_sync.outer_optimizer=nesterov "
     "--max_steps=300 --out=runs/bench/streaming.json": (
-        _TINY_BENCH_MODEL + " --max_steps=2",
-        "five training runs of 300 steps take many minutes on 2 cores",
+        _TINY_BENCH_MODEL + " --max_steps=2 --rows=4,5",
+        "five training runs of 300 steps take many minutes on 2 cores; rows 4 and 5 (streaming "
+        "with overlap and int8 / int4 outer gradients) run the table's code",
     ),
     "python scripts/train.py --config.mesh.data=8 --config.mesh.fsdp=1 --config.mesh.tensor=1 "
     "--config.grad_sync.algorithm=ps --workdir=runs/ps": (
