@@ -140,14 +140,11 @@ def test_batch_study_tunes_once_scales_by_the_rule_and_retunes(tmp_path):
     assert all(r["step_time_s"] > 0 for r in runs)
 
 
-def test_context_study_refuses_a_context_size_that_does_not_divide_the_devices(tmp_path):
-    """`--contexts` (the context sizes `--study=context` runs, data = 8 / context): a size that
-    does not divide the 8 devices is refused in one line naming the valid ones, before anything
-    compiles, and no result is written."""
-    out = tmp_path / "context.json"
+def refused(*flags: str) -> tuple[list[str], str]:
+    """scripts/bench.py with `flags`, which it must refuse: exit 2 and no traceback; (the
+    non-empty stderr lines, stdout)."""
     proc = subprocess.run(
-        [sys.executable, "scripts/bench.py", "--study=context", "--config=configs/llama_tiny.py"]
-        + ["--contexts=1,3", f"--out={out}"],
+        [sys.executable, "scripts/bench.py", *flags],
         cwd=ROOT,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
         capture_output=True,
@@ -155,12 +152,21 @@ def test_context_study_refuses_a_context_size_that_does_not_divide_the_devices(t
         timeout=120,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    return [ln for ln in proc.stderr.splitlines() if ln.strip()], proc.stdout
+
+
+def test_context_study_refuses_a_context_size_that_does_not_divide_the_devices(tmp_path):
+    """`--contexts` (the context sizes `--study=context` runs, data = 8 / context): a size that
+    does not divide the 8 devices is refused in one line naming the valid ones, before anything
+    compiles, and no result is written."""
+    out = tmp_path / "context.json"
+    flags = ("--study=context", "--config=configs/llama_tiny.py", "--contexts=1,3", f"--out={out}")
+    lines, stdout = refused(*flags)
     assert lines == [
         "error: --contexts=1,3: each must divide the study's 8 devices; valid: 1, 2, 4, 8 "
         "(e.g. --contexts=1,2,4,8)"
     ]
-    assert not out.exists() and "mode" not in proc.stdout  # no row was run
+    assert not out.exists() and "mode" not in stdout  # no row was run
 
 
 @pytest.mark.parametrize(
@@ -179,15 +185,7 @@ def test_aggregation_study_refuses_rows_that_pick_nothing(tmp_path, rows, line):
     is not one, or a set that picks no row of a requested table, is refused in one line before
     anything compiles, and no result is written."""
     out = tmp_path / "aggregation.json"
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench.py", *TINY, "--study=aggregation"]
-        + ["--parts=per_hop,per_hop_topk", f"--rows={rows}", f"--out={out}"],
-        cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [line]
-    assert not out.exists() and "busiest" not in proc.stdout  # no row was run
+    parts = "--parts=per_hop,per_hop_topk"
+    lines, stdout = refused(*TINY, "--study=aggregation", parts, f"--rows={rows}", f"--out={out}")
+    assert lines == [line]
+    assert not out.exists() and "busiest" not in stdout  # no row was run
