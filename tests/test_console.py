@@ -76,24 +76,33 @@ def test_goodput_line_names_the_fraction_and_the_other_causes():
 
 
 def _train_in_a_terminal(workdir, *flags):
-    """scripts/train.py on a pseudo-terminal of 150 columns (the console's tqdm bar): exit, text."""
+    """scripts/train.py on a pseudo-terminal of 150 columns (the console's tqdm bar): exit, text.
+
+    Started by `subprocess` (fork and exec in C), not `pty.fork`: a fork that runs Python in the
+    child of a process whose JAX runs threads may deadlock, and Python warns about it."""
     import fcntl
     import os
     import pty
     import struct
+    import subprocess
     import sys
     import termios
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tiny = ["--config.model.num_layers=1", "--config.model.d_model=32", "--config.model.seq_len=32"]
     cmd = [sys.executable, os.path.join(root, "scripts/train.py"), f"--workdir={workdir}"]
-    xla_flags = suite_xla_flags()
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the test's environment, JAX on the CPU
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = xla_flags
-        os.execv(sys.executable, [*cmd, *tiny, *flags])
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 150, 0, 0))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": suite_xla_flags()}
+    fd, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 150, 0, 0))
+    proc = subprocess.Popen(
+        [*cmd, *tiny, *flags],
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        env=env,
+        start_new_session=True,
+    )
+    os.close(terminal)  # the child holds it now: reads see the end once the child exits
     out = b""
     while True:
         try:
@@ -103,8 +112,8 @@ def _train_in_a_terminal(workdir, *flags):
         if not chunk:
             break
         out += chunk
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
+    os.close(fd)
+    return proc.wait(), out.decode(errors="replace")
 
 
 def test_a_run_says_what_it_does_before_the_first_step_and_draws_the_bar_once(tmp_path):
