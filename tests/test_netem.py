@@ -21,7 +21,7 @@ import pytest
 
 from jaxdist import checkpoint, plan
 from jaxdist.errors import ConfigError
-from jaxdist.network import counters, namespaces, profiles
+from jaxdist.network import counters, namespaces, profiles, wire
 from tests.test_multihost import LAUNCH, ROOT, SMALL, _env, records
 
 RATE = 50e6  # bit/s: the acceptance link
@@ -321,7 +321,11 @@ def test_training_over_the_network_equals_loopback_bit_for_bit(tmp_path, clean):
 
 
 _ECHO_SERVER = """
-import socket
+import os, socket
+try:
+    os.setpriority(os.PRIO_PROCESS, 0, -10)  # the wire's priority: the suite's other worker waits
+except OSError:
+    pass
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.bind(("0.0.0.0", 9999))
 while True:
@@ -330,7 +334,11 @@ while True:
 """
 
 _ECHO_CLIENT = """
-import json, socket, sys, time
+import json, os, socket, sys, time
+try:
+    os.setpriority(os.PRIO_PROCESS, 0, -10)
+except OSError:
+    pass
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.settimeout(0.5)
 rtts, lost = [], 0
@@ -350,9 +358,11 @@ print(json.dumps({"rtts": rtts, "lost": lost}))
 @needs_namespaces
 def test_user_space_wire_delays_jitters_and_drops(monkeypatch, clean):
     """2 hosts, 20 ms one way with 2 ms jitter and 5% loss on each host's link, through the
-    user-space wire: 300 UDP echoes take 40 ms (the round trip) plus the wire's own cost, under
-    1.5 ms (measured 0.7); about 1 - 0.95² of them are lost (4 standard deviations either way), as
-    are 5% of the frames each host sent (the wire's counters, 4 standard deviations)."""
+    user-space wire: the wire releases half its frames within 100 us of the time it drew (its own
+    clock; measured 10), and 300 UDP echoes take 40 ms (the round trip) plus the hosts' and the
+    wire's cost, under 1.5 ms (measured 0.4); about 1 - 0.95² of them are lost (4 standard
+    deviations either way), as are 5% of the frames each host sent (the wire's counters, 4
+    standard deviations). The echo processes run at the wire's priority (nice -10, as root)."""
     monkeypatch.setenv(namespaces.ENV_NETEM, "user")
     link = profiles.link("rate=50mbit,delay=20ms,jitter=2ms,loss=5%")
     cluster = namespaces.Cluster([link, link])
@@ -372,12 +382,13 @@ def test_user_space_wire_delays_jitters_and_drops(monkeypatch, clean):
         cluster.down()
     assert client.returncode == 0, client.stderr[-2000:]
     got = json.loads(client.stdout)
+    stats = cluster.wire_stats
+    assert stats["late_p50_us"] <= 100, cluster.wire_summary()
     median_ms = statistics.median(got["rtts"]) * 1e3
-    assert 40.0 <= median_ms <= 41.5, median_ms
+    assert 40.0 <= median_ms <= 41.5, (median_ms, cluster.wire_summary())
     p = 1 - 0.95**2
     sd = (probes * p * (1 - p)) ** 0.5
     assert abs(got["lost"] - probes * p) <= 4 * sd, got["lost"]
-    stats = cluster.wire_stats
     for port in stats["ports"]:
         sd = (port["in"] * 0.05 * 0.95) ** 0.5
         assert port["in"] >= 0.8 * probes and abs(port["lost"] - 0.05 * port["in"]) <= 4 * sd, stats
@@ -425,6 +436,30 @@ def test_a_link_too_fast_for_the_wire_is_refused_in_one_line():
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "forwards at most 200 Mbit/s" in lines[0], lines
     assert namespaces.leftovers(out.tag) == []
+
+
+def test_wire_lateness_quantiles_are_bin_edges():
+    """The wire's lateness histogram: 10 us bins, a quantile is the upper edge of the bin that
+    reaches it, the last bin holds everything later; the launcher's line quotes median and p99."""
+    hist = [0] * wire.LATE_BINS
+    hist[0], hist[3], hist[-1] = 50, 49, 1  # 50 frames under 10 us, 49 at 30-40 us, 1 very late
+    assert wire.percentile_us(hist, 0.5) == 10.0
+    assert wire.percentile_us(hist, 0.51) == 40.0
+    assert wire.percentile_us(hist, 0.99) == 40.0
+    assert wire.percentile_us(hist, 1.0) == wire.LATE_BINS * wire.LATE_BIN_US
+    assert wire.percentile_us([0] * wire.LATE_BINS, 0.5) == 0.0
+    w = object.__new__(wire.Wire)  # the counters alone, without the raw sockets
+    w.late_hist, w.late_max_s = hist, 0.25
+    assert w.lateness() == {"late_p50_us": 10.0, "late_p99_us": 40.0, "late_max_us": 250000.0}
+    cluster = namespaces.Cluster([profiles.link("rate=50mbit")])
+    cluster.wire_stats = {
+        "frames_in": 3, "frames_out": 2, "lost": 1, "send_errors": 0, **w.lateness(),
+        "cpu_s": 0.2, "ports": [{"in": 3, "lost": 1}],
+    }  # fmt: skip
+    assert cluster.wire_summary() == (
+        "user-space wire: 3 frames in, 2 out, lost host0 1 of 3; 0 refused by a full port queue; "
+        "released late by 10 us (median), 40 us (99th percentile); 0.2 s of CPU"
+    )
 
 
 def test_counters_parse_a_switch_port_table(tmp_path):

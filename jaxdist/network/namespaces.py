@@ -458,7 +458,8 @@ class Cluster:
         return (
             f"user-space wire: {st['frames_in']} frames in, {st['frames_out']} out, "
             f"lost {lost}; {st['send_errors']} refused by a full port queue; "
-            f"{st['cpu_s']:.1f} s of CPU"
+            f"released late by {st['late_p50_us']:.0f} us (median), {st['late_p99_us']:.0f} us "
+            f"(99th percentile); {st['cpu_s']:.1f} s of CPU"
         )
 
     # -- tearing down ---------------------------------------------------------------------------
