@@ -411,19 +411,19 @@ def run(
         out["predicted"] = predicted(planner_config)
         print_tables(out)
     if "per_hop" in parts:
-        rows_ = per_hop(config, m, ds, max_steps, rows=picked(PER_HOP, rows))
-        out["per_hop"] = {"steps": max_steps, "runs": rows_}
+        got = per_hop(config, m, ds, max_steps, rows=picked(PER_HOP, rows))
+        out["per_hop"] = {"steps": max_steps, "runs": got}
     if "per_hop_topk" in parts:
-        rows_ = per_hop(config, m, ds, max_steps, rows=picked(PER_HOP_TOPK, rows))
-        out["per_hop_topk"] = {"steps": max_steps, "runs": rows_}
+        got = per_hop(config, m, ds, max_steps, rows=picked(PER_HOP_TOPK, rows))
+        out["per_hop_topk"] = {"steps": max_steps, "runs": got}
     if "compress_over" in parts:
-        hosts = _compress_over_hosts(config)
-        rows_ = per_hop(config, m, ds, max_steps, rows=picked(COMPRESS_OVER, rows), hosts=2)
-        out["compress_over"] = {"steps": max_steps, hosts: 2, "runs": rows_}
+        made_by = _compress_over_hosts(config)  # "emulated_hosts" or "processes", 2 of them
+        got = per_hop(config, m, ds, max_steps, rows=picked(COMPRESS_OVER, rows), hosts=2)
+        out["compress_over"] = {"steps": max_steps, made_by: 2, "runs": got}
     if "streaming" in parts:
         h = config.grad_sync.local_steps
-        rows_ = streaming_rows(config, m, ds, max_steps, table=picked(STREAMING, rows))
-        out["streaming"] = {"steps": max_steps, "local_steps": h, "runs": rows_}
+        got = streaming_rows(config, m, ds, max_steps, table=picked(STREAMING, rows))
+        out["streaming"] = {"steps": max_steps, "local_steps": h, "runs": got}
     if "staleness" in parts:
         runs = staleness(config, m, ds, taus, target, max_steps, eval_every)
         out["staleness"] = {"target_loss": target, "runs": runs}

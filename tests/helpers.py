@@ -64,10 +64,37 @@ def engine_for(c):
     return eng, batches
 
 
+_INITIAL_PARAMS = {}
+
+
+def initial_state(eng, c):
+    """`eng.init()`, with the random weights drawn once per model, dataset, seed and shapes.
+
+    The first engine of a model draws them (its own init program, on its layout; a family's
+    constructor sees the model and the dataset); every later one starts from those weights put on
+    its shardings (`eng.init(params=...)`, as `train.init_from` does), whose init program only
+    builds the optimizer's state: the threefry of every parameter is most of an init's compile
+    time. That a random init is the same on every layout is tests/test_init_layouts.py's to
+    check, to the bit.
+    """
+    params = eng.abstract_state["params"]
+    shapes = tuple((jax.tree_util.keystr(k), v.shape, str(v.dtype)) for k, v in
+                   jax.tree_util.tree_leaves_with_path(params))  # fmt: skip
+    model, data_ = (c[k].to_json_best_effort(sort_keys=True) for k in ("model", "data"))
+    key = (model, data_, int(c.train.seed), shapes)  # the family's make reads the model and data
+    if key not in _INITIAL_PARAMS:
+        state = eng.init()
+        _INITIAL_PARAMS[key] = jax.device_get(eng.to_user(state)["params"])
+        return state
+    shardings = jax.tree.map(lambda a: a.sharding, params)
+    return eng.init(params=jax.device_put(_INITIAL_PARAMS[key], shardings))
+
+
 def train_steps(c, steps: int):
-    """Runs `steps` steps; returns (per-step losses, final params on the host)."""
+    """Runs `steps` steps from `initial_state`; returns (per-step losses, final params on the
+    host)."""
     eng, batches = engine_for(c)
-    state = eng.init()
+    state = initial_state(eng, c)
     losses = []
     for i in range(steps):
         state, m = eng.train_step(state, batches.get(i))

@@ -13,7 +13,7 @@ from jaxdist import mesh as mesh_lib
 from jaxdist import train
 from jaxdist.errors import ConfigError
 from tests import toy_model
-from tests.helpers import dataset, engine_for, tiny_gpt_config
+from tests.helpers import dataset, engine_for, initial_state, tiny_gpt_config
 from tests.test_models import classifier_config
 
 
@@ -34,7 +34,7 @@ def _toy_config(name: str, **mesh):
 
 def _run(c, steps: int = 4):
     eng, batches = engine_for(c)
-    state, losses, norms = eng.init(), [], []
+    state, losses, norms = initial_state(eng, c), [], []
     for i in range(steps):
         state, m = eng.train_step(state, batches.get(i))
         losses.append(float(m["loss"]))

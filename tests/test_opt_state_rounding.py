@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import config as config_lib
 from jaxdist import optim
 from jaxdist.errors import ConfigError
-from tests.helpers import engine_for, tiny_gpt_config
+from tests.helpers import engine_for, initial_state, tiny_gpt_config
 
 
 def _neighbours(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -96,7 +96,7 @@ def test_bad_rounding_is_refused_in_one_line():
 
 def _run(c, steps: int = 4):
     eng, batches = engine_for(c)
-    state, losses = eng.init(), []
+    state, losses = initial_state(eng, c), []
     for i in range(steps):
         state, m = eng.train_step(state, batches.get(i))
         losses.append(float(m["loss"]))

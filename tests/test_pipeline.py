@@ -11,7 +11,7 @@ import pytest
 from jaxdist import config as config_lib
 from jaxdist import loop, metrics, pipeline, sharding, train
 from jaxdist.errors import ConfigError
-from tests.helpers import compile_step, engine_for, tiny_gpt_config
+from tests.helpers import compile_step, engine_for, initial_state, tiny_gpt_config
 
 # Every registered schedule (`pipeline.SCHEDULES`): a new one runs the equivalence and table tests.
 SCHEDULES = tuple(pipeline.SCHEDULES)
@@ -154,7 +154,7 @@ def test_train_steps_match_single_device():
 
 def _run_steps(c, steps: int):
     eng, batches = engine_for(c)
-    state, losses, norms = eng.init(), [], []
+    state, losses, norms = initial_state(eng, c), [], []
     for i in range(steps):
         state, m = eng.train_step(state, batches.get(i))
         losses.append(float(m["loss"]))

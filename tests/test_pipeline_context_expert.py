@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxdist import config as config_lib
-from tests.helpers import compile_for, compile_step, engine_for, train_steps
+from tests.helpers import compile_for, compile_step, engine_for, initial_state, train_steps
 from tests.test_llama import llama_config
 
 STEPS = 4
@@ -36,7 +36,7 @@ def _engine(c) -> tuple:
 def _run(c, metrics: tuple[str, ...] = ("loss",)) -> tuple[np.ndarray, dict]:
     """4 steps of `c`: [steps, len(metrics)] of those metrics per step; the final params."""
     eng, batches, _ = _engine(c)
-    state, rows = eng.init(), []
+    state, rows = initial_state(eng, c), []
     for i in range(STEPS):
         state, m = eng.train_step(state, batches.get(i))
         rows.append([float(m[k]) for k in metrics])
