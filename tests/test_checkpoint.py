@@ -147,6 +147,38 @@ def test_async_save_survives_donated_buffers_then_wait(tmp_path):
     ckpt.close()
 
 
+def test_replicated_arrays_are_cut_for_replica_parallel_saving_only_when_large(
+    tmp_path, monkeypatch
+):
+    """orbax cuts a replicated array into one slice per replica with `jax.lax.slice_in_dim` (a
+    compiled program per shape and device); below `REPLICA_PARALLEL_MIN_SLICE_BYTES` a slice
+    the Checkpointer saves whole from replica 0 instead, and both round-trip to the bit."""
+    cuts = []
+    slice_in_dim = jax.lax.slice_in_dim
+
+    def counting(operand, *args, **kwargs):
+        cuts.append(operand.shape)
+        return slice_in_dim(operand, *args, **kwargs)
+
+    monkeypatch.setattr(jax.lax, "slice_in_dim", counting)
+    replicated = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("data",)), P())
+    per_replica = checkpoint.manager.REPLICA_PARALLEL_MIN_SLICE_BYTES // 4  # float32 elements
+    rng = np.random.default_rng(0)
+    small = rng.standard_normal((8, per_replica - 1), dtype=np.float32)  # slices 4 bytes under it
+    large = rng.standard_normal((8, per_replica), dtype=np.float32)  # slices of exactly the size
+    for name, value in (("small", small), ("large", large)):
+        state = {"w": jax.device_put(value, replicated)}
+        cuts.clear()
+        with checkpoint.Checkpointer(tmp_path / name, every=1, keep=1, config_json=None) as ckpt:
+            assert ckpt.save(1, state, data_position=1)
+            ckpt.wait()
+            restored, _ = ckpt.restore(
+                {"w": jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=replicated)}
+            )
+        np.testing.assert_array_equal(np.asarray(restored["w"]), value)
+        assert cuts == ([] if name == "small" else [value.shape] * 8), (name, cuts)
+
+
 def test_keep_retains_the_newest_steps(tmp_path, states):
     with checkpoint.Checkpointer(tmp_path, every=1, keep=2, config_json=None) as ckpt:
         for step in range(1, 5):
