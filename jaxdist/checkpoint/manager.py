@@ -49,32 +49,34 @@ log = logging.getLogger("jaxdist.checkpoint")
 
 # orbax saves a replicated array replica-parallel: each replica writes a slice of it, cut on its
 # device by a compiled program (one per shape and device). In one process, for a slice under this
-# size, the cut costs more than the parallel copies to the host gain: the default GPT's first save on 8 CPU devices compiled
-# 64 of them, 1.2 s of XLA against 0.9 s for its train step. At and above it, saves stay
-# replica-parallel.
+# size, the cut costs more than the parallel copies to the host gain: the default GPT's first save
+# on 8 CPU devices compiled 64 of them, 1.2 s of XLA against 0.9 s for its train step. At and
+# above it, saves stay replica-parallel.
 REPLICA_PARALLEL_MIN_SLICE_BYTES = 1 << 20
+_large_slices_only: ocp.type_handlers.ArrayHandler | None = None  # once registered, this one
 
 
 def _replica_parallel_for_large_slices_only() -> None:
     """In a single process, registers orbax's `ArrayHandler` with
     `REPLICA_PARALLEL_MIN_SLICE_BYTES`, unless a handler other than orbax's default one (a
-    subclass, or one registered here before) is in place. With several processes orbax's default
-    stays: there replica-parallel also spreads the writes of replicated arrays over the hosts."""
-    if jax.process_count() > 1:
-        return
+    subclass, or the one registered here before) is in place. With several processes orbax's
+    default stays: there replica-parallel also spreads the writes of replicated arrays over the
+    hosts."""
+    global _large_slices_only
     handlers = ocp.type_handlers
     current = handlers.get_type_handler(jax.Array)
-    if type(current) is not handlers.ArrayHandler or getattr(current, "_jaxdist_min_slice", False):
+    if jax.process_count() > 1 or current is _large_slices_only:
         return
-    handler = handlers.ArrayHandler(
+    if type(current) is not handlers.ArrayHandler:
+        return
+    _large_slices_only = handlers.ArrayHandler(
         min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES
     )
-    handler._jaxdist_min_slice = True
     absl_log = logging.getLogger("absl")  # orbax warns of every override; this one is deliberate
     quiet = logging.Filter("jaxdist")  # passes only records of loggers named jaxdist*
     absl_log.addFilter(quiet)
     try:
-        handlers.register_type_handler(jax.Array, handler, override=True)
+        handlers.register_type_handler(jax.Array, _large_slices_only, override=True)
     finally:
         absl_log.removeFilter(quiet)
 
