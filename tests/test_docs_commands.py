@@ -385,10 +385,9 @@ NOT_RUN = {
     'pip install -e . "jax[cuda13]"': _SETUP + " and a GPU",
     'pip install -e . "jax[cuda12]"': _SETUP + " and a GPU",
     'pip install -e . "jax[tpu]"': _SETUP + " and a TPU",
-    "JAXDIST_TEST_FAST_CODEGEN=1 python -m pytest -q -n 2 --dist loadfile -m 'not bitwise'": (
+    "JAXDIST_TEST_FAST_CODEGEN=1 python -m pytest -q -n 2 --dist loadfile": (
         "the test suite this test is part of"
     ),
-    "python -m pytest -q -n 2 --dist loadfile -m bitwise": "the bitwise part of the test suite",
     "bash scripts/gpu_check.sh runs/gpu_check": (
         "run by tests/test_gpu_check.py (the same CPU dry run into a temporary folder, its JSON and "
         "table checked there)"
