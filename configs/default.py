@@ -8,7 +8,7 @@ parallelism. Loss falls from ~5.5 (uniform over 256 bytes) to below 2.5 in a few
 """
 
 from jaxdist import recipes
-from jaxdist.config import base_config, locked
+from jaxdist.schema import base_config, locked
 
 
 def get_config():

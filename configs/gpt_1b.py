@@ -9,7 +9,7 @@ gradient as a one-hot matmul: 55% MFU on one H100 at batch 16 (docs/PERFORMANCE.
 """
 
 from jaxdist import recipes
-from jaxdist.config import base_config, locked
+from jaxdist.schema import base_config, locked
 
 
 def get_config():

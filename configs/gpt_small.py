@@ -6,7 +6,7 @@ Sized for one GPU in bfloat16 (layers unrolled, one-hot-matmul embedding gradien
 configs/gpt_1b.py); on the CPU, shrink it with --config.train.batch_size and steps.
 """
 
-from jaxdist.config import base_config, locked
+from jaxdist.schema import base_config, locked
 
 
 def get_config():

@@ -24,7 +24,7 @@ and add `--config.train.init_from=DIR`.
 """
 
 from jaxdist import recipes
-from jaxdist.config import base_config, locked
+from jaxdist.schema import base_config, locked
 
 
 def get_config():

@@ -12,7 +12,7 @@ fine-tune the published weights instead of training from scratch, import them fi
 """
 
 from jaxdist import recipes
-from jaxdist.config import base_config, locked
+from jaxdist.schema import base_config, locked
 
 
 def get_config():

@@ -8,7 +8,7 @@ share 2 key/value heads, so the grouped-query path is what every test of this co
 """
 
 from jaxdist import recipes
-from jaxdist.config import base_config, locked
+from jaxdist.schema import base_config, locked
 
 
 def get_config():

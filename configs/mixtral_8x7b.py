@@ -17,7 +17,7 @@ published weights, import them first (`python scripts/hf.py import HF_DIR --out 
 """
 
 from jaxdist import recipes
-from jaxdist.config import base_config, locked
+from jaxdist.schema import base_config, locked
 
 
 def get_config():

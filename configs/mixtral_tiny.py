@@ -10,7 +10,7 @@ Hugging Face's (all layers pooled) with Mixtral's coefficient 0.02.
 """
 
 from jaxdist import recipes
-from jaxdist.config import base_config, locked
+from jaxdist.schema import base_config, locked
 
 
 def get_config():

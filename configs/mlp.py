@@ -5,8 +5,8 @@
 Or on your own images: --config.data.source=images.npz (arrays `images` [N,H,W(,C)], `labels` [N]).
 """
 
-from jaxdist.config import base_config, locked
-from jaxdist.mesh import accelerator_present
+from jaxdist.recipes import accelerator_present
+from jaxdist.schema import base_config, locked
 
 
 def get_config():

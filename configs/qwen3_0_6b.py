@@ -12,7 +12,7 @@ configs/llama_1b.py). To fine-tune the published weights, import them first
 """
 
 from jaxdist import recipes
-from jaxdist.config import base_config, locked
+from jaxdist.schema import base_config, locked
 
 
 def get_config():

@@ -12,7 +12,7 @@ Qwen3-MoE's coefficient 0.001.
 """
 
 from jaxdist import recipes
-from jaxdist.config import base_config, locked
+from jaxdist.schema import base_config, locked
 
 
 def get_config():

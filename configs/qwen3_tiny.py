@@ -9,7 +9,7 @@ query heads share 2 key/value heads, and the head is the embedding table.
 """
 
 from jaxdist import recipes
-from jaxdist.config import base_config, locked
+from jaxdist.schema import base_config, locked
 
 
 def get_config():

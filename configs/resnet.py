@@ -3,8 +3,8 @@
 python scripts/train.py --config=configs/resnet.py --workdir=runs/resnet
 """
 
-from jaxdist.config import base_config, locked
-from jaxdist.mesh import accelerator_present
+from jaxdist.recipes import accelerator_present
+from jaxdist.schema import base_config, locked
 
 
 def get_config():

@@ -8,8 +8,6 @@ hosts when `dcn_*` sizes are set.
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,33 +18,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxdist.errors import ConfigError
+from jaxdist.recipes import accelerator_present  # noqa: F401 (re-exported: scripts ask the mesh)
 from jaxdist.schema import MESH_AXES, resolve_mesh_shape
-
-
-def accelerator_present() -> bool:
-    """Whether this machine has a GPU or TPU JAX could use, checked without starting a backend.
-
-    Configs use it to choose between real devices and simulated CPU devices before JAX starts
-    (after a backend starts, the simulated device count can no longer change).
-    """
-    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
-        return False
-    if (
-        glob.glob("/dev/nvidia[0-9]*")
-        or glob.glob("/dev/accel[0-9]*")
-        or glob.glob("/dev/vfio/[0-9]*")
-    ):
-        return any(
-            importlib.util.find_spec(m) is not None
-            for m in (
-                "jax_plugins.xla_cuda12",
-                "jax_plugins.xla_cuda13",
-                "libtpu",
-                "jax_cuda12_plugin",
-                "jax_cuda13_plugin",
-            )
-        )
-    return False
 
 
 def configure_cpu_devices(n: int) -> None:

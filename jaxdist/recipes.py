@@ -11,9 +11,37 @@ def get_config():
 
 from __future__ import annotations
 
+import glob
+import importlib.util
+import os
+
 import ml_collections
 
-from jaxdist.mesh import accelerator_present
+
+def accelerator_present() -> bool:
+    """Whether this machine has a GPU or TPU JAX could use, checked without starting a backend.
+
+    Configs use it to choose between real devices and simulated CPU devices before JAX starts
+    (after a backend starts, the simulated device count can no longer change).
+    """
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return False
+    if (
+        glob.glob("/dev/nvidia[0-9]*")
+        or glob.glob("/dev/accel[0-9]*")
+        or glob.glob("/dev/vfio/[0-9]*")
+    ):
+        return any(
+            importlib.util.find_spec(m) is not None
+            for m in (
+                "jax_plugins.xla_cuda12",
+                "jax_plugins.xla_cuda13",
+                "libtpu",
+                "jax_cuda12_plugin",
+                "jax_cuda13_plugin",
+            )
+        )
+    return False
 
 
 def cpu_or_accelerators(c: ml_collections.ConfigDict, **cpu_mesh: int) -> None:

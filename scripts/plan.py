@@ -28,7 +28,7 @@ DEFAULT_CONFIG = "configs/gpt_1b.py"
 
 def _define_flags(argv: list[str]) -> None:
     """Defines the flags, checking the config path and override names first for clean errors."""
-    from jaxdist.config import define_config_flag
+    from jaxdist.config_files import define_config_flag
 
     define_config_flag(argv, DEFAULT_CONFIG, "Experiment config (model and batch).")
     flags.DEFINE_integer("devices", None, "Number of devices to plan for.", required=True)

@@ -94,7 +94,7 @@ def _define_flags(argv: list[str]) -> None:
     ml_collections parses `--config.a.b=v` overrides while the flag is defined; checking them
     against the schema beforehand turns a typo into one line instead of a KeyError traceback.
     """
-    from jaxdist.config import define_config_flag
+    from jaxdist.config_files import define_config_flag
 
     define_config_flag(argv, DEFAULT_CONFIG, "Experiment config file.")
     flags.DEFINE_string("workdir", "runs/default", "Where metrics, config and checkpoints go.")
@@ -107,14 +107,15 @@ def main(argv):
         raise ConfigError(
             f"unexpected arguments {argv[1:]}; fields are set with --config.section.key=value"
         )
-    from jaxdist import config as config_lib
+    from jaxdist.config_files import apply_gin
+
+    config = flags.FLAGS.config
+    apply_gin(config, flags.FLAGS.gin_file, flags.FLAGS.gin_param)  # before JAX loads: quick
     from jaxdist import distributed, mesh, xla_flags
 
     quiet = not flags.FLAGS["verbosity"].present
     if quiet:  # orbax logs every save step at INFO
         logging.set_verbosity(logging.WARNING)
-    config = flags.FLAGS.config
-    config_lib.apply_gin(config, flags.FLAGS.gin_file, flags.FLAGS.gin_param)
     xla_flags.apply(config.runtime.gpu_xla_flags, config.runtime.gpu_memory_fraction)
     restore_stdout = None
     spec = distributed.detect()
@@ -138,7 +139,7 @@ def main(argv):
 
 
 def _start() -> None:
-    from jaxdist.config import parse_flags
+    from jaxdist.config_files import parse_flags
 
     _define_flags(sys.argv)
     app.run(main, flags_parser=parse_flags)

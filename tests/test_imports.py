@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import models
 
@@ -219,6 +221,7 @@ LAYERS = (
         "jaxdist.sharding",
         "jaxdist.mesh",
         "jaxdist.schema",
+        "jaxdist.config_files",  # files, flags and gin read against the schema, without JAX
         "jaxdist.recipes",
         "jaxdist.xla_flags",
         "jaxdist.fp8",  # train.matmul_precision: the blocks' FP8 einsum, read by the models
@@ -369,3 +372,21 @@ def test_weights_has_no_function_local_project_imports():
         and any((getattr(n, "module", None) or a.name).split(".")[0] in PACKAGES for a in n.names)
     ]
     assert not local, local
+
+
+def test_experiment_files_and_their_front_doors_import_no_jax():
+    """A bad experiment file, flag or gin binding is refused before JAX, flax or orbax load:
+    `jaxdist.config_files` and every file of configs/ import none of them."""
+    code = (
+        "import glob, sys\n"
+        "from jaxdist.config_files import load_config_file\n"
+        "for f in sorted(set(glob.glob('configs/*.py')) - {'configs/__init__.py'}):\n"
+        "    load_config_file(f)\n"
+        "heavy = ('jax', 'jaxlib', 'flax', 'orbax', 'optax')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
