@@ -12,10 +12,10 @@ with `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2` and without; the variable 
 value set here). A loaded program is the same machine
 code (tests/test_pipeline.py checks one to the bit) with the same HLO text and memory analysis.
 XLA_FLAGS are part of the cache key, so a run with other code-generation flags never shares an
-entry (and each session has its own folder anyway). Two processes may
-write the same entry at once (jax writes in place, unlocked): a process that reads a half-written
-entry warns and compiles afresh (an entry is a checksummed zlib stream: a cut one does not
-decompress), so a race costs time, never a wrong program.
+entry (and each session has its own folder anyway). Two processes may write the same entry at
+once (jax writes in place, unlocked): a process that reads a half-written entry warns and
+compiles afresh (an entry is a checksummed zlib stream: a cut one does not decompress), so a race
+costs time, never a wrong program.
 
 XLA:CPU compiles at LLVM optimisation level 0 (`--xla_backend_optimization_level=0`): the suite's
 programs are tiny and compile-bound, and the flag only changes machine-code generation after the
@@ -24,7 +24,8 @@ HLO passes, so sharding, collectives and buffer assignment are those of a defaul
 (`--xla_cpu_parallel_codegen_split_count=1`): XLA:CPU otherwise splits it to compile the parts on
 its thread pool, which saves wall time on an idle many-core machine but costs CPU here, where both
 cores are busy with the two workers; with the default fusion emitters the results do not change
-(every `bitwise` test passes either way), with the elemental one below they do. Measured with `farm-bench -n 3 --vs` (the same pytest command with and without the
+(every `bitwise` test passes either way), with the elemental one below they do. Measured with
+`farm-bench -n 3 --vs` (the same pytest command with and without the
 flag, pair by pair, CPU seconds of the whole process), 2026-11-27: 0.889 of the CPU time on two MoE
 tests of tests/test_compose_context_expert.py (60.4 -> 54.1 s), 0.978 on three pipeline MoE tests
 of tests/test_pipeline_context_expert.py with tests/test_script.py's bad-input runs, and 0.994
@@ -42,8 +43,8 @@ stored one). They hold under the elemental emitter only with the LLVM module in 
 `--xla_cpu_parallel_codegen_split_count=32`, 16 of the 77 in tests/test_allreduce.py,
 test_staleness.py and test_gpt.py fail by an ulp (ring against XLA's all-reduce: 5.8e-11 in a
 gradient of 1.5e-4); with 1, all 113 pass, as they do under the default emitters (2026-11-28,
-jax 0.10.2). So the elemental emitter is used only where the split flag is
-(the probe below), and the bitwise tests refuse it otherwise. They ran as a second pytest command
+jax 0.10.2). So the elemental emitter is used only where the split flag is (the probe below),
+and the bitwise tests refuse it otherwise. They ran as a second pytest command
 with the default emitters before: 290 s of wall time on two workers, now 152 s in the same run as
 the others. Every other comparison in the suite is between programs compiled the same way at a
 fixed tolerance; subprocess runs inherit the flags unless a test sets its own environment
