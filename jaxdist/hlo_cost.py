@@ -406,47 +406,57 @@ class _Module:
     replica_count: int
 
 
+# The characters the bracket matcher and the comma splitter stop at; everything between them is
+# skipped by the regex engine rather than one Python step per character (a compiled step's text is
+# megabytes, read on every run's `layout` record).
+_CLOSE_STOPS = re.compile(r'[()\[\]{}"]')
+_SPLIT_STOPS = re.compile(r'[,()\[\]{}"]')
+_STRING_REST = re.compile(r'(?:[^"\\]|\\.)*"', re.S)  # after an opening quote: to its closing one
+
+
 def _match_close(text: str, start: int) -> int:
-    """Index just past the bracket closing ``text[start]``, skipping nested brackets and strings."""
+    """Index just past the bracket closing ``text[start]``, skipping nested brackets and strings
+    (honouring \\" escapes: metadata and configs have them)."""
     stack = []
-    i = start
-    while i < len(text):
-        ch = text[i]
-        if ch == '"':  # skip the string, honouring \" escapes (metadata and configs have them)
-            i += 1
-            while i < len(text) and text[i] != '"':
-                i += 2 if text[i] == "\\" else 1
-        elif ch in _BRACKETS:
+    pos = start
+    while (m := _CLOSE_STOPS.search(text, pos)) is not None:
+        ch, i = m.group(), m.start()
+        if ch == '"':
+            if (rest := _STRING_REST.match(text, i + 1)) is None:
+                break
+            pos = rest.end()
+            continue
+        if ch in _BRACKETS:
             stack.append(_BRACKETS[ch])
         elif stack and ch == stack[-1]:
             stack.pop()
             if not stack:
                 return i + 1
-        i += 1
+        pos = i + 1
     raise ValueError(f"unbalanced brackets in HLO text: {text[start : start + 80]!r}")
 
 
 def _split_top_level(text: str) -> list[str]:
-    """Split on commas that are not inside brackets or quotes."""
-    parts, depth, current, in_string, escaped = [], 0, [], False, False
-    for ch in text:
-        if escaped:
-            escaped = False
-        elif in_string and ch == "\\":
-            escaped = True
-        elif ch == '"':
-            in_string = not in_string
-        elif not in_string and ch in "([{":
+    """Split on commas that are not inside brackets or quotes (a trailing empty part dropped)."""
+    parts, depth, begin, pos = [], 0, 0, 0
+    while (m := _SPLIT_STOPS.search(text, pos)) is not None:
+        ch, i = m.group(), m.start()
+        if ch == '"':
+            if (rest := _STRING_REST.match(text, i + 1)) is None:
+                break  # an unterminated string runs to the end: no comma after it splits
+            pos = rest.end()
+            continue
+        if ch == ",":
+            if depth == 0:
+                parts.append(text[begin:i].strip())
+                begin = i + 1
+        elif ch in "([{":
             depth += 1
-        elif not in_string and ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0 and not in_string:
-            parts.append("".join(current).strip())
-            current = []
         else:
-            current.append(ch)
-    if "".join(current).strip():
-        parts.append("".join(current).strip())
+            depth -= 1
+        pos = i + 1
+    if last := text[begin:].strip():
+        parts.append(last)
     return parts
 
 
@@ -493,7 +503,11 @@ def _parse_instruction(text: str) -> _Instruction:
     return _Instruction(name, shape, op.group(1), operands, _parse_attrs(rest), args)
 
 
+@functools.lru_cache(maxsize=2)
 def _parse_module(hlo_text: str) -> _Module:
+    """The module's computations, parsed once per text: a `layout` record reads the compiled step
+    four times (bytes, phases, bytes across hosts with each branch rule, the pipeline's lock-step
+    cost). Shared, so read-only."""
     num_partitions = replica_count = 1  # HLO omits both from the header when they are 1.
     computations: dict[str, _Computation] = {}
     entry = None
@@ -930,7 +944,8 @@ def _count_iterations(direction: str, start: int, bound: int, step: int) -> int 
 
 def parse_module(hlo_text: str) -> _Module:
     """The HLO text's computations (`.computations`: name → computation with `.instructions`,
-    name → instruction with `.opcode`, `.shape`, `.operands`, `.attrs`) and `.entry`'s name."""
+    name → instruction with `.opcode`, `.shape`, `.operands`, `.attrs`) and `.entry`'s name.
+    Parsed once per text and shared between callers: read it, never modify it."""
     return _parse_module(hlo_text)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import metrics
+from jaxdist import hlo_cost, metrics
 from jaxdist.hlo_cost import cross_host_bytes, cross_host_traffic
 from jaxdist.metrics import MetricsWriter, collective_bytes, collective_ops
 
@@ -428,6 +428,25 @@ def test_called_twice_counts_twice():
     ]
     (op,) = collective_ops(_module(body, extra=extra))
     assert (op.count, op.wire_bytes) == (2, 2 * 2 * 7 / 8 * S)
+
+
+def test_strings_with_brackets_commas_and_escaped_quotes_stay_one_attribute():
+    # metadata and backend_config strings carry source text: brackets, commas, \" and \\ inside a
+    # string neither split the attributes nor close a bracket.
+    meta = r'metadata={op_name="jit(f)/psum[axes=(\'data\',), x=\"}, {\" \\]" source_line=3}'
+    body = [
+        "%one = f32[] constant(1)",
+        f"%ar = f32[1024]{{0}} all-reduce(%p), channel_id=1, replica_groups={{{{0,1,2,3}},"
+        f"{{4,5,6,7}}}}, use_global_device_ids=true, to_apply=%add, {meta}, "
+        'backend_config={"note":"a, b}]"}',
+        "ROOT %out = f32[1024]{0} multiply(%ar, %ar)",
+    ]
+    module = hlo_cost.parse_module(_module(body))
+    ar = module.computations["main"].instructions["ar"]
+    assert ar.operands == ["p"] and ar.attrs["to_apply"] == "%add"
+    assert ar.attrs["metadata"].endswith('\\]" source_line=3}')
+    assert ar.attrs["backend_config"] == '{"note":"a, b}]"}'
+    assert [op.group_size for op in collective_ops(_module(body))] == [4]
 
 
 def test_text_without_entry_is_rejected():
