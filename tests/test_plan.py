@@ -11,6 +11,7 @@ docs/PLANNER.md).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -135,6 +136,20 @@ def test_prediction_matches_compiled_step(name):
     ]
 
     assert_prediction_matches(c, pred, record)
+
+
+def test_model_info_is_read_once_per_config_content():
+    """A training run asks twice (the memory refusal, the layout record's prediction): the second
+    answer is the first; a config that differs in any model or train field gets its own."""
+    c = tiny_gpt_config(data=8)
+    first = plan.model_info(c)
+    assert plan.model_info(copy.deepcopy(c)) is first
+    sgd = copy.deepcopy(c)
+    sgd.train.optimizer = "sgd"
+    assert plan.model_info(sgd) is not first and len(plan.model_info(sgd).opt) < len(first.opt)
+    wider = copy.deepcopy(c)
+    wider.model.d_model *= 2
+    assert plan.model_info(wider).num_params > first.num_params
 
 
 def test_sharded_state_bytes_come_from_the_engine_rules():

@@ -98,6 +98,12 @@ def not_modelled(name: str) -> str | None:
     return None
 
 
+# The last config's ModelInfo, by the content of what it reads: a training run asks twice (the
+# memory refusal before building, the `layout` record's prediction after compiling), and each
+# answer traces the model's and the optimizer's init.
+_LAST: dict[tuple, ModelInfo] = {}
+
+
 def model_info(config) -> ModelInfo:
     """Parameter and optimizer-state leaves of the configured model, exactly as `train.build` sees
     them, and its family's accounting.
@@ -109,6 +115,20 @@ def model_info(config) -> ModelInfo:
     family = models.get(m.name)
     if (why := not_modelled(m.name)) is not None:
         raise ConfigError(why)
+    key = (
+        id(family),
+        m.to_json_best_effort(sort_keys=True),
+        config.train.to_json_best_effort(sort_keys=True),
+    )
+    if (info := _LAST.get(key)) is None:
+        info = _model_info(config, family)
+        _LAST.clear()
+        _LAST[key] = info
+    return info
+
+
+def _model_info(config, family) -> ModelInfo:
+    m = config.model
     abstract = abstract_model(family.make(m, None))
     abstract_params, param_axes = abstract.params, abstract.axes
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
