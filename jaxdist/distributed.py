@@ -49,6 +49,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import errno
+import gc
 import inspect
 import logging
 import os
@@ -783,6 +784,20 @@ def setup_logging(*, quiet: bool = False) -> None:
     for handler in handlers:
         if not any(isinstance(f, _PrefixFilter) for f in handler.filters):
             handler.addFilter(prefix_filter)
+
+
+def gc_after_imports() -> None:
+    """For a script whose imports are done, before it traces anything: moves every object alive
+    now (the imported modules' functions, classes and constants, a few hundred thousand with jax,
+    flax and orbax) out of Python's cyclic collector (`gc.freeze`), and collects the youngest
+    generation every 20,000 net allocations instead of 700. Tracing and lowering a train step
+    allocate millions of short-lived objects; with the defaults each older-generation pass
+    rescans the whole import-time heap. Cycles are still collected, later. `scripts/train.py`
+    with the default config, 4 steps on a CPU: 0.944 of the CPU time (`farm-bench -n 6 --vs`,
+    2026-11-28; about 0.96 from the freeze alone), peak memory 517 against 514 MiB.
+    """
+    gc.freeze()
+    gc.set_threshold(20_000, 10, 10)
 
 
 def reached_preemption_point(step: int) -> bool:

@@ -1076,6 +1076,7 @@ def main(argv):
     xla_flags.apply(config.runtime.gpu_xla_flags, config.runtime.gpu_memory_fraction)
     spec = distributed.initialize()  # one process: nothing; under scripts/launch.py: joins the job
     mesh.configure_cpu_devices(config.runtime.cpu_devices)
+    distributed.gc_after_imports()
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
     studies = {
         "overhead": study_overhead,

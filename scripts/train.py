@@ -127,6 +127,7 @@ def main(argv):
     mesh.configure_cpu_devices(config.runtime.cpu_devices)
     from jaxdist import loop, plan
 
+    distributed.gc_after_imports()
     try:
         loop.run(
             config,

@@ -63,6 +63,11 @@ import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# numpy's OpenBLAS starts a thread per core and, after a call, spins them waiting for the next; with
+# two workers on two cores that spinning takes CPU from the other worker. The suite's numpy
+# references are small: one thread. 0.987 of the CPU time over tests/test_moe.py and
+# tests/test_context.py (farm-bench -n 2 --vs, 2026-11-28); subprocesses inherit it.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the session makes it
     _cache = tempfile.mkdtemp(prefix="jaxdist-test-xla-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache

@@ -463,3 +463,32 @@ def test_sbatch_script_forms_one_job(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     for rank in (0, 1):
         assert f"RESULT rank={rank} devices=4 total=6.0 ranks=[0, 1] source=slurm" in out.stdout
+
+
+def test_gc_after_imports_freezes_the_heap_and_collects_the_young_less_often():
+    # In a fresh process (the test process's own collector is set by conftest): what exists when
+    # it is called is frozen out of the collector; what comes after is still tracked and cyclic
+    # garbage made after it is still collected.
+    code = textwrap.dedent(
+        """
+        import gc, weakref
+        from jaxdist import distributed
+        before = [object()]
+        assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] == 700
+        distributed.gc_after_imports()
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000, frozen
+        assert gc.get_threshold() == (20000, 10, 10), gc.get_threshold()
+        class Node: pass
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        gone = weakref.ref(a)
+        del a, b
+        assert gone() is not None  # a cycle waits for a collection
+        gc.collect()
+        assert gone() is None
+        print("ok", frozen)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
