@@ -125,6 +125,7 @@ def main(jobs_file: str) -> None:
     mesh.configure_cpu_devices(configs[0].runtime.cpu_devices)
     from jaxdist import loop, plan
 
+    distributed.gc_after_imports()  # as scripts/train.py does once its imports are done
     for job, config in zip(jobs, configs, strict=True):
         if job.get("emulated_hosts"):
             emulate(config, job["workdir"], int(job["emulated_hosts"]))
