@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import numpy as np
@@ -100,8 +101,9 @@ def not_modelled(name: str) -> str | None:
 
 # The last config's ModelInfo, by the content of what it reads: a training run asks twice (the
 # memory refusal before building, the `layout` record's prediction after compiling), and each
-# answer traces the model's and the optimizer's init.
-_LAST: dict[tuple, ModelInfo] = {}
+# answer traces the model's and the optimizer's init. The family is kept with it, so its id in the
+# key cannot be reused by another object.
+_LAST: dict[tuple, tuple[Any, ModelInfo]] = {}
 
 
 def model_info(config) -> ModelInfo:
@@ -120,10 +122,11 @@ def model_info(config) -> ModelInfo:
         m.to_json_best_effort(sort_keys=True),
         config.train.to_json_best_effort(sort_keys=True),
     )
-    if (info := _LAST.get(key)) is None:
-        info = _model_info(config, family)
-        _LAST.clear()
-        _LAST[key] = info
+    if (hit := _LAST.get(key)) is not None:
+        return hit[1]
+    info = _model_info(config, family)
+    _LAST.clear()
+    _LAST[key] = (family, info)
     return info
 
 
