@@ -356,7 +356,11 @@ def test_launch_two_processes_compute_one_global_sum(worker):
             f"[{rank}] RESULT rank={rank} devices=4 total=6.0 ranks=[0, 1] source=env" in out.stdout
         )
     assert "[1] [p1/2] logged by 1" in out.stdout  # non-main processes label their log lines
-    assert "[0] logged by 0" in out.stdout
+    # Process 0 does not label its own. Gloo's threads print their connection banner in pieces on
+    # the same descriptor (scripts/train.py filters them; this bare worker does not), so a piece
+    # can share the line: the line is looked for, not its exact text.
+    logged = [line for line in out.stdout.splitlines() if "logged by 0" in line]
+    assert logged and all(line.startswith("[0] ") and "[p0/2]" not in line for line in logged)
     assert all(line.startswith(("[0] ", "[1] ")) for line in out.stdout.splitlines())
 
 
