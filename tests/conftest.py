@@ -162,6 +162,42 @@ def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 10, 10)
+    if not session.config.option.collectonly and os.environ.get("JAXDIST_TEST_NO_PREFORK") != "1":
+        _start_prefork_server()
+
+
+# The scripts the tests start (tests/helpers.python(), the docs commands' `python`) are forked
+# from a server that has imported jax, flax, optax, orbax and numpy once (tests/prefork.py says
+# what a forked child reproduces of a fresh `python ARGS` and when it falls back to one;
+# tests/test_prefork.py compares the two): a fresh interpreter spends ~1.2 CPU s on those imports
+# before it reads its first flag, a forked one ~0.02. One server per test process, started once
+# the tests are collected; a script started before it is ready runs the plain interpreter.
+# JAXDIST_TEST_NO_PREFORK=1 turns it off. Forked children are the server's, not the test's:
+# JAXDIST_TEST_CPU_LOG does not count their CPU.
+def _start_prefork_server() -> None:
+    from tests import prefork
+
+    folder = tempfile.mkdtemp(prefix="jaxdist-prefork-")
+    sock = os.path.join(folder, "s")
+    server = subprocess.Popen(
+        [sys.executable, prefork.__file__, "serve", sock],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    os.environ[prefork.SOCKET_ENV] = sock
+    os.environ["JAXDIST_TEST_PYTHON"] = os.path.join(
+        prefork.shim(os.path.join(folder, "bin")), "python"
+    )
+
+    def stop() -> None:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(stop)
 
 
 def pytest_configure(config):

@@ -119,10 +119,17 @@ def compile_for(eng, batches):
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def python() -> str:
+    """The interpreter tests start scripts with: the session's forked one (tests/prefork.py,
+    started by tests/conftest.py) where there is one, else this one. Not for a test that needs
+    the process it starts to be the script itself (its pid, its process group, its own session)."""
+    return os.environ.get("JAXDIST_TEST_PYTHON", sys.executable)
+
+
 def run_script(script: str, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python SCRIPT FLAGS` from the repository root on CPU; fails the test unless it exits 0."""
     proc = subprocess.run(
-        [sys.executable, script, *flags],
+        [python(), script, *flags],
         cwd=ROOT,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
         capture_output=True,

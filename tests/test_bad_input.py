@@ -15,11 +15,12 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.helpers import python
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "scripts" / "train.py")
@@ -43,7 +44,7 @@ def run_train(*args: str, cwd: Path = ROOT, timeout: int = 300) -> subprocess.Co
     if not any(a.startswith("--config=") for a in args):  # the default, from any folder
         args = (f"--config={ROOT / 'configs' / 'default.py'}", *args)
     return subprocess.run(
-        [sys.executable, TRAIN, *args],
+        [python(), TRAIN, *args],
         cwd=cwd,
         env=env,
         capture_output=True,

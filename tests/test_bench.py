@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.helpers import run_script
+from tests.helpers import python, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -144,7 +143,7 @@ def refused(*flags: str) -> tuple[list[str], str]:
     """scripts/bench.py with `flags`, which it must refuse: exit 2 and no traceback; (the
     non-empty stderr lines, stdout)."""
     proc = subprocess.run(
-        [sys.executable, "scripts/bench.py", *flags],
+        [python(), "scripts/bench.py", *flags],
         cwd=ROOT,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
         capture_output=True,

@@ -21,7 +21,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import checkpoint
 from jaxdist.errors import ConfigError
-from tests.helpers import ORBAX_ABANDONED_READS, flip_a_bit_that_still_decodes, largest_data_file
+from tests.helpers import (
+    ORBAX_ABANDONED_READS,
+    flip_a_bit_that_still_decodes,
+    largest_data_file,
+    python,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = ORBAX_ABANDONED_READS
@@ -313,7 +318,7 @@ def test_docs_plain_orbax_form_reads_params_on_another_device_count(pristine, st
     shutil.copytree(pristine / "4", tmp_path / "runs/default/checkpoints/300")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
     out = subprocess.run(
-        [sys.executable, "-c", snippet + _PLAIN_ORBAX_EPILOGUE],
+        [python(), "-c", snippet + _PLAIN_ORBAX_EPILOGUE],
         cwd=tmp_path,
         env={**env, "JAX_PLATFORMS": "cpu"},
         capture_output=True,
@@ -377,7 +382,7 @@ def test_bad_arguments_are_config_errors(tmp_path):
 def _tool(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     return subprocess.run(
-        [sys.executable, "scripts/ckpt.py", *map(str, args)],
+        [python(), "scripts/ckpt.py", *map(str, args)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -460,7 +465,7 @@ def test_tool_export_safetensors_without_the_extra_says_how_to_install(pristine,
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(fake)}
     out = subprocess.run(
         [
-            sys.executable,
+            python(),
             os.path.join(REPO, "scripts/ckpt.py"),
             "export",
             str(pristine),
@@ -500,7 +505,7 @@ def test_tool_errors_are_one_line_with_exit_code_2(pristine, args, message):
 def test_two_processes_save_cooperatively_and_agree_on_fallback(tmp_path):
     out = subprocess.run(
         [
-            sys.executable,
+            python(),
             "scripts/launch.py",
             "--num_processes=2",
             "--devices_per_process=4",

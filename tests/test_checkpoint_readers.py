@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from jaxdist.checkpoint import offline
 from jaxdist.config import base_config, to_json_dict
 from jaxdist.errors import ConfigError
 from models import api
-from tests.helpers import ORBAX_ABANDONED_READS, flip_a_bit_that_still_decodes
+from tests.helpers import ORBAX_ABANDONED_READS, flip_a_bit_that_still_decodes, python
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = ORBAX_ABANDONED_READS
@@ -70,7 +69,7 @@ def corrupted_run(tmp_path_factory):
 def _script(*args, cwd=REPO) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
-        [sys.executable, *map(str, args)],
+        [python(), *map(str, args)],
         cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,

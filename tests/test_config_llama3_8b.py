@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 
 from jaxdist import config as config_lib
 from jaxdist import data, mesh, train
+from tests.helpers import python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Llama-3.1-8B's parameter count as transformers reports it for meta-llama/Llama-3.1-8B:
@@ -82,7 +82,7 @@ def test_planner_recommends_fsdp_within_the_node_and_data_across_nodes(tmp_path)
     plans = {}
     for devices, batch in ((8, 8), (32, 32)):
         out = tmp_path / f"plan{devices}.json"
-        cmd = [sys.executable, "scripts/plan.py", "--config=configs/llama3_8b.py"]
+        cmd = [python(), "scripts/plan.py", "--config=configs/llama3_8b.py"]
         cmd += [f"--devices={devices}", "--hardware=h100_nvlink_ib", f"--out={out}"]
         cmd += [f"--config.train.batch_size={batch}"]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -18,7 +18,7 @@ from jaxdist import mesh as mesh_lib
 from jaxdist import sharding
 from jaxdist.errors import ConfigError
 from models import attention
-from tests.helpers import compile_step, train_steps
+from tests.helpers import compile_step, python, train_steps
 from tests.test_llama import llama_config
 
 
@@ -184,7 +184,6 @@ def test_bad_length_is_one_line(mode, seq_len, want):
 def train_llama(workdir, steps: int, *flags: str):
     """scripts/train.py on configs/llama_tiny.py with test_reshard's tiny settings and `flags`."""
     import subprocess
-    import sys
 
     from tests.test_reshard import ROOT, TINY
 
@@ -192,7 +191,7 @@ def train_llama(workdir, steps: int, *flags: str):
     env["JAX_PLATFORMS"] = "cpu"
     args = ["--config=configs/llama_tiny.py", f"--workdir={workdir}", *TINY, *flags]
     proc = subprocess.run(
-        [sys.executable, "scripts/train.py", *args, f"--config.train.steps={steps}"],
+        [python(), "scripts/train.py", *args, f"--config.train.steps={steps}"],
         cwd=ROOT,
         env=env,
         capture_output=True,

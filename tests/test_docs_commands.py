@@ -47,6 +47,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import python
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -714,8 +716,10 @@ def _env(bin_dir: Path) -> dict[str, str]:
 
 
 def _run(command: str, cwd: Path, env: dict[str, str], timeout: int = 300):
-    """Runs `command`; prints its wall and CPU seconds (its own rusage, not the other thread's)
-    to stderr, so `pytest -s` shows what each documented command costs."""
+    """Runs `command`; prints its wall and CPU seconds (its own rusage, not the other thread's;
+    with the session's forked interpreter, not the forked children's either: run with
+    JAXDIST_TEST_NO_PREFORK=1 to count them) to stderr, so `pytest -s` shows what each
+    documented command costs."""
     start = time.monotonic()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env, stdout=out, stderr=err)
@@ -751,10 +755,10 @@ def results(request, tmp_path_factory):
         if item.originalname == "test_documented_command_runs"
     }
     base = tmp_path_factory.mktemp("docs")
-    bin_dir = base / "bin"  # `python` and `python3` are this interpreter
+    bin_dir = base / "bin"  # `python` and `python3` are this interpreter, forked (helpers.python)
     bin_dir.mkdir()
     for name in ("python", "python3"):
-        (bin_dir / name).write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {shlex.quote(python())} "$@"\n')
         (bin_dir / name).chmod(0o755)
     env = _env(bin_dir)
     source = base / "source"

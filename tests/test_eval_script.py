@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from jaxdist import loop
-from tests.helpers import tiny_gpt_config
+from tests.helpers import python, tiny_gpt_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _eval(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     return subprocess.run(
-        [sys.executable, "scripts/eval.py", *args],
+        [python(), "scripts/eval.py", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

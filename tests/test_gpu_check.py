@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+
+from tests.helpers import python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +33,7 @@ HAS_FP8 = _has_fp8()
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
-    env = {**os.environ, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHON": python(), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         ["bash", "scripts/gpu_check.sh", str(out)],
         cwd=ROOT,
@@ -215,7 +216,7 @@ def test_gemm_counts_read_the_compiled_hlo(monkeypatch):
 def test_only_refuses_a_row_this_machine_has_not(tmp_path):
     # A GPU window's `--only` names GPU rows; on a CPU they are not rows, and the script says so
     # in one line listing the rows it has, before running anything.
-    env = {**os.environ, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHON": python(), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         ["bash", "scripts/gpu_check.sh", str(tmp_path / "out"), "--only", "gpt_1b_bf16,correct"],
         cwd=ROOT,

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -21,6 +20,7 @@ torch = pytest.importorskip("torch", reason="needs the hf extra: pip install -e 
 
 from jaxdist import weights  # noqa: E402
 from models import api  # noqa: E402
+from tests.helpers import python  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 96
@@ -76,7 +76,7 @@ def jaxdist_logits(path, tokens: np.ndarray) -> np.ndarray:
 
 def run_script(*args, check=True):
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "hf.py"), *map(str, args)],
+        [python(), os.path.join(REPO, "scripts", "hf.py"), *map(str, args)],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -196,7 +196,7 @@ def test_init_from_trains_sharded_then_exports_to_transformers(tmp_path):
     tokens.tofile(tmp_path / "train.bin")
     work = tmp_path / "ft"
     cmd = [
-        sys.executable,
+        python(),
         "scripts/train.py",
         "--config=configs/llama_tiny.py",
         f"--workdir={work}",
@@ -244,7 +244,7 @@ def test_eval_loss_equals_transformers(tmp_path):
     np.random.default_rng(2).integers(0, VOCAB, 4000).astype(np.uint16).tofile(tmp_path / "t.bin")
     out = tmp_path / "eval.json"
     cmd = [
-        sys.executable,
+        python(),
         "scripts/eval.py",
         f"--checkpoint={hf_dir}",
         f"--data={tmp_path / 't.bin'}",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -17,6 +16,7 @@ transformers = pytest.importorskip(
 torch = pytest.importorskip("torch", reason="needs the hf extra: pip install -e '.[hf]'")
 tokenizers = pytest.importorskip("tokenizers", reason="needs the hf extra: pip install -e '.[hf]'")
 
+from tests.helpers import python  # noqa: E402
 from tests.test_hf import REPO, VOCAB, hf_tiny  # noqa: E402
 from tests.test_sample import hf_greedy  # noqa: E402
 
@@ -48,7 +48,7 @@ def bpe_tokenizer(path, vocab_size: int = VOCAB) -> tokenizers.Tokenizer:
 
 def script(*args, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=600
+        [python(), *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=600
     )
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -11,12 +11,13 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.helpers import python
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -44,7 +45,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def run(script: str, *args: str, cwd: Path, timeout: float = 120, **env: str):
     return subprocess.run(
-        [sys.executable, str(SCRIPTS / script), *map(str, args)],
+        [python(), str(SCRIPTS / script), *map(str, args)],
         cwd=cwd,
         env=_env(**env),
         capture_output=True,
@@ -467,7 +468,7 @@ def test_two_writers_of_one_out_folder_one_is_refused_nothing_mixed(tmp_path):
 
 def test_two_concurrent_imports_to_one_out(tmp_path):
     folder = tiny_hf(tmp_path / "hf", tokenizer=True)
-    cmd = [sys.executable, str(SCRIPTS / "hf.py"), "import", str(folder), "--out"]
+    cmd = [python(), str(SCRIPTS / "hf.py"), "import", str(folder), "--out"]
     procs = [
         subprocess.Popen(
             [*cmd, str(tmp_path / "run")],

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import pathlib
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 from jaxdist import lm_eval_adapter  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
+from tests.helpers import python  # noqa: E402
 from tests.test_hf import REPO  # noqa: E402
 
 REPO_PATH = pathlib.Path(REPO)
@@ -62,9 +62,7 @@ def _tokenizer(path):
 
 
 def _script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([python(), *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from jaxdist import config as config_lib  # noqa: E402
 from jaxdist import plan, weights  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
 from models import api  # noqa: E402
-from tests.helpers import compile_step, train_steps  # noqa: E402
+from tests.helpers import compile_step, python, train_steps  # noqa: E402
 from tests.test_hf import REPO, TOKENS, VOCAB, hf_logits, jaxdist_logits, run_script  # noqa: E402
 from tests.test_sample import hf_greedy  # noqa: E402
 
@@ -112,7 +112,7 @@ def check_import_and_greedy(model, run, tmp_path, label: str) -> None:
     expected = [hf_greedy(model, ids) for ids in PROMPTS]
     assert all(len(set(e)) > 1 for e in expected)  # not one repeated token
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "scripts/sample.py", f"--checkpoint={run}"]
+    cmd = [python(), "scripts/sample.py", f"--checkpoint={run}"]
     cmd += [f"--prompt_ids={json.dumps(ids)}" for ids in PROMPTS]
     cmd += ["--max_new_tokens=32", "--temperature=0", f"--out={out}", "--data=2", "--tensor=2"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -222,7 +222,7 @@ def check_train_export(run, tmp_path, config: str, arch: str, label: str) -> Non
     as `arch` with no missing or unexpected keys and jaxdist's logits."""
     np.random.default_rng(1).integers(0, VOCAB, 20_000).astype(np.uint16).tofile(tmp_path / "t.bin")
     work = tmp_path / "ft"
-    cmd = [sys.executable, "scripts/train.py", f"--config={config}"]
+    cmd = [python(), "scripts/train.py", f"--config={config}"]
     cmd += [f"--workdir={work}", f"--config.train.init_from={run}"]
     cmd += [f"--config.data.source={tmp_path / 't.bin'}", "--config.model.seq_len=32"]
     cmd += ["--config.train.steps=2", "--config.checkpoint.every=2", "--config.train.batch_size=8"]

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ import pytest
 from jaxdist import config as config_lib
 from jaxdist import loop, plan
 from jaxdist.errors import ConfigError
-from tests.helpers import engine_for, tiny_gpt_config
+from tests.helpers import engine_for, python, tiny_gpt_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -305,7 +304,7 @@ def _script(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [python(), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 

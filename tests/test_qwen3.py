@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -21,7 +20,7 @@ torch = pytest.importorskip("torch", reason="needs the hf extra: pip install -e 
 from jaxdist import config as config_lib  # noqa: E402
 from jaxdist import plan, weights  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
-from tests.helpers import train_steps  # noqa: E402
+from tests.helpers import python, train_steps  # noqa: E402
 from tests.test_hf import REPO, TOKENS, VOCAB, hf_logits, jaxdist_logits, run_script  # noqa: E402
 from tests.test_sample import hf_greedy  # noqa: E402
 
@@ -78,7 +77,7 @@ def test_import_logits_and_greedy_generation_equal_transformers(tmp_path):
     expected = [hf_greedy(model, ids) for ids in PROMPTS]
     assert all(len(set(e)) > 1 for e in expected)  # not one repeated token
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "scripts/sample.py", f"--checkpoint={tmp_path / 'run'}"]
+    cmd = [python(), "scripts/sample.py", f"--checkpoint={tmp_path / 'run'}"]
     cmd += [f"--prompt_ids={json.dumps(ids)}" for ids in PROMPTS]
     cmd += ["--max_new_tokens=32", "--temperature=0", f"--out={out}", "--data=2", "--tensor=2"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -96,7 +95,7 @@ def test_init_from_trains_sharded_then_exports_to_transformers(tmp_path, capsys)
     np.random.default_rng(1).integers(0, VOCAB, 20_000).astype(np.uint16).tofile(tmp_path / "t.bin")
     work = tmp_path / "ft"
     cmd = [
-        sys.executable,
+        python(),
         "scripts/train.py",
         "--config=configs/qwen3_tiny.py",
         f"--workdir={work}",

@@ -6,11 +6,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.helpers import python
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -44,7 +45,7 @@ def train(workdir: Path, steps: int, *flags: str) -> subprocess.CompletedProcess
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         [
-            sys.executable,
+            python(),
             "scripts/train.py",
             f"--workdir={workdir}",
             *TINY,

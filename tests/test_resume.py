@@ -19,7 +19,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import numpy as np
 import pytest
 
 from jaxdist import checkpoint
-from tests.helpers import ONE_DEVICE_GPT_FLAGS, ORBAX_ABANDONED_READS, suite_xla_flags
+from tests.helpers import ONE_DEVICE_GPT_FLAGS, ORBAX_ABANDONED_READS, python, suite_xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 # Verifying the corrupted checkpoint below (in this process) leaves orbax reads in flight.
@@ -81,7 +80,7 @@ class Run:
         logs.mkdir(exist_ok=True)
         self.out_path = logs / f"{Run.count}.stdout"
         self.err_path = logs / f"{Run.count}.stderr"
-        cmd = [sys.executable, "scripts/train.py", f"--workdir={workdir}", *flags]
+        cmd = [python(), "scripts/train.py", f"--workdir={workdir}", *flags]
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
 

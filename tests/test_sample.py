@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ transformers = pytest.importorskip(
 torch = pytest.importorskip("torch", reason="needs the hf extra: pip install -e '.[hf]'")
 tokenizers = pytest.importorskip("tokenizers", reason="needs the hf extra: pip install -e '.[hf]'")
 
+from tests.helpers import python  # noqa: E402
 from tests.test_hf import REPO, VOCAB, hf_tiny  # noqa: E402
 
 PROMPTS = ["w5 w17 w3", "w40 w20 w9 w9 w11 w60 w7", "w88", "w10 w30 w31 w32 w50"]
@@ -55,7 +55,7 @@ def test_greedy_equals_transformers_generate(tmp_path):
     tok = word_tokenizer(hf_dir / "tokenizer.json")
     run = tmp_path / "run"
     subprocess.run(
-        [sys.executable, "scripts/hf.py", "import", str(hf_dir), "--out", str(run)],
+        [python(), "scripts/hf.py", "import", str(hf_dir), "--out", str(run)],
         cwd=REPO, check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     assert (run / "tokenizer.json").is_file()
@@ -63,7 +63,7 @@ def test_greedy_equals_transformers_generate(tmp_path):
     assert all(e[0] != e[-1] or len(set(e)) > 1 for e in expected)  # not one repeated token
     for mesh in (["--data=1", "--tensor=1"], ["--data=2", "--tensor=2"]):
         out = tmp_path / f"out{mesh[0][-1]}{mesh[1][-1]}.jsonl"
-        cmd = [sys.executable, "scripts/sample.py", f"--checkpoint={run}"]
+        cmd = [python(), "scripts/sample.py", f"--checkpoint={run}"]
         cmd += [f"--prompt={p}" for p in PROMPTS]
         cmd += [f"--max_new_tokens={NEW}", "--temperature=0", f"--out={out}", *mesh]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -98,7 +98,7 @@ def test_sampling_filters():
 def test_bad_input_is_one_line(tmp_path):
     _, hf_dir = hf_tiny(tmp_path, "hf", tie=True)
     proc = subprocess.run(
-        [sys.executable, "scripts/sample.py", f"--checkpoint={hf_dir}", "--prompt=" + "x" * 80,
+        [python(), "scripts/sample.py", f"--checkpoint={hf_dir}", "--prompt=" + "x" * 80,
          "--max_new_tokens=8"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -6,11 +6,10 @@ import concurrent.futures
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import suite_xla_flags
+from tests.helpers import python, suite_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,7 +19,7 @@ def run_train(*args: str, workdir: str, timeout: int = 300) -> subprocess.Comple
     env["XLA_FLAGS"] = suite_xla_flags()
     workdir = os.path.relpath(workdir, ROOT)  # relative, as users type it (runs/default)
     return subprocess.run(
-        [sys.executable, "scripts/train.py", f"--workdir={workdir}", *args],
+        [python(), "scripts/train.py", f"--workdir={workdir}", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from ml_collections import ConfigDict
 
 from jaxdist import data
 from jaxdist.errors import ConfigError
+from tests.helpers import python
 
 tokenizers = pytest.importorskip("tokenizers", reason="needs the hf extra: pip install -e '.[hf]'")
 
@@ -34,7 +34,7 @@ def shards(tmp_path_factory):
     with open(tmp / "more.jsonl", "w") as f:
         for d in DOCS[8:]:
             f.write(json.dumps({"body": d}) + "\n")
-    cmd = [sys.executable, "scripts/tokenize.py", f"--input={tmp / 'text'}"]
+    cmd = [python(), "scripts/tokenize.py", f"--input={tmp / 'text'}"]
     cmd += [f"--input={tmp / 'more.jsonl'}", "--text_key=body", f"--out={tmp / 'out'}"]
     cmd += ["--train_vocab=300", "--val_fraction=0.2", "--workers=2"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)

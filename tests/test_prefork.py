@@ -1,0 +1,190 @@
+"""tests/prefork.py: a process forked from the preloaded server behaves as `python ARGS` does.
+
+Each case runs the same command twice, through the server and with the plain interpreter, and
+compares what a caller can see: output, exit status, the process's view of its arguments, path,
+directory and environment. `forked` is asserted too (the child's parent is the server), so a
+server that silently ran everything through the fallback fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import prefork
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = """
+import json, os, sys
+print(json.dumps({
+    "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+    "var": os.environ.get("PREFORK_PROBE"), "tf": os.environ.get("TF_CPP_MIN_LOG_LEVEL"),
+    "main": __name__, "file": globals().get("__file__"),
+    "parent": os.getppid(), "stdout_tty": sys.stdout.isatty(),
+}))
+sys.stderr.write("to stderr\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(shim folder, server pid, socket): a server of this test's own, ready."""
+    base = tmp_path_factory.mktemp("prefork")
+    sock = base / "s"
+    proc = subprocess.Popen(
+        [sys.executable, prefork.__file__, "serve", str(sock)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not sock.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    shims = prefork.shim(str(base / "bin"))
+    yield Path(shims), proc.pid, sock
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _both(server, *args, env=None, cwd=ROOT):
+    """(forked run, fresh run) of `python ARGS` in `env` (added to this process's)."""
+    shims, _, sock = server
+    env = {**os.environ, prefork.SOCKET_ENV: str(sock), **(env or {})}
+    return tuple(
+        subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True)
+        for python in (shims / "python", sys.executable)
+    )
+
+
+def test_a_script_sees_what_a_fresh_interpreter_sees(server, tmp_path):
+    _, server_pid, _ = server
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    forked, fresh = _both(
+        server, str(script), "a", "--b=1", env={"PREFORK_PROBE": "x"}, cwd=tmp_path
+    )
+    got, want = json.loads(forked.stdout), json.loads(fresh.stdout)
+    assert got.pop("parent") == server_pid  # it was forked
+    assert want.pop("parent") != server_pid
+    assert got == want, (got, want)
+    assert got["argv"] == [str(script), "a", "--b=1"] and got["var"] == "x" and got["tf"] == "1"
+    assert forked.stderr == fresh.stderr == "to stderr\n"
+    assert forked.returncode == fresh.returncode == 0
+
+
+def test_dash_c_and_relative_script_paths(server, tmp_path):
+    forked, fresh = _both(server, "-c", PROBE, "z")
+    got, want = json.loads(forked.stdout), json.loads(fresh.stdout)
+    got.pop("parent"), want.pop("parent")
+    assert got == want and got["argv"] == ["-c", "z"] and got["path0"] == ""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "probe.py").write_text(PROBE)
+    forked, fresh = _both(server, "sub/probe.py", cwd=tmp_path)
+    got, want = json.loads(forked.stdout), json.loads(fresh.stdout)
+    got.pop("parent"), want.pop("parent")
+    assert got == want and got["argv"] == ["sub/probe.py"]
+    assert got["file"] == str(tmp_path / "sub" / "probe.py")
+    forked, fresh = _both(server, "-u", "scripts/plot.py", "--help")
+    assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout)
+
+
+@pytest.mark.parametrize(
+    "code, status",
+    [
+        ("import sys; sys.exit(3)", 3),
+        ("import sys; sys.exit('a message')", 1),
+        ("raise ValueError('boom')", 1),
+        ("raise KeyboardInterrupt", -signal.SIGINT),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -signal.SIGTERM),
+        ("import atexit; atexit.register(print, 'at exit'); print('body')", 0),
+        (
+            "import threading, time; threading.Thread(target=lambda: (time.sleep(0.3), "
+            "print('thread joined'))).start()",
+            0,
+        ),
+    ],
+)
+def test_exit_status_and_output_match(server, code, status):
+    forked, fresh = _both(server, "-c", code)
+    assert forked.returncode == fresh.returncode == status
+    assert forked.stdout == fresh.stdout
+    # A traceback's last line (the frames name the server's runner above `<string>`).
+    assert forked.stderr.strip().splitlines()[-1:] == fresh.stderr.strip().splitlines()[-1:]
+
+
+def test_a_refusal_by_the_train_script_is_the_same_line(server):
+    forked, fresh = _both(server, "scripts/train.py", "--config.mesh.data=3")
+    assert forked.returncode == fresh.returncode == 2
+    assert forked.stdout + forked.stderr == fresh.stdout + fresh.stderr
+    assert "make the product 8" in forked.stderr
+
+
+def test_xla_flags_are_read_by_the_child(server):
+    """XLA_FLAGS is read when the backend starts, after the fork: a child sees its own."""
+    code = "import jax; print(jax.device_count())"
+    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=3", "JAX_PLATFORMS": "cpu"}
+    forked, fresh = _both(server, "-c", code, env=flags)
+    assert forked.stdout.strip() == fresh.stdout.strip() == "3"
+
+
+def test_an_environment_read_at_import_runs_a_fresh_interpreter(server):
+    """JAX_ENABLE_X64 is read when jax is imported: the server's import has the wrong value, so
+    the client runs the interpreter itself."""
+    _, server_pid, _ = server
+    code = "import os, jax; print(jax.config.jax_enable_x64, os.getppid())"
+    forked, _ = _both(server, "-c", code, env={"JAX_ENABLE_X64": "1"})
+    enabled, parent = forked.stdout.split()
+    assert enabled == "True" and int(parent) != server_pid
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["to the client", "to its group"])
+def test_a_signal_reaches_the_child_once_and_kill_9_of_the_client_ends_it(
+    server, tmp_path, to_group
+):
+    shims, _, sock = server
+    marker = tmp_path / "pid"
+    code = (
+        "import os, signal, sys, time\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda *a: got.append(1))\n"
+        f"open({str(marker)!r}, 'w').write(str(os.getpid()))\n"
+        "while not got: time.sleep(0.01)\n"
+        "time.sleep(0.5)\n"  # a second delivery would land here
+        "print('TERM', len(got), flush=True); sys.exit(7)\n"
+    )
+    env = {**os.environ, prefork.SOCKET_ENV: str(sock)}
+    for kill, status, out_want in ((signal.SIGTERM, 7, "TERM 1\n"), (signal.SIGKILL, -9, "")):
+        marker.unlink(missing_ok=True)
+        proc = subprocess.Popen(
+            [str(shims / "python"), "-c", code],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        while not marker.exists() or not marker.read_text():
+            time.sleep(0.02)
+        child = int(marker.read_text())
+        assert child != proc.pid  # forked
+        os.killpg(proc.pid, kill) if to_group else proc.send_signal(kill)
+        out, _ = proc.communicate(timeout=30)
+        assert (proc.returncode, out) == (status, out_want)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child}").exists() and "Z" not in _state(child):
+            assert time.monotonic() < deadline, "the child outlived its killed client"
+            time.sleep(0.02)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return "Z"
