@@ -170,7 +170,9 @@ def test_a_signal_reaches_the_child_once_and_kill_9_of_the_client_ends_it(
             text=True,
             start_new_session=True,
         )
+        deadline = time.monotonic() + 120
         while not marker.exists() or not marker.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, "the child never started"
             time.sleep(0.02)
         child = int(marker.read_text())
         assert child != proc.pid  # forked
