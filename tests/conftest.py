@@ -178,16 +178,9 @@ def _start_prefork_server() -> None:
     from tests import prefork
 
     folder = tempfile.mkdtemp(prefix="jaxdist-prefork-")
-    sock = os.path.join(folder, "s")
-    server = subprocess.Popen(
-        [sys.executable, prefork.__file__, "serve", sock],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
+    server, sock, python = prefork.start(folder)
     os.environ[prefork.SOCKET_ENV] = sock
-    os.environ["JAXDIST_TEST_PYTHON"] = os.path.join(
-        prefork.shim(os.path.join(folder, "bin")), "python"
-    )
+    os.environ[prefork.PYTHON_ENV] = python
 
     def stop() -> None:
         server.terminate()

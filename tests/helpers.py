@@ -123,7 +123,7 @@ def python() -> str:
     """The interpreter tests start scripts with: the session's forked one (tests/prefork.py,
     started by tests/conftest.py) where there is one, else this one. Not for a test that needs
     the process it starts to be the script itself (its pid, its process group, its own session)."""
-    return os.environ.get("JAXDIST_TEST_PYTHON", sys.executable)
+    return os.environ.get("JAXDIST_TEST_PYTHON", sys.executable)  # prefork.PYTHON_ENV
 
 
 def run_script(script: str, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:

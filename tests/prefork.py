@@ -67,6 +67,7 @@ ENV_READ_AT_IMPORT = (
 ENV_READ_LATER = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_", "XLA_CLIENT_MEM_FRACTION")
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 SOCKET_ENV = "JAXDIST_TEST_PREFORK"
+PYTHON_ENV = "JAXDIST_TEST_PYTHON"  # the shim `python` tests/helpers.python() hands out
 
 
 def env_key(env: dict[str, str]) -> dict[str, str]:
@@ -151,6 +152,21 @@ def client(args: list[str]) -> None:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     os._exit(os.waitstatus_to_exitcode(status))
+
+
+def start(folder: str):
+    """Starts a server in `folder` (its socket `folder/s`, its shims in `folder/bin`); returns
+    (the server process, the socket's path, the shim `python`). Not waited for: a client that
+    comes before the socket exists runs the plain interpreter."""
+    import subprocess
+
+    sock = os.path.join(folder, "s")
+    server = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "serve", sock],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    return server, sock, os.path.join(shim(os.path.join(folder, "bin")), "python")
 
 
 def shim(directory: str) -> str:

@@ -37,18 +37,12 @@ sys.stderr.write("to stderr\\n")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """(shim folder, server pid, socket): a server of this test's own, ready."""
-    base = tmp_path_factory.mktemp("prefork")
-    sock = base / "s"
-    proc = subprocess.Popen(
-        [sys.executable, prefork.__file__, "serve", str(sock)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
+    proc, sock, python = prefork.start(str(tmp_path_factory.mktemp("prefork")))
     deadline = time.monotonic() + 120
-    while not sock.exists():
+    while not os.path.exists(sock):
         assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
-    shims = prefork.shim(str(base / "bin"))
+    shims = os.path.dirname(python)
     yield Path(shims), proc.pid, sock
     proc.terminate()
     proc.wait(timeout=30)
