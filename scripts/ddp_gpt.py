@@ -29,6 +29,7 @@ host's link bytes (`kind: "net"`, jaxdist.network.counters).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -415,6 +416,14 @@ def main(argv: list[str]) -> int:
             print(f"step {n}: loss {float(mean) / world:.4f}, {dt:.3f} s", flush=True)
     if writer is not None:
         writer.close()
+    # Teardown while the interpreter is whole: every rank past its last collective (process 0
+    # serves the rendezvous store), then DDP's reducer, which holds the process group and gloo's
+    # work objects, released before the group is destroyed. Left to interpreter finalization, a
+    # gloo thread's last tensor reference can abort the process ("terminate called without an
+    # active exception": process 0 once in CI).
+    dist.barrier()
+    del ddp, opt, sched
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

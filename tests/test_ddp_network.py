@@ -65,7 +65,7 @@ def test_ddp_two_hosts_at_50mbit_sends_the_ring_bytes(tmp_path, clean):  # noqa:
         *MODEL,
         timeout=120,
     )
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, run.stdout[-1500:] + run.stderr[-3000:]
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     layout = recs[0]
     params = _jaxdist_gpt_params()
