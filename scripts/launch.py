@@ -547,6 +547,27 @@ def _link_down(cluster: namespaces.Cluster, host: int) -> str:
     return f"host{host}'s link is down (ip link set eth0 down in {cluster.hosts[host].netns})"
 
 
+PROGRESS_PREFIX = "jaxdist-progress-"
+
+
+def _progress_dir() -> str:
+    """A new folder for this launcher's progress files, named `jaxdist-progress-<pid>-*` under
+    the temporary folder, after removing those of launchers no longer alive: a launcher killed
+    outright (SIGKILL) cannot remove its own, as `namespaces.remove_stale` removes a cluster's."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        pid = name[len(PROGRESS_PREFIX) :].partition("-")[0]
+        if not (name.startswith(PROGRESS_PREFIX) and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # dead; a live one (ours or another user's) keeps its folder
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except PermissionError:
+            pass
+    return tempfile.mkdtemp(prefix=f"{PROGRESS_PREFIX}{os.getpid()}-")
+
+
 def _job_goodput(snapshots: list[tuple[str, float, float]]) -> None:
     """Sums the attempts' goodput records into the job's: one line, and a `goodput_job` record
     in the run's metrics.jsonl (when the command was a training run that wrote one).
@@ -636,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{NAME}: {e}", file=sys.stderr, flush=True)
             return 2
     # Progress files also let a failure be blamed on a process that had stalled before it.
-    progress_dir = tempfile.mkdtemp(prefix="jaxdist-progress-")
+    progress_dir = _progress_dir()
     snapshots: list[tuple[str, float, float]] = []  # goodput file, start, end (job_goodput.py)
     live = list(range(args.num_processes // args.processes_per_host))  # the emulated hosts
     ended: list[int] = []  # pids of the processes of earlier attempts (all ended)

@@ -413,6 +413,34 @@ def test_launch_forwards_sigterm_and_exits(worker, tmp_path):
     assert "got SIGTERM, stopped all processes" in log.read_text()
 
 
+def test_a_launcher_killed_outright_leaves_its_progress_folder_to_the_next(tmp_path):
+    """SIGKILL gives the launcher no time to remove its progress folder; the next launcher on the
+    machine removes it, and keeps a live launcher's."""
+    env = _clean_env(TMPDIR=str(tmp_path))
+    cmd = [sys.executable, str(LAUNCH), "--num_processes=2", "--", "sleep", "60"]
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    live = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("jaxdist-progress-*"))) < 2:
+            assert time.monotonic() < deadline and first.poll() is None and live.poll() is None
+            time.sleep(0.05)
+        first.kill()
+        first.wait(timeout=10)
+        (left,) = tmp_path.glob(f"jaxdist-progress-{first.pid}-*")
+        cmd = [sys.executable, str(LAUNCH), "--num_processes=1", "--", "true"]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert not left.exists()
+        assert [p.name.split("-")[2] for p in tmp_path.glob("jaxdist-progress-*")] == [
+            str(live.pid)
+        ]
+    finally:
+        for proc in (first, live):
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def test_launch_needs_a_command():
     out = subprocess.run(
         [sys.executable, str(LAUNCH), "--num_processes=2"], capture_output=True, text=True
