@@ -608,13 +608,13 @@ def _trace_kernels(compiled, state, batch, steps: int):
     import jax
     from jax.profiler import ProfileData
 
-    folder = tempfile.mkdtemp(prefix="jaxdist-trace-")
-    with jax.profiler.trace(folder):
-        for _ in range(steps):
-            state, m = compiled(state, batch)
-        jax.block_until_ready((state, m))
-    files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
-    data = ProfileData.from_file(files[0])
+    with tempfile.TemporaryDirectory(prefix="jaxdist-trace-") as folder:
+        with jax.profiler.trace(folder):
+            for _ in range(steps):
+                state, m = compiled(state, batch)
+            jax.block_until_ready((state, m))
+        files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+        data = ProfileData.from_file(files[0])
     kernels: dict[str, float] = {}
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
