@@ -76,7 +76,9 @@ def env_key(env: dict[str, str]) -> dict[str, str]:
     return {
         k: v
         for k, v in env.items()
-        if k.startswith(ENV_READ_AT_IMPORT) and not k.startswith(ENV_READ_LATER)
+        if k.startswith(ENV_READ_AT_IMPORT)
+        and not k.startswith(ENV_READ_LATER)
+        and k != "PYTHON"  # a script's choice of interpreter (scripts/gpu_check.sh), not Python's
     }
 
 
@@ -236,7 +238,8 @@ class _Server:
         import importlib
 
         self.parent = os.getppid()
-        self.log = os.environ.get("JAXDIST_TEST_PREFORK_LOG")  # a JSON line per child: its CPU
+        # a JSON line per child (its CPU) and per refusal (why, what)
+        self.log = os.environ.get("JAXDIST_TEST_PREFORK_LOG")
         before = dict(os.environ)
         self.key = env_key(before)
         for name in PRELOAD:
@@ -324,6 +327,9 @@ class _Server:
             conn.settimeout(None)
             refused = _refusal(request, fds, self.key)
             if refused:
+                if self.log:
+                    with open(self.log, "a") as f:
+                        f.write(json.dumps({"refused": refused, "args": request["args"]}) + "\n")
                 conn.sendall(b"no %s\n" % refused.encode())
                 conn.close()
                 return

@@ -139,6 +139,18 @@ def test_an_environment_read_at_import_runs_a_fresh_interpreter(server):
     assert enabled == "True" and int(parent) != server_pid
 
 
+def test_a_variable_named_python_alone_is_no_interpreter_variable(server):
+    """`PYTHON` names the interpreter a script should run (scripts/gpu_check.sh reads it): the
+    child is forked with it. PYTHONHASHSEED, which the interpreter reads, runs a fresh one."""
+    _, server_pid, _ = server
+    code = "import os; print(os.getppid(), os.environ['PYTHON'])"
+    forked, fresh = _both(server, "-c", code, env={"PYTHON": "/x/python"})
+    assert int(forked.stdout.split()[0]) == server_pid
+    assert forked.stdout.split()[1] == fresh.stdout.split()[1] == "/x/python"
+    seeded, _ = _both(server, "-c", code, env={"PYTHON": "/x/python", "PYTHONHASHSEED": "5"})
+    assert int(seeded.stdout.split()[0]) != server_pid
+
+
 @pytest.mark.parametrize("to_group", [False, True], ids=["to the client", "to its group"])
 def test_a_signal_reaches_the_child_once_and_kill_9_of_the_client_ends_it(
     server, tmp_path, to_group
