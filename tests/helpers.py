@@ -126,6 +126,22 @@ def python() -> str:
     return os.environ.get("JAXDIST_TEST_PYTHON", sys.executable)  # prefork.PYTHON_ENV
 
 
+# Variables that would make a script join the test runner's own cluster (a scheduler's, launch.py's).
+CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "JAXDIST_", "JOB_COMPLETION_INDEX", "JOBSET_")
+
+
+def env_without_cluster() -> dict[str, str]:
+    """This process's environment without `CLUSTER_PREFIXES`' variables; the suite's own
+    `JAXDIST_TEST_*` (the forked interpreter's socket among them) stay."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith("JAXDIST_TEST_") or not k.startswith(CLUSTER_PREFIXES)
+    }
+    env.pop("REPLICATED_JOB_NAME", None)
+    return env
+
+
 def run_script(script: str, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python SCRIPT FLAGS` from the repository root on CPU; fails the test unless it exits 0."""
     proc = subprocess.run(

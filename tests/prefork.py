@@ -27,7 +27,9 @@ printed went to the server's stderr (none of `PRELOAD`'s do).
 What a fork cannot reproduce is refused, and the client then runs the real interpreter (`exec`):
 any interpreter option but `-u`; an environment whose variables read at import time (`JAX_*`,
 `XLA_*` but those a backend reads when it starts (`ENV_READ_LATER`), `PYTHON*`, `TF_*`, `OPENBLAS_*`,
-`OMP_*`, `MKL_*`, `TENSORSTORE_*`) differ from the server's; a server with more than one thread
+`OMP_*`, `MKL_*`, `TENSORSTORE_*`) differ from the server's, PYTHONPATH aside: a child puts its own
+entries on `sys.path`, unless one the server lacks, or one the server has and the child lacks,
+holds a top-level module the server has imported; a server with more than one thread
 (fork would copy a lock some thread holds). tests/test_prefork.py checks a forked run against a fresh one.
 """
 
@@ -79,7 +81,32 @@ def env_key(env: dict[str, str]) -> dict[str, str]:
         if k.startswith(ENV_READ_AT_IMPORT)
         and not k.startswith(ENV_READ_LATER)
         and k != "PYTHON"  # a script's choice of interpreter (scripts/gpu_check.sh), not Python's
+        and k != "PYTHONPATH"  # compared on its own (`pythonpath_refusal`)
     }
+
+
+def pythonpath_entries(value: str | None, cwd: str) -> list[str]:
+    """The `sys.path` entries the interpreter makes of PYTHONPATH `value` in `cwd`."""
+    if not value:
+        return []
+    return [os.path.join(cwd, entry) for entry in value.split(os.pathsep)]
+
+
+def pythonpath_refusal(ours: list[str], theirs: list[str], imported: set[str]) -> str:
+    """'' when a child may run with PYTHONPATH entries `theirs` instead of the server's `ours`:
+    no entry in one and not the other holds a top-level module the server has imported
+    (`imported`), which the child's path could otherwise have found elsewhere, or a module the
+    interpreter imports as it starts (`sitecustomize`, `usercustomize`), which a forked child
+    would not run. The repository root, which tests put on PYTHONPATH for `jaxdist`, holds none."""
+    startup = {"sitecustomize", "usercustomize"}
+    for entry in set(ours) ^ set(theirs):
+        try:
+            names = {name.split(".")[0] for name in os.listdir(entry)}
+        except OSError:
+            continue  # a missing entry finds nothing
+        if names & (imported | startup):
+            return "PYTHONPATH:" + entry
+    return ""
 
 
 def parse_argv(args: list[str]) -> tuple[str, str, list[str], bool] | None:
@@ -209,8 +236,9 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), list(fds)
 
 
-def _refusal(request: dict, fds: list[int], key: dict[str, str]) -> str:
-    """Why the server will not fork for `request` ('' when it will)."""
+def _refusal(request: dict, fds: list[int], key: dict[str, str], path: list[str]) -> str:
+    """Why the server will not fork for `request` ('' when it will); `key` and `path`: the
+    server's `env_key` and PYTHONPATH entries."""
     if len(fds) != 3:
         return "descriptors"
     if parse_argv(request["args"]) is None:
@@ -220,6 +248,11 @@ def _refusal(request: dict, fds: list[int], key: dict[str, str]) -> str:
         return "environment:" + ",".join(
             sorted(k for k in key.keys() | theirs.keys() if key.get(k) != theirs.get(k))
         )
+    entries = pythonpath_entries(request["env"].get("PYTHONPATH"), request["cwd"])
+    imported = {name.split(".")[0] for name in sys.modules}
+    refused = pythonpath_refusal(path, entries, imported)
+    if refused:
+        return refused
     if len(os.listdir("/proc/self/task")) != 1:
         return "threads"
     return ""
@@ -242,6 +275,10 @@ class _Server:
         self.log = os.environ.get("JAXDIST_TEST_PREFORK_LOG")
         before = dict(os.environ)
         self.key = env_key(before)
+        # sys.path is [this script's folder, PYTHONPATH's entries, the rest]: a child puts its
+        # own folder and entries before the rest.
+        self.pythonpath = pythonpath_entries(before.get("PYTHONPATH"), os.getcwd())
+        self.rest_of_path = sys.path[1 + len(self.pythonpath) :]
         for name in PRELOAD:
             importlib.import_module(name)
         # What the imports set (jax sets TF_CPP_MIN_LOG_LEVEL and TPU_SKIP_MDS_QUERY when unset):
@@ -325,7 +362,7 @@ class _Server:
             conn.settimeout(10)
             request, fds = _recv_request(conn)
             conn.settimeout(None)
-            refused = _refusal(request, fds, self.key)
+            refused = _refusal(request, fds, self.key, self.pythonpath)
             if refused:
                 if self.log:
                     with open(self.log, "a") as f:
@@ -357,7 +394,7 @@ class _Server:
             other.close()
         conn.close()
         try:
-            _child(request, fds, self.imported)  # ends the process
+            _child(request, fds, self.imported, self.rest_of_path)  # ends the process
         finally:
             os._exit(70)  # never back into the server's loop
 
@@ -380,7 +417,7 @@ def _stdio(unbuffered: bool) -> None:
     sys.stderr = sys.__stderr__ = writer(2, "backslashreplace", True)
 
 
-def _child(request: dict, fds: list[int], imported: dict) -> None:
+def _child(request: dict, fds: list[int], imported: dict, rest_of_path: list[str]) -> None:
     import atexit
     import runpy
     import threading
@@ -405,6 +442,8 @@ def _child(request: dict, fds: list[int], imported: dict) -> None:
                 del os.environ[k]
             else:
                 os.environ[k] = now
+    entries = pythonpath_entries(os.environ.get("PYTHONPATH"), request["cwd"])
+    sys.path[:] = ["", *entries, *rest_of_path]  # [0] is set below, as the mode has it
     mode, target, rest, unbuffered = parse_argv(request["args"])
     _stdio(unbuffered or bool(os.environ.get("PYTHONUNBUFFERED")))
     code, killed_by = 0, 0

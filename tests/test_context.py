@@ -3,7 +3,6 @@ equal one device's attention, train like one device, and cut per-device memory b
 
 from __future__ import annotations
 
-import os
 import re
 
 import jax
@@ -18,7 +17,7 @@ from jaxdist import mesh as mesh_lib
 from jaxdist import sharding
 from jaxdist.errors import ConfigError
 from models import attention
-from tests.helpers import compile_step, python, train_steps
+from tests.helpers import compile_step, env_without_cluster, python, train_steps
 from tests.test_llama import llama_config
 
 
@@ -187,7 +186,7 @@ def train_llama(workdir, steps: int, *flags: str):
 
     from tests.test_reshard import ROOT, TINY
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
+    env = env_without_cluster()
     env["JAX_PLATFORMS"] = "cpu"
     args = ["--config=configs/llama_tiny.py", f"--workdir={workdir}", *TINY, *flags]
     proc = subprocess.run(

@@ -18,17 +18,14 @@ import pytest
 
 from jaxdist import ConfigError, distributed
 from jaxdist.distributed import ClusterSpec, detect, expand_nodelist
+from tests.helpers import env_without_cluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "scripts" / "launch.py"
 
-# Variables that would leak the test runner's own cluster into the subprocesses.
-_CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "JAXDIST_", "JOB_COMPLETION_INDEX", "JOBSET_")
-
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_CLUSTER_PREFIXES)}
-    env.pop("REPLICATED_JOB_NAME", None)
+    env = env_without_cluster()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.update(extra)
     return env

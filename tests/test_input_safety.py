@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import python
+from tests.helpers import env_without_cluster, python
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -31,12 +31,10 @@ TINY = (
     "--config.data.max_bytes=200000",
     "--config.train.eval_batches=1",
 )
-_CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "JAXDIST_", "JOB_COMPLETION_INDEX", "JOBSET_")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_CLUSTER_PREFIXES)}
-    env.pop("REPLICATED_JOB_NAME", None)
+    env = env_without_cluster()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["JAX_PLATFORMS"] = "cpu"
     env.update(extra)

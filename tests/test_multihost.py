@@ -28,14 +28,13 @@ import time
 
 import pytest
 
+from tests.helpers import env_without_cluster
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "scripts" / "launch.py"
 TRAIN = "scripts/train.py"
 RTOL = 1e-6
 RUN_TIMEOUT_S = 420  # a single short run takes ~45 s on a loaded 2-core machine
-
-# Variables that would leak the test runner's own cluster into the subprocesses.
-_CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "JAXDIST_", "JOB_COMPLETION_INDEX", "JOBSET_")
 
 # A small GPT with a schedule that does not depend on train.steps (2 warmup steps, then constant),
 # so a run of 4 steps resumed to 6 follows the same learning rates as an uninterrupted 6-step run.
@@ -112,8 +111,7 @@ def audit_dir(tmp_path_factory) -> pathlib.Path:
 
 
 def _env(audit_dir: pathlib.Path | None, tag: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_CLUSTER_PREFIXES)}
-    env.pop("REPLICATED_JOB_NAME", None)
+    env = env_without_cluster()
     env["JAX_PLATFORMS"] = "cpu"
     paths = [str(ROOT), env.get("PYTHONPATH")]
     if audit_dir is not None and tag is not None:

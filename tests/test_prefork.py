@@ -151,6 +151,29 @@ def test_a_variable_named_python_alone_is_no_interpreter_variable(server):
     assert int(seeded.stdout.split()[0]) != server_pid
 
 
+def test_pythonpath_is_the_childs_unless_it_could_shadow_an_import(server, tmp_path):
+    """A PYTHONPATH of the child's own (relative entries included) gives the path and imports a
+    fresh interpreter has; one holding a package the server imported (numpy) or a sitecustomize
+    runs a fresh one."""
+    _, server_pid, _ = server
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "probe_mod.py").write_text("WHERE = __file__\n")
+    code = "import os, sys, probe_mod; print(os.getppid(), sys.path, probe_mod.WHERE)"
+    env = {"PYTHONPATH": os.pathsep.join(["lib", str(ROOT)])}
+    forked, fresh = _both(server, "-c", code, env=env, cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr
+    parent, rest = forked.stdout.split(" ", 1)
+    assert int(parent) == server_pid and rest == fresh.stdout.split(" ", 1)[1]
+    (tmp_path / "shadow" / "numpy").mkdir(parents=True)
+    shadowed, _ = _both(server, "-c", code, env={"PYTHONPATH": "lib:shadow"}, cwd=tmp_path)
+    assert int(shadowed.stdout.split(" ", 1)[0]) != server_pid
+    # a sitecustomize runs as a fresh interpreter starts, never in a forked child: refused
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text("print('customized')\n")
+    forked, fresh = _both(server, "-c", code, env={"PYTHONPATH": "lib:site"}, cwd=tmp_path)
+    assert forked.stdout.startswith("customized\n") and fresh.stdout.startswith("customized\n")
+
+
 @pytest.mark.parametrize("to_group", [False, True], ids=["to the client", "to its group"])
 def test_a_signal_reaches_the_child_once_and_kill_9_of_the_client_ends_it(
     server, tmp_path, to_group

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import python
+from tests.helpers import env_without_cluster, python
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -41,7 +40,7 @@ def mesh_flags(devices: int, data=1, fsdp=1, tensor=1):
 
 
 def train(workdir: Path, steps: int, *flags: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
+    env = env_without_cluster()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         [

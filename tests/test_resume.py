@@ -26,7 +26,13 @@ import numpy as np
 import pytest
 
 from jaxdist import checkpoint
-from tests.helpers import ONE_DEVICE_GPT_FLAGS, ORBAX_ABANDONED_READS, python, suite_xla_flags
+from tests.helpers import (
+    ONE_DEVICE_GPT_FLAGS,
+    ORBAX_ABANDONED_READS,
+    env_without_cluster,
+    python,
+    suite_xla_flags,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # Verifying the corrupted checkpoint below (in this process) leaves orbax reads in flight.
@@ -47,16 +53,13 @@ TINY = (
 COMMON = (*TINY, f"--config.train.steps={STEPS}", f"--config.checkpoint.every={EVERY}")
 RUN_TIMEOUT_S = 240
 TMP_MARK = ".orbax-checkpoint-tmp"
-_CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "JAXDIST_", "JOB_COMPLETION_INDEX", "JOBSET_")
-
-
 # ---------------------------------------------------------------------------------------------
 # Running train.py.
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_CLUSTER_PREFIXES)}
+    env = env_without_cluster()
     env["XLA_FLAGS"] = suite_xla_flags()
     env.update(
         JAX_PLATFORMS="cpu",
