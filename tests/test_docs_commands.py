@@ -704,8 +704,8 @@ def _copy_source(dest: Path) -> None:
         ROOT,
         dest,
         ignore=shutil.ignore_patterns(
-            ".git", ".venv", "runs", "__pycache__", ".pytest_cache", "*.egg-info", ".ruff_cache"
-        ),
+            ".git", ".venv", "runs", ".pytest_cache", "*.egg-info", ".ruff_cache"
+        ),  # __pycache__ comes along: the session's bytecode (tests/conftest.py), still valid
     )
 
 
