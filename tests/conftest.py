@@ -76,10 +76,11 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # `scripts/train.py` imports (0.155 -> 0.045 s). The first process of the session compiles the
 # repository's Python files once into their __pycache__ folders (ignored by git), which every
 # process reads whatever its environment; a stale .pyc is never used (its source's size and
-# modification time are in it). Packages installed by pip come with their own.
+# modification time are in it); where it cannot write, processes compile as before. Packages
+# installed by pip come with their own.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the session
     for _folder in ("jaxdist", "models", "scripts", "configs", "tests"):
-        compileall.compile_dir(Path(__file__).resolve().parents[1] / _folder, quiet=1)
+        compileall.compile_dir(Path(__file__).resolve().parents[1] / _folder, quiet=2)
     # The session's XLA compilation cache (the docstring above); subprocesses inherit the variable.
     _cache = tempfile.mkdtemp(prefix="jaxdist-test-xla-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache

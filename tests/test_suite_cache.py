@@ -1,13 +1,18 @@
-"""The test session's persistent compilation cache (tests/conftest.py) is on and serves programs.
+"""The test session's caches (tests/conftest.py): XLA programs, and the repository's bytecode.
 
-The suite's speed relies on it: if a jax upgrade stopped honouring the environment variables that
-turn it on, or stopped caching CPU programs, every repeat would silently compile again.
+The suite's speed relies on them: if a jax upgrade stopped honouring the environment variables that
+turn the compilation cache on, or stopped caching CPU programs, every repeat would silently compile
+again; without the session's .pyc files, each of its processes compiles jaxdist from source where
+PYTHONDONTWRITEBYTECODE is set.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -42,3 +47,35 @@ def test_a_program_compiled_again_is_loaded_from_the_session_cache():
     finally:
         jax.monitoring.unregister_event_listener(listener)
     assert jnp.array_equal(results[0], results[1])
+
+
+# Counts the modules of jaxdist, models and scripts a fresh interpreter compiles from source
+# (importlib calls `source_to_code` only where no valid .pyc is found) while importing what
+# scripts/train.py imports, with bytecode writing off as on these machines.
+_COUNT_SOURCE_COMPILES = """
+import importlib._bootstrap_external as ext, sys
+compiled = []
+plain = ext.SourceLoader.source_to_code
+def source_to_code(self, data, path, **kw):
+    compiled.append(path)
+    return plain(self, data, path, **kw)
+ext.SourceLoader.source_to_code = source_to_code
+sys.path.insert(0, ".")
+import jaxdist.loop, jaxdist.train, jaxdist.config_files, scripts.train
+print(len([p for p in compiled if "/jaxdist/" in p or "/models/" in p or "/scripts/" in p]))
+"""
+
+
+def test_a_process_reads_the_sessions_bytecode_for_the_repository():
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _COUNT_SOURCE_COMPILES],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) == 0, proc.stdout
