@@ -224,6 +224,16 @@ def _costliest_files_first(items) -> None:
 # process and the subprocesses it waited for), a measure of the suite's cost that a busy machine
 # does not inflate as it does wall time. For planning where the suite's time goes; off by default.
 _CPU_LOG = os.environ.get("JAXDIST_TEST_CPU_LOG")
+# With it, each record also counts what the phase asked of jax in this process (not in its
+# subprocesses): programs compiled (persistent-cache misses: the suite's cache is fresh, so each is
+# a program no earlier phase of the session compiled), programs loaded from the cache (compiled
+# earlier, traced and lowered again), and functions traced. Compiling distinct programs is most
+# of the suite's cost: the count ranks the tests by it.
+_JAX_EVENTS = {
+    "/jax/compilation_cache/cache_misses": "programs_compiled",
+    "/jax/compilation_cache/cache_hits": "programs_from_cache",
+}
+_jax_counts: dict[str, int] = {}
 
 
 def _cpu_seconds() -> float:
@@ -236,15 +246,28 @@ def _cpu_seconds() -> float:
 
 if _CPU_LOG:
 
+    def _count_event(event: str, **_) -> None:
+        if event in _JAX_EVENTS:
+            _jax_counts[_JAX_EVENTS[event]] = _jax_counts.get(_JAX_EVENTS[event], 0) + 1
+
+    def _count_duration(event: str, _secs: float, **__) -> None:
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            _jax_counts["functions_traced"] = _jax_counts.get("functions_traced", 0) + 1
+
+    jax.monitoring.register_event_listener(_count_event)
+    jax.monitoring.register_event_duration_secs_listener(_count_duration)
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
         cpu, wall = _cpu_seconds(), time.perf_counter()
+        _jax_counts.clear()
         yield
         with open(_CPU_LOG, "a") as f:
             record = {
                 "test": item.nodeid,
                 "cpu_s": round(_cpu_seconds() - cpu, 3),
                 "wall_s": round(time.perf_counter() - wall, 3),
+                **{k: _jax_counts.get(k, 0) for k in (*_JAX_EVENTS.values(), "functions_traced")},
             }
             f.write(json.dumps(record) + "\n")
 
