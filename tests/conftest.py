@@ -227,8 +227,10 @@ _CPU_LOG = os.environ.get("JAXDIST_TEST_CPU_LOG")
 # With it, each record also counts what the phase asked of jax in this process (not in its
 # subprocesses): programs compiled (persistent-cache misses: the suite's cache is fresh, so each is
 # a program no earlier phase of the session compiled), programs loaded from the cache (compiled
-# earlier, traced and lowered again), and functions traced. Compiling distinct programs is most
-# of the suite's cost: the count ranks the tests by it.
+# earlier, traced and lowered again), and functions traced. With `cpu_s` they say what a test's
+# programs cost: a train step over 8 devices ~1.3-1.8 CPU s to trace, lower and compile, an eager
+# op's program a few ms (CI of 2026-12-06: tests/test_compose_context_expert.py 63 programs in
+# 80 CPU s, tests/test_moe.py 177 in 24 s).
 _JAX_EVENTS = {
     "/jax/compilation_cache/cache_misses": "programs_compiled",
     "/jax/compilation_cache/cache_hits": "programs_from_cache",
