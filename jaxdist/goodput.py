@@ -90,11 +90,15 @@ class Clock:
 def summary_line(record: dict[str, Any]) -> str:
     """`goodput │ 71.3% of 2m05s productive; compile 21s, eval 9s, checkpoint 3s, data 1s, idle 2s`."""
     rest = [
-        f"{c} {human_duration(record[c]) if record[c] >= 1 else f'{record[c]:.1f}s'}"
-        for c in CAUSES
-        if c != "productive" and record[c] >= 0.05
+        f"{c} {_seconds(record[c])}" for c in CAUSES if c != "productive" and record[c] >= 0.005
     ]
     line = (
         f"goodput │ {100 * record['goodput']:.1f}% of {human_duration(record['total'])} productive"
     )
     return line + (f"; {', '.join(rest)}" if rest else "")
+
+
+def _seconds(s: float) -> str:
+    """A cause's time: `1m23s`, `17s`, `0.9s`, `0.04s` (a cause the run charged, however briefly,
+    is named: a short run's checkpoint takes a few hundredths of a second)."""
+    return human_duration(s) if s >= 1 else f"{s:.1f}s" if s >= 0.05 else f"{s:.2f}s"

@@ -73,6 +73,12 @@ def test_goodput_line_names_the_fraction_and_the_other_causes():
     assert goodput.summary_line(rec) == (
         "goodput │ 75.0% of 2m00s productive; compile 20s, eval 8s, idle 2s"
     )
+    # A cause the run charged is named however short (a 4-step run's checkpoint: ~0.05 s, the
+    # README's example line names it); one under 5 ms is not.
+    rec.update(checkpoint=0.042, data=0.004)
+    assert goodput.summary_line(rec) == (
+        "goodput │ 75.0% of 2m00s productive; compile 20s, checkpoint 0.04s, eval 8s, idle 2s"
+    )
 
 
 def _train_in_a_terminal(workdir, *flags):
