@@ -79,3 +79,26 @@ def test_a_process_reads_the_sessions_bytecode_for_the_repository():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout.split()[-1]) == 0, proc.stdout
+
+
+def test_installed_packages_the_session_imported_have_bytecode():
+    """The README installs with `pip install --no-compile`; the session writes the bytecode of what
+    it imports (tests/conftest.py), so a later process, even one told not to write any, compiles
+    none of jax, flax, optax, orbax or numpy from source."""
+    assert not sys.dont_write_bytecode and "PYTHONDONTWRITEBYTECODE" not in os.environ
+    script = _COUNT_SOURCE_COMPILES.replace(
+        "import jaxdist.loop, jaxdist.train, jaxdist.config_files, scripts.train\n"
+        'print(len([p for p in compiled if "/jaxdist/" in p or "/models/" in p or "/scripts/" in p]))',
+        "import jax, flax.nnx, optax, orbax.checkpoint, numpy\n"
+        "print(len([p for p in compiled if '-packages/' in p]), compiled[:3])",
+    )
+    assert script != _COUNT_SOURCE_COMPILES
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[0] == "0", proc.stdout
