@@ -85,6 +85,31 @@ def test_local_every_must_not_be_negative(tmp_path):
         loop.run(c, str(tmp_path / "w"))
 
 
+def test_remove_survives_a_peer_removing_the_shared_folder_first(tmp_path, monkeypatch):
+    """Processes on one host share `local_dir`: at the end each removes its own folder and the
+    shared one once empty. Process 1 may empty and remove it between process 0 finding it and
+    listing it (it did, in a 2-process run: FileNotFoundError, exit 1); process 0 goes on."""
+    from jaxdist.checkpoint import fast
+
+    root = tmp_path / "local"
+    tiers = []
+    for process in (0, 1):
+        tier = fast.FastTier(str(root), every=1)
+        tier.process, tier.count = process, 2
+        tier.mine = str(root / f"p{process}")
+        os.makedirs(tier.mine)
+        tiers.append(tier)
+    listdir = os.listdir
+
+    def peer_first(path):
+        tiers[1].remove()  # the peer finishes in between
+        return listdir(path)
+
+    monkeypatch.setattr(fast.os, "listdir", peer_first)
+    tiers[0].remove()
+    assert not root.exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # Two processes, kill -9 of one; its own copy deleted, so its shards come from the peer's copy.
 

@@ -330,10 +330,13 @@ class FastTier:
         restart left behind), so that no host memory is left taken.
         """
         shutil.rmtree(self.mine, ignore_errors=True)
-        if self.process == 0 and os.path.isdir(self.root):
-            for name in os.listdir(self.root):
-                if name[:1] == "p" and name[1:].isdigit() and int(name[1:]) >= self.count:
-                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        try:  # the processes of one host share the folder: a peer may remove it at any moment
+            names = os.listdir(self.root) if self.process == 0 else []
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            if name[:1] == "p" and name[1:].isdigit() and int(name[1:]) >= self.count:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         try:
             os.rmdir(self.root)  # once every process's folder is gone
         except OSError:
