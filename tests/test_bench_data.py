@@ -16,6 +16,7 @@ def run(*flags: str) -> dict:
 def test_tokenize_study_compares_the_same_work(tmp_path):
     r = run(
         "--study=tokenize",
+        "--corpus_mb=50",  # docs/MODELS.md's command, then a smaller corpus
         "--corpus_mb=0.5",
         "--vocab=512",
         "--repeats=1",
@@ -66,6 +67,7 @@ def test_decode_vs_transformers_agrees_token_for_token(tmp_path):
     r = run(
         "--study=decode",
         "--vs_transformers",
+        "--config=configs/llama_tiny.py",
         "--batch_sizes=1,2",
         "--new_tokens=8",
         "--repeats=1",

@@ -25,8 +25,10 @@ and prints no traceback.
 Not every command can run here as written. Those that take minutes or need a GPU run with flags
 appended (absl flags: the last value wins), listed in SHORTENED with the reason; those that need a
 cluster, the network or another host are only parsed (`bash -n`) and their repository files and
-pip extras checked, listed in NOT_RUN with the reason. Both lists must name documented commands,
-so they cannot go stale.
+pip extras checked, listed in NOT_RUN with the reason. A study another test already runs as
+written (flags appended, what it wrote checked there) is in NOT_RUN as `run by tests/FILE::TEST`,
+and that test must pass the command's words in their order. Both lists must name documented
+commands, so they cannot go stale.
 """
 
 from __future__ import annotations
@@ -189,11 +191,6 @@ SHORTENED = {
         "--config.train.steps=2",
         "llama_tiny's 200 steps",
     ),
-    "python scripts/bench.py --study=compression --config.mesh.data=8 --config.mesh.fsdp=1 "
-    "--config.mesh.tensor=1 --max_steps=200": (
-        "--max_steps=2 --methods=none,int8",
-        "every compressor for 200 steps takes many minutes; two rows for 2 steps run the study",
-    ),
     "python scripts/train.py --workdir=runs/fast --config.checkpoint.local_every=5 "
     "--config.train.on_spike=rollback": (
         "--config.train.steps=6 --config.train.log_every=2",
@@ -317,18 +314,6 @@ SHORTENED = {
         "the scaling plot plans every layout of 8 to 4096 devices (17 s of CPU); up to 64 devices "
         "runs the same code (3.4 s)",
     ),
-    "python scripts/bench_data.py --study=loader": (
-        "--steps=2",
-        "30 timed batches of two sources; 2 run the same code",
-    ),
-    "python scripts/bench_data.py --study=tokenize --corpus_mb=50": (
-        "--corpus_mb=0.5 --vocab=512 --repeats=1",
-        "50 MB tokenized three times takes minutes on 2 cores; 0.5 MB runs the same code",
-    ),
-    "python scripts/bench_data.py --study=packing": (
-        "--seq_lens=64,256 --repeats=1 --steps=2",
-        "four row lengths, three plans each; two lengths once run the same code",
-    ),
     "python scripts/train.py --config=configs/llama_tiny.py --workdir=runs/packed "
     "--config.data.packing=documents --config.train.steps=20": (
         "--config.train.steps=2",
@@ -337,11 +322,6 @@ SHORTENED = {
     "python scripts/bench_data.py --study=decode --config=configs/llama_tiny.py": (
         "--new_tokens=4 --repeats=1",
         "3 repeats of 32 decode steps at two batch sizes; one short repeat runs the same code",
-    ),
-    "python scripts/bench_data.py --study=decode --vs_transformers --config=configs/llama_tiny.py": (
-        "--batch_sizes=1,2 --new_tokens=4 --repeats=1",
-        "3 repeats of 32 new tokens up to batch 64 in two frameworks; batch 1 and 2, one short "
-        "repeat, run the same code",
     ),
     "python scripts/train.py --config=configs/llama3_8b.py --workdir=runs/llama3_8b": (
         _TINY_LLAMA + " --config.runtime.cpu_devices=8 --config.train.steps=2 "
@@ -384,6 +364,30 @@ NOT_RUN = {
     'pip install -e . "jax[tpu]"': _SETUP + " and a TPU",
     "JAXDIST_TEST_FAST_CODEGEN=1 python -m pytest -q -n 2 --dist loadfile": (
         "the test suite this test is part of"
+    ),
+    # Studies whose test runs the documented command as written, with flags appended (a shorter
+    # run, a temporary --out), and checks what it wrote: running it here too would only repeat it
+    # (test_run_by_names_a_test_that_runs_the_command checks the test holds the command's words).
+    "python scripts/bench_data.py --study=loader": (
+        "run by tests/test_bench_data.py::test_loader_study_sets_the_loader_beside_the_step "
+        "(+ --steps=2: 2 of the 30 timed batches)"
+    ),
+    "python scripts/bench_data.py --study=tokenize --corpus_mb=50": (
+        "run by tests/test_bench_data.py::test_tokenize_study_compares_the_same_work "
+        "(+ --corpus_mb=0.5 --vocab=512 --repeats=1: 50 MB three times takes minutes)"
+    ),
+    "python scripts/bench_data.py --study=packing": (
+        "run by tests/test_bench_data.py::test_packing_study_reports_the_efficiency "
+        "(+ --seq_lens=64,256 --repeats=1 --steps=2: two of the four row lengths, once)"
+    ),
+    "python scripts/bench_data.py --study=decode --vs_transformers --config=configs/llama_tiny.py": (
+        "run by tests/test_bench_data.py::test_decode_vs_transformers_agrees_token_for_token "
+        "(+ --batch_sizes=1,2 --new_tokens=8 --repeats=1: batch 64 and 3 repeats take minutes)"
+    ),
+    "python scripts/bench.py --study=compression --config.mesh.data=8 --config.mesh.fsdp=1 "
+    "--config.mesh.tensor=1 --max_steps=200": (
+        "run by tests/test_bench.py::test_compression_study_end_to_end (+ a one-layer model, "
+        "--max_steps=4 and four compressors: every compressor for 200 steps takes many minutes)"
     ),
     "bash scripts/gpu_check.sh runs/gpu_check": (
         "run by tests/test_gpu_check.py (the same CPU dry run into a temporary folder, its JSON and "
@@ -838,6 +842,34 @@ def test_command_not_run_parses_and_names_real_files(text):
     ]
     for extra in re.findall(r"\.\[(\w+)\]", text):
         assert extra in extras, f"{text!r} installs the extra {extra!r}, which pyproject lacks"
+
+
+_RUN_BY = re.compile(r"^run by (tests/\w+\.py)::(\w+)")
+
+
+@pytest.mark.parametrize(
+    "text", [t for t, why in NOT_RUN.items() if _RUN_BY.match(why)], ids=lambda t: t[:60]
+)
+def test_run_by_names_a_test_that_runs_the_command(text):
+    """A command NOT_RUN says another test runs: that test exists, and its string arguments hold
+    the command's words after the script, in the documented order (flags may follow, as in
+    SHORTENED), with the script named in its file."""
+    import ast
+
+    path, name = _RUN_BY.match(NOT_RUN[text]).groups()
+    source = (ROOT / path).read_text()
+    (fn,) = [n for n in ast.walk(ast.parse(source)) if getattr(n, "name", None) == name]
+    constants = [n for n in ast.walk(fn) if isinstance(n, ast.Constant)]
+    strings = [
+        n.value
+        for n in sorted(constants, key=lambda n: (n.lineno, n.col_offset))
+        if isinstance(n.value, str)
+    ]
+    script, *words = text.split()[1:]
+    assert f'"{script}"' in source, f"{path} never names {script}"
+    found = iter(strings)
+    missing = [w for w in words if not any(s == w for s in found)]
+    assert not missing, f"{path}::{name} does not pass {missing} in the order of {text!r}"
 
 
 def test_install_hints_name_real_extras():
