@@ -34,7 +34,13 @@ def test_tokenize_study_compares_the_same_work(tmp_path):
 
 
 def test_decode_study_times_prefill_and_decode(tmp_path):
-    r = run("--study=decode", "--new_tokens=4", "--repeats=1", f"--out={tmp_path / 'd.json'}")
+    r = run(
+        "--study=decode",
+        "--config=configs/llama_tiny.py",
+        "--new_tokens=4",
+        "--repeats=1",
+        f"--out={tmp_path / 'd.json'}",
+    )
     assert set(r["rows"]) == {"batch 1", "batch 8"}
     for row in r["rows"].values():
         assert row["prefill_s"]["median_s"] > 0 and row["decode_tokens_per_s"] > 0

@@ -87,10 +87,6 @@ SHORTENED = {
         "the default job's 300 steps take minutes on 2 cores; this run is also the fixture "
         "`runs/default` the other commands read",
     ),
-    "python scripts/bench.py": (
-        "--steps=2 --warmup=1 --repeats=1",
-        "3 rounds of 20 timed steps per side take ~40 s; 1 round of 2 runs the same code",
-    ),
     "python scripts/launch.py --num_processes=2 --devices_per_process=4 -- "
     "python scripts/train.py --workdir=runs/mp": (
         "--config.train.steps=2",
@@ -319,10 +315,6 @@ SHORTENED = {
         "--config.train.steps=2",
         "20 steps of the tiny Llama; 2 compile and run the same packed step",
     ),
-    "python scripts/bench_data.py --study=decode --config=configs/llama_tiny.py": (
-        "--new_tokens=4 --repeats=1",
-        "3 repeats of 32 decode steps at two batch sizes; one short repeat runs the same code",
-    ),
     "python scripts/train.py --config=configs/llama3_8b.py --workdir=runs/llama3_8b": (
         _TINY_LLAMA + " --config.runtime.cpu_devices=8 --config.train.steps=2 "
         "--config.train.batch_size=8 --config.train.eval_batches=1 --config.checkpoint.every=2",
@@ -368,6 +360,14 @@ NOT_RUN = {
     # Studies whose test runs the documented command as written, with flags appended (a shorter
     # run, a temporary --out), and checks what it wrote: running it here too would only repeat it
     # (test_run_by_names_a_test_that_runs_the_command checks the test holds the command's words).
+    "python scripts/bench.py": (
+        "run by tests/test_bench.py::test_overhead_study_end_to_end (+ a one-layer model, 3 "
+        "steps, 1 round: 3 rounds of 20 timed steps per side take ~40 s)"
+    ),
+    "python scripts/bench_data.py --study=decode --config=configs/llama_tiny.py": (
+        "run by tests/test_bench_data.py::test_decode_study_times_prefill_and_decode "
+        "(+ --new_tokens=4 --repeats=1: 3 repeats of 32 decode steps take a minute)"
+    ),
     "python scripts/bench_data.py --study=loader": (
         "run by tests/test_bench_data.py::test_loader_study_sets_the_loader_beside_the_step "
         "(+ --steps=2: 2 of the 30 timed batches)"
