@@ -27,7 +27,7 @@ appended (absl flags: the last value wins), listed in SHORTENED with the reason;
 cluster, the network or another host are only parsed (`bash -n`) and their repository files and
 pip extras checked, listed in NOT_RUN with the reason. A study another test already runs as
 written (flags appended, what it wrote checked there) is in NOT_RUN as `run by tests/FILE::TEST`,
-and that test must pass the command's words in their order. Both lists must name documented
+and that test must pass the command's words one after another, as documented. Both lists must name documented
 commands, so they cannot go stale.
 """
 

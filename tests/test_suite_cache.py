@@ -49,9 +49,9 @@ def test_a_program_compiled_again_is_loaded_from_the_session_cache():
     assert jnp.array_equal(results[0], results[1])
 
 
-# Counts the modules of jaxdist, models and scripts a fresh interpreter compiles from source
-# (importlib calls `source_to_code` only where no valid .pyc is found) while importing what
-# scripts/train.py imports, with bytecode writing off as on these machines.
+# Counts the modules a fresh interpreter compiles from source (importlib calls `source_to_code`
+# only where no valid .pyc is found) while running `imports`, with bytecode writing off as on these
+# machines: those whose path holds one of `where`.
 _COUNT_SOURCE_COMPILES = """
 import importlib._bootstrap_external as ext, sys
 compiled = []
@@ -61,24 +61,30 @@ def source_to_code(self, data, path, **kw):
     return plain(self, data, path, **kw)
 ext.SourceLoader.source_to_code = source_to_code
 sys.path.insert(0, ".")
-import jaxdist.loop, jaxdist.train, jaxdist.config_files, scripts.train
-print(len([p for p in compiled if "/jaxdist/" in p or "/models/" in p or "/scripts/" in p]))
+{imports}
+print(compiled[:3])
+print(len([p for p in compiled if any(w in p for w in {where!r})]))
 """
 
 
-def test_a_process_reads_the_sessions_bytecode_for_the_repository():
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+def _compiled_from_source(imports: str, where: tuple[str, ...]) -> tuple[int, str]:
     proc = subprocess.run(
-        [sys.executable, "-c", _COUNT_SOURCE_COMPILES],
-        cwd=root,
-        env=env,
+        [sys.executable, "-c", _COUNT_SOURCE_COMPILES.format(imports=imports, where=where)],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert int(proc.stdout.split()[-1]) == 0, proc.stdout
+    return int(proc.stdout.split()[-1]), proc.stdout
+
+
+def test_a_process_reads_the_sessions_bytecode_for_the_repository():
+    """What scripts/train.py imports of jaxdist, models and scripts: none compiled from source."""
+    imports = "import jaxdist.loop, jaxdist.train, jaxdist.config_files, scripts.train"
+    count, out = _compiled_from_source(imports, ("/jaxdist/", "/models/", "/scripts/"))
+    assert count == 0, out
 
 
 def test_installed_packages_the_session_imported_have_bytecode():
@@ -86,19 +92,7 @@ def test_installed_packages_the_session_imported_have_bytecode():
     it imports (tests/conftest.py), so a later process, even one told not to write any, compiles
     none of jax, flax, optax, orbax or numpy from source."""
     assert not sys.dont_write_bytecode and "PYTHONDONTWRITEBYTECODE" not in os.environ
-    script = _COUNT_SOURCE_COMPILES.replace(
-        "import jaxdist.loop, jaxdist.train, jaxdist.config_files, scripts.train\n"
-        'print(len([p for p in compiled if "/jaxdist/" in p or "/models/" in p or "/scripts/" in p]))',
-        "import jax, flax.nnx, optax, orbax.checkpoint, numpy\n"
-        "print(len([p for p in compiled if '-packages/' in p]), compiled[:3])",
+    count, out = _compiled_from_source(
+        "import jax, flax.nnx, optax, orbax.checkpoint, numpy", ("-packages/",)
     )
-    assert script != _COUNT_SOURCE_COMPILES
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[0] == "0", proc.stdout
+    assert count == 0, out
