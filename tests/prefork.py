@@ -22,15 +22,22 @@ What differs from a fresh process, and why no test that runs through it depends 
 child's /proc/PID/cmdline is the server's (a test that finds processes by command line starts
 them with sys.executable); its parent is the server; its string hashes and numpy's global
 generator are seeded once per server (numpy's is re-seeded in the child); warnings an import
-printed went to the server's stderr (none of `PRELOAD`'s do).
+printed went to the server's stderr (none of `PRELOAD`'s do); its `sys.executable` is the shim
+`python` (`PYTHON_ENV`), so the Python processes it starts itself (scripts/launch.py's workers,
+which it starts as `sys.executable SCRIPT`) are forked too where the fork reproduces them.
 
 What a fork cannot reproduce is refused, and the client then runs the real interpreter (`exec`):
 any interpreter option but `-u`; an environment whose variables read at import time (`JAX_*`,
-`XLA_*` but those a backend reads when it starts (`ENV_READ_LATER`), `PYTHON*`, `TF_*`, `OPENBLAS_*`,
-`OMP_*`, `MKL_*`, `TENSORSTORE_*`) differ from the server's, PYTHONPATH aside: a child puts its own
-entries on `sys.path`, unless one the server lacks, or one the server has and the child lacks,
-holds a top-level module the server has imported; a server with more than one thread
-(fork would copy a lock some thread holds). tests/test_prefork.py checks a forked run against a fresh one.
+`XLA_*` but those a backend reads when it starts (`ENV_READ_LATER`) and the compilation cache's,
+which the child sets jax's config from before anything compiles (`ENV_APPLIED`), `PYTHON*` but
+PYTHONUNBUFFERED (the child's streams honour it, as `-u`), `TF_*`, `OPENBLAS_*`, `OMP_*`, `MKL_*`,
+`TENSORSTORE_*`) differ from the server's, PYTHONPATH aside: a child puts its own entries on
+`sys.path`, unless one the server lacks, or one the server has and the child lacks, holds a
+top-level module the server has imported; a client in other namespaces than the server's (`ip
+netns exec`, `unshare`: a forked child would run in the server's network, mounts, hostname); a
+client that inherited a descriptor besides 0-2 (`pass_fds`, as multiprocessing's spawn passes
+its pipes: only 0-2 reach the child); a server with more than one thread (fork would copy a
+lock some thread holds). tests/test_prefork.py checks a forked run against a fresh one.
 """
 
 from __future__ import annotations
@@ -67,6 +74,13 @@ ENV_READ_AT_IMPORT = (
 )
 # Read when a backend starts, after the fork (jax/_src/xla_bridge.py, jaxlib/xla_client.py).
 ENV_READ_LATER = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_", "XLA_CLIENT_MEM_FRACTION")
+# Read when jax is imported, into its config only, and used when the first program is compiled
+# (jax/_src/compilation_cache.py): a child whose value differs sets the config from it first.
+ENV_APPLIED = {
+    "JAX_COMPILATION_CACHE_DIR": str,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": float,
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": int,
+}
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 SOCKET_ENV = "JAXDIST_TEST_PREFORK"
 PYTHON_ENV = "JAXDIST_TEST_PYTHON"  # the shim `python` tests/helpers.python() hands out
@@ -82,7 +96,40 @@ def env_key(env: dict[str, str]) -> dict[str, str]:
         and not k.startswith(ENV_READ_LATER)
         and k != "PYTHON"  # a script's choice of interpreter (scripts/gpu_check.sh), not Python's
         and k != "PYTHONPATH"  # compared on its own (`pythonpath_refusal`)
+        and k != "PYTHONUNBUFFERED"  # the child's streams honour it (`_stdio`)
+        and k not in ENV_APPLIED  # compared on its own: the child applies it (`_apply_config`)
     }
+
+
+NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts")
+
+
+def namespaces() -> dict[str, str]:
+    """This process's namespaces (`/proc/self/ns`), by kind: a child forked by the server runs in
+    the server's, so a client in any other runs the interpreter itself."""
+    found = {}
+    for kind in NAMESPACES:
+        try:
+            found[kind] = os.readlink(f"/proc/self/ns/{kind}")
+        except OSError:
+            pass
+    return found
+
+
+def inherited_descriptors() -> list[int]:
+    """Descriptors besides 0-2 this process holds (what a parent passed it): only 0-2 reach a
+    forked child."""
+    folder = "/proc/self/fd"
+    held = []
+    for name in os.listdir(folder):
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.readlink(f"{folder}/{name}")  # the listing's own descriptor is closed by now
+            except OSError:
+                continue
+            held.append(fd)
+    return held
 
 
 def pythonpath_entries(value: str | None, cwd: str) -> list[str]:
@@ -147,10 +194,17 @@ def client(args: list[str]) -> None:
     fallback = [real, *args]
     if not path or parse_argv(args) is None:
         os.execv(real, fallback)
+    inherited = inherited_descriptors()  # before the socket adds one of ours
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
-        request = {"args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
+        request = {
+            "args": args,
+            "cwd": os.getcwd(),
+            "env": dict(os.environ),
+            "namespaces": namespaces(),
+            "inherited": inherited,
+        }
         _send(sock, json.dumps(request).encode(), [0, 1, 2])
         reply = sock.makefile("rb")
         first = reply.readline().split()
@@ -236,14 +290,25 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), list(fds)
 
 
-def _refusal(request: dict, fds: list[int], key: dict[str, str], path: list[str]) -> str:
-    """Why the server will not fork for `request` ('' when it will); `key` and `path`: the
-    server's `env_key` and PYTHONPATH entries."""
+def _refusal(
+    request: dict, fds: list[int], key: dict[str, str], path: list[str], spaces: dict[str, str]
+) -> str:
+    """Why the server will not fork for `request` ('' when it will); `key`, `path` and `spaces`:
+    the server's `env_key`, PYTHONPATH entries and `namespaces`."""
     if len(fds) != 3:
         return "descriptors"
+    if request.get("inherited"):
+        return "inherited descriptors:" + ",".join(map(str, request["inherited"]))
+    theirs = request.get("namespaces", {})
+    differ = sorted(k for k in spaces.keys() | theirs.keys() if spaces.get(k) != theirs.get(k))
+    if differ:
+        return "namespaces:" + ",".join(differ)
     if parse_argv(request["args"]) is None:
         return "options"
     theirs = env_key(request["env"])
+    unset = [k for k in ENV_APPLIED if k in os.environ and k not in request["env"]]
+    if unset:  # jax's default, which the server's import no longer has
+        return "environment:" + ",".join(unset)
     if theirs != key:
         return "environment:" + ",".join(
             sorted(k for k in key.keys() | theirs.keys() if key.get(k) != theirs.get(k))
@@ -275,6 +340,7 @@ class _Server:
         self.log = os.environ.get("JAXDIST_TEST_PREFORK_LOG")
         before = dict(os.environ)
         self.key = env_key(before)
+        self.namespaces = namespaces()
         # sys.path is [this script's folder, PYTHONPATH's entries, the rest]: a child puts its
         # own folder and entries before the rest.
         self.pythonpath = pythonpath_entries(before.get("PYTHONPATH"), os.getcwd())
@@ -362,7 +428,7 @@ class _Server:
             conn.settimeout(10)
             request, fds = _recv_request(conn)
             conn.settimeout(None)
-            refused = _refusal(request, fds, self.key, self.pythonpath)
+            refused = _refusal(request, fds, self.key, self.pythonpath, self.namespaces)
             if refused:
                 if self.log:
                     with open(self.log, "a") as f:
@@ -417,6 +483,17 @@ def _stdio(unbuffered: bool) -> None:
     sys.stderr = sys.__stderr__ = writer(2, "backslashreplace", True)
 
 
+def _apply_config(server_env: dict[str, str]) -> None:
+    """jax's config from this child's `ENV_APPLIED` variables where they differ from the server's
+    (`_refusal` has checked the child sets each one the server sets)."""
+    for name, kind in ENV_APPLIED.items():
+        value = os.environ.get(name)
+        if value is not None and value != server_env.get(name):
+            import jax
+
+            jax.config.update(name.lower(), kind(value))
+
+
 def _child(request: dict, fds: list[int], imported: dict, rest_of_path: list[str]) -> None:
     import atexit
     import runpy
@@ -434,6 +511,7 @@ def _child(request: dict, fds: list[int], imported: dict, rest_of_path: list[str
     os.chdir(request["cwd"])
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # a fresh interpreter's global generator is unseeded
+    server_env = {k: v for k, v in os.environ.items() if k in ENV_APPLIED}
     os.environ.clear()
     os.environ.update(request["env"])
     for k, (was, now) in imported.items():
@@ -444,6 +522,8 @@ def _child(request: dict, fds: list[int], imported: dict, rest_of_path: list[str
                 os.environ[k] = now
     entries = pythonpath_entries(os.environ.get("PYTHONPATH"), request["cwd"])
     sys.path[:] = ["", *entries, *rest_of_path]  # [0] is set below, as the mode has it
+    sys.executable = os.environ.get(PYTHON_ENV) or sys.executable  # its `python`s come here too
+    _apply_config(server_env)
     mode, target, rest, unbuffered = parse_argv(request["args"])
     _stdio(unbuffered or bool(os.environ.get("PYTHONUNBUFFERED")))
     code, killed_by = 0, 0

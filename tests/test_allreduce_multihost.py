@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxdist import checkpoint
-from tests.helpers import tiny_gpt_config
+from tests.helpers import python, tiny_gpt_config
 from tests.test_allreduce import (
     EXACT,
     _first_gradient,
@@ -93,9 +93,9 @@ def _jobs() -> dict[str, tuple[int, tuple[str, ...], dict]]:
 
 
 def _multijob(jobs_file, processes: int) -> list[str]:
-    job = ["python", "tests/multijob.py", str(jobs_file)]
+    job = [python(), "tests/multijob.py", str(jobs_file)]  # forked (tests/prefork.py)
     if processes == 1:
-        return [sys.executable, *job[1:]]
+        return job
     launch = [sys.executable, str(LAUNCH), f"--num_processes={processes}"]
     return [*launch, f"--devices_per_process={8 // processes}", "--grace_s=2", "--", *job]
 

@@ -116,6 +116,7 @@ def test_remove_survives_a_peer_removing_the_shared_folder_first(tmp_path, monke
 
 @pytest.mark.slow
 def test_kill_9_restores_the_lost_process_from_its_peer_bit_exact(tmp_path):
+    from tests.helpers import python
     from tests.test_faults import EXIT_DEADLINE_S, Job, last_step, worker
     from tests.test_multihost import FSDP, records, train_cmd
 
@@ -123,7 +124,10 @@ def test_kill_9_restores_the_lost_process_from_its_peer_bit_exact(tmp_path):
     flags = (*FSDP, f"--config.train.steps={steps}", "--config.checkpoint.every=100")
     tag = f"{os.getpid()}-{time.monotonic_ns()}"  # unique in /proc
     reference = tmp_path / f"ref-{tag}"
-    job = Job(train_cmd(reference, *flags, processes=2), tmp_path, "reference")
+    # the reference's processes are forked (tests/prefork.py); the killed job's are the script's
+    job = Job(
+        train_cmd(reference, *flags, processes=2, interpreter=python()), tmp_path, "reference"
+    )
     try:
         assert job.wait(300) == 0, job.text()[-3000:]
     finally:
@@ -259,6 +263,7 @@ def test_two_process_fast_tier_restores_onto_one_process_bit_exact(tmp_path):
     peer copy, and ends at step 5 with the parameters and optimizer state of the same resume
     from the persistent step 4. Without the peer copy the one missing slice is named and the
     run falls back to the persistent tier."""
+    from tests.helpers import python
     from tests.test_multihost import _env, in_parallel, train_cmd
 
     mesh = ("--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.mesh.tensor=1")
@@ -275,12 +280,18 @@ def test_two_process_fast_tier_restores_onto_one_process_bit_exact(tmp_path):
                 "--config.checkpoint.every=0",
                 *fast,
                 processes=2,
+                interpreter=python(),
             ),
             env,
         ),
         (
             train_cmd(
-                pers_w, *mesh, "--config.train.steps=4", "--config.checkpoint.every=4", processes=2
+                pers_w,
+                *mesh,
+                "--config.train.steps=4",
+                "--config.checkpoint.every=4",
+                processes=2,
+                interpreter=python(),
             ),
             env,
         ),
@@ -298,8 +309,11 @@ def test_two_process_fast_tier_restores_onto_one_process_bit_exact(tmp_path):
     shutil.rmtree(lost_local / "p0" / "held")  # ... and the peer copy of its shards
     one = ("--config.runtime.cpu_devices=4", "--config.checkpoint.every=5")
     out_fast, _, out_lost = in_parallel(
-        (train_cmd(fast_w, *mesh, *one, "--config.train.steps=5", *fast), env),
-        (train_cmd(pers_w, *mesh, *one, "--config.train.steps=5"), env),
+        (
+            train_cmd(fast_w, *mesh, *one, "--config.train.steps=5", *fast, interpreter=python()),
+            env,
+        ),
+        (train_cmd(pers_w, *mesh, *one, "--config.train.steps=5", interpreter=python()), env),
         (
             train_cmd(
                 lost_w,
@@ -308,6 +322,7 @@ def test_two_process_fast_tier_restores_onto_one_process_bit_exact(tmp_path):
                 "--config.train.steps=1",
                 "--config.checkpoint.local_every=4",
                 f"--config.checkpoint.local_dir={lost_local}",
+                interpreter=python(),
             ),
             env,
         ),

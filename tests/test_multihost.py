@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from tests.helpers import env_without_cluster
+from tests.helpers import env_without_cluster, python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "scripts" / "launch.py"
@@ -121,10 +121,16 @@ def _env(audit_dir: pathlib.Path | None, tag: str | None) -> dict[str, str]:
     return env
 
 
-def train_cmd(workdir: pathlib.Path, *flags: str, processes: int = 1) -> list[str]:
-    train = ["python", TRAIN, f"--workdir={workdir}", *SMALL, *flags]
+def train_cmd(
+    workdir: pathlib.Path, *flags: str, processes: int = 1, interpreter: str = sys.executable
+) -> list[str]:
+    """scripts/train.py on `processes` processes (scripts/launch.py's, for more than one).
+    `interpreter` runs the training processes: helpers.python() forks them from the suite's server
+    (tests/prefork.py); a test that signals or finds a training process by its pid or command
+    line keeps this interpreter's, so the process is the script itself."""
+    train = [interpreter, TRAIN, f"--workdir={workdir}", *SMALL, *flags]
     if processes == 1:
-        return [sys.executable, *train[1:]]
+        return train
     launch = [sys.executable, str(LAUNCH), f"--num_processes={processes}"]
     return [*launch, f"--devices_per_process={8 // processes}", "--grace_s=2", "--", *train]
 
@@ -254,7 +260,10 @@ def runs(tmp_path_factory, audit_dir):
     fsdp = (*FSDP, "--config.checkpoint.every=0", "--config.train.steps=3")
     res: dict = {}
     res["out_ref"], res["out_two"], res["out_fsdp_two"] = in_parallel(
-        (train_cmd(w["ref"], *dt, "--config.train.steps=6"), _env(None, None)),
+        (
+            train_cmd(w["ref"], *dt, "--config.train.steps=6", interpreter=python()),
+            _env(None, None),
+        ),
         (train_cmd(w["two"], *dt, "--config.train.steps=4", processes=2), _env(audit_dir, "two")),
         (train_cmd(w["fsdp_two"], *fsdp, processes=2), _env(audit_dir, "fsdp_two")),
     )
@@ -269,12 +278,15 @@ def runs(tmp_path_factory, audit_dir):
             w["ref"] / "checkpoints" / str(step), w["one_to_two"] / "checkpoints" / str(step)
         )
     res["out_two_to_one"], res["out_one_to_two"], _, res["out_hybrid"] = in_parallel(
-        (train_cmd(w["two"], *dt, "--config.train.steps=6"), _env(None, None)),
+        (
+            train_cmd(w["two"], *dt, "--config.train.steps=6", interpreter=python()),
+            _env(None, None),
+        ),
         (
             train_cmd(w["one_to_two"], *dt, "--config.train.steps=6", processes=2),
             _env(audit_dir, "one_to_two"),
         ),
-        (train_cmd(w["fsdp_one"], *fsdp), _env(None, None)),
+        (train_cmd(w["fsdp_one"], *fsdp, interpreter=python()), _env(None, None)),
         # The hybrid host × device mesh: data=4 with 2 of it across the 2 processes (slow links).
         (
             train_cmd(
@@ -284,6 +296,7 @@ def runs(tmp_path_factory, audit_dir):
                 "--config.checkpoint.every=0",
                 "--config.train.steps=4",
                 processes=2,
+                interpreter=python(),
             ),
             _env(None, None),
         ),

@@ -51,7 +51,12 @@ def server(tmp_path_factory):
 def _both(server, *args, env=None, cwd=ROOT):
     """(forked run, fresh run) of `python ARGS` in `env` (added to this process's)."""
     shims, _, sock = server
-    env = {**os.environ, prefork.SOCKET_ENV: str(sock), **(env or {})}
+    env = {
+        **os.environ,
+        prefork.SOCKET_ENV: str(sock),
+        prefork.PYTHON_ENV: str(shims / "python"),
+        **(env or {}),
+    }
     return tuple(
         subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True)
         for python in (shims / "python", sys.executable)
@@ -139,6 +144,30 @@ def test_an_environment_read_at_import_runs_a_fresh_interpreter(server):
     assert enabled == "True" and int(parent) != server_pid
 
 
+def test_a_compilation_cache_of_its_own_is_forked_and_used(server, tmp_path):
+    """tests/test_resume.py gives its runs a compilation cache of their own: jax reads the
+    variables at import, the child sets its config from them, and its programs go there."""
+    _, server_pid, _ = server
+    code = (
+        "import os, jax; jax.jit(lambda x: x + 1)(1.0); d = jax.config.jax_compilation_cache_dir;"
+        " print(os.getppid(), d, jax.config.jax_persistent_cache_min_entry_size_bytes,"
+        " len(os.listdir(d)) > 0)"
+    )
+    runs = []
+    for name in ("forked", "fresh"):
+        env = {
+            "JAX_COMPILATION_CACHE_DIR": str(tmp_path / name),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+        }
+        runs.append(_both(server, "-c", code, env=env)[0 if name == "forked" else 1])
+    (forked, fresh) = runs
+    parent, *got = forked.stdout.split()
+    assert int(parent) == server_pid, forked.stderr
+    assert got == [str(tmp_path / "forked"), "-1", "True"]
+    assert fresh.stdout.split()[1:] == [str(tmp_path / "fresh"), "-1", "True"]
+
+
 def test_a_variable_named_python_alone_is_no_interpreter_variable(server):
     """`PYTHON` names the interpreter a script should run (scripts/gpu_check.sh reads it): the
     child is forked with it. PYTHONHASHSEED, which the interpreter reads, runs a fresh one."""
@@ -172,6 +201,80 @@ def test_pythonpath_is_the_childs_unless_it_could_shadow_an_import(server, tmp_p
     (tmp_path / "site" / "sitecustomize.py").write_text("print('customized')\n")
     forked, fresh = _both(server, "-c", code, env={"PYTHONPATH": "lib:site"}, cwd=tmp_path)
     assert forked.stdout.startswith("customized\n") and fresh.stdout.startswith("customized\n")
+
+
+# What a child's own `sys.executable` starts (scripts/launch.py's workers): forked too, unless the
+# fork cannot reproduce it.
+SPAWN = """
+import os, subprocess, sys
+print(os.getppid(), flush=True)
+subprocess.run([sys.executable, *sys.argv[1:]], check=True)
+"""
+PARENT = "import os; print(os.getppid())"
+
+
+def test_the_python_processes_a_child_starts_are_forked_too(server):
+    _, server_pid, _ = server
+    forked, fresh = _both(server, "-c", SPAWN, "-c", PARENT)
+    assert fresh.returncode == 0, fresh.stderr
+    child, grandchild = map(int, forked.stdout.split())
+    assert child == grandchild == server_pid, forked.stderr
+    assert server_pid not in map(int, fresh.stdout.split())
+
+
+def test_unbuffered_by_the_environment_is_forked_and_unbuffered(server):
+    """launch.py starts its workers with PYTHONUNBUFFERED=1: the child's stdout writes through, as
+    a fresh one's does (`os._exit` flushes nothing; a buffered pipe would lose the line)."""
+    _, server_pid, _ = server
+    code = "import os, sys; print(os.getppid(), file=sys.stderr); print('out'); os._exit(0)"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PYTHONUNBUFFERED", raising=False)
+        for value, out in (("1", "out\n"), (None, "")):  # forked either way, as the server's
+            forked, fresh = _both(
+                server, "-c", code, env={"PYTHONUNBUFFERED": value} if value else None
+            )
+            assert int(forked.stderr) == server_pid and int(fresh.stderr) != server_pid
+            assert forked.stdout == fresh.stdout == out
+
+
+def test_a_client_holding_another_descriptor_runs_fresh(server):
+    """multiprocessing's spawn passes its pipes with `pass_fds`: only 0-2 reach a forked child, so
+    the client runs the interpreter itself, which holds them."""
+    _, server_pid, _ = server
+    code = (
+        "import os, subprocess, sys\n"
+        "read, write = os.pipe()\n"
+        "tell = f'import os; os.write({write}, str(os.getppid()).encode())'\n"
+        "subprocess.run([sys.executable, '-c', tell], pass_fds=(write,), check=True)\n"
+        "os.close(write)\n"
+        "print(os.getppid(), os.read(read, 100).decode())\n"
+    )
+    forked, fresh = _both(server, "-c", code)
+    assert forked.returncode == fresh.returncode == 0, forked.stderr + fresh.stderr
+    child, grandchild = map(int, forked.stdout.split())
+    assert child == server_pid and grandchild not in (server_pid, 0)
+
+
+def test_a_client_in_another_network_namespace_runs_fresh(server):
+    """`ip netns exec` / `unshare` (jaxdist/network/namespaces.py): a forked child would run in the
+    server's network; the client runs the interpreter itself, in its own."""
+    _, server_pid, _ = server
+    if subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no permission to make a network namespace here")
+    code = "import os, socket; print(os.getppid(), len(socket.if_nameindex()))"
+    forked, fresh = _both(server, "-c", SPAWN, "-c", code)
+    assert forked.returncode == 0, forked.stderr
+    shims, _, sock = server
+    env = {**os.environ, prefork.SOCKET_ENV: str(sock)}
+    unshared = subprocess.run(
+        ["unshare", "--net", "--", str(shims / "python"), "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    parent, interfaces = map(int, unshared.stdout.split())
+    assert parent != server_pid and interfaces == 1, unshared.stderr  # its own: loopback only
+    assert int(forked.stdout.split()[1]) == server_pid  # the same code, in ours: forked
 
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["to the client", "to its group"])
