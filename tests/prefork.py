@@ -290,32 +290,29 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), list(fds)
 
 
-def _refusal(
-    request: dict, fds: list[int], key: dict[str, str], path: list[str], spaces: dict[str, str]
-) -> str:
-    """Why the server will not fork for `request` ('' when it will); `key`, `path` and `spaces`:
-    the server's `env_key`, PYTHONPATH entries and `namespaces`."""
+def _refusal(request: dict, fds: list[int], server: _Server) -> str:
+    """Why `server` will not fork for `request` ('' when it will)."""
     if len(fds) != 3:
         return "descriptors"
     if request.get("inherited"):
         return "inherited descriptors:" + ",".join(map(str, request["inherited"]))
-    theirs = request.get("namespaces", {})
-    differ = sorted(k for k in spaces.keys() | theirs.keys() if spaces.get(k) != theirs.get(k))
+    ours, spaces = server.namespaces, request.get("namespaces", {})
+    differ = sorted(k for k in ours.keys() | spaces.keys() if ours.get(k) != spaces.get(k))
     if differ:
         return "namespaces:" + ",".join(differ)
     if parse_argv(request["args"]) is None:
         return "options"
-    theirs = env_key(request["env"])
-    unset = [k for k in ENV_APPLIED if k in os.environ and k not in request["env"]]
+    unset = [k for k in server.applied if k not in request["env"]]
     if unset:  # jax's default, which the server's import no longer has
         return "environment:" + ",".join(unset)
+    key, theirs = server.key, env_key(request["env"])
     if theirs != key:
         return "environment:" + ",".join(
             sorted(k for k in key.keys() | theirs.keys() if key.get(k) != theirs.get(k))
         )
     entries = pythonpath_entries(request["env"].get("PYTHONPATH"), request["cwd"])
     imported = {name.split(".")[0] for name in sys.modules}
-    refused = pythonpath_refusal(path, entries, imported)
+    refused = pythonpath_refusal(server.pythonpath, entries, imported)
     if refused:
         return refused
     if len(os.listdir("/proc/self/task")) != 1:
@@ -340,6 +337,7 @@ class _Server:
         self.log = os.environ.get("JAXDIST_TEST_PREFORK_LOG")
         before = dict(os.environ)
         self.key = env_key(before)
+        self.applied = {k: before[k] for k in ENV_APPLIED if k in before}
         self.namespaces = namespaces()
         # sys.path is [this script's folder, PYTHONPATH's entries, the rest]: a child puts its
         # own folder and entries before the rest.
@@ -428,7 +426,7 @@ class _Server:
             conn.settimeout(10)
             request, fds = _recv_request(conn)
             conn.settimeout(None)
-            refused = _refusal(request, fds, self.key, self.pythonpath, self.namespaces)
+            refused = _refusal(request, fds, self)
             if refused:
                 if self.log:
                     with open(self.log, "a") as f:
@@ -460,7 +458,7 @@ class _Server:
             other.close()
         conn.close()
         try:
-            _child(request, fds, self.imported, self.rest_of_path)  # ends the process
+            _child(request, fds, self)  # ends the process
         finally:
             os._exit(70)  # never back into the server's loop
 
@@ -483,18 +481,18 @@ def _stdio(unbuffered: bool) -> None:
     sys.stderr = sys.__stderr__ = writer(2, "backslashreplace", True)
 
 
-def _apply_config(server_env: dict[str, str]) -> None:
+def _apply_config(server_values: dict[str, str]) -> None:
     """jax's config from this child's `ENV_APPLIED` variables where they differ from the server's
     (`_refusal` has checked the child sets each one the server sets)."""
     for name, kind in ENV_APPLIED.items():
         value = os.environ.get(name)
-        if value is not None and value != server_env.get(name):
+        if value is not None and value != server_values.get(name):
             import jax
 
             jax.config.update(name.lower(), kind(value))
 
 
-def _child(request: dict, fds: list[int], imported: dict, rest_of_path: list[str]) -> None:
+def _child(request: dict, fds: list[int], server: _Server) -> None:
     import atexit
     import runpy
     import threading
@@ -511,19 +509,18 @@ def _child(request: dict, fds: list[int], imported: dict, rest_of_path: list[str
     os.chdir(request["cwd"])
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # a fresh interpreter's global generator is unseeded
-    server_env = {k: v for k, v in os.environ.items() if k in ENV_APPLIED}
     os.environ.clear()
     os.environ.update(request["env"])
-    for k, (was, now) in imported.items():
+    for k, (was, now) in server.imported.items():
         if os.environ.get(k) == was:
             if now is None:
                 del os.environ[k]
             else:
                 os.environ[k] = now
     entries = pythonpath_entries(os.environ.get("PYTHONPATH"), request["cwd"])
-    sys.path[:] = ["", *entries, *rest_of_path]  # [0] is set below, as the mode has it
+    sys.path[:] = ["", *entries, *server.rest_of_path]  # [0] is set below, as the mode has it
     sys.executable = os.environ.get(PYTHON_ENV) or sys.executable  # its `python`s come here too
-    _apply_config(server_env)
+    _apply_config(server.applied)
     mode, target, rest, unbuffered = parse_argv(request["args"])
     _stdio(unbuffered or bool(os.environ.get("PYTHONUNBUFFERED")))
     code, killed_by = 0, 0
