@@ -48,19 +48,33 @@ def server(tmp_path_factory):
     proc.wait(timeout=30)
 
 
-def _both(server, *args, env=None, cwd=ROOT):
-    """(forked run, fresh run) of `python ARGS` in `env` (added to this process's)."""
+def _server_env(server, env=None) -> dict[str, str]:
+    """This process's environment pointed at `server`, with `env` added."""
     shims, _, sock = server
-    env = {
+    return {
         **os.environ,
         prefork.SOCKET_ENV: str(sock),
         prefork.PYTHON_ENV: str(shims / "python"),
         **(env or {}),
     }
-    return tuple(
-        subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True)
-        for python in (shims / "python", sys.executable)
+
+
+def _run(server, forked: bool, *args, env=None, cwd=ROOT, prefix=()):
+    """`python ARGS` in `env` (added to this process's), through `server`'s shim or with the
+    plain interpreter; `prefix` runs before it (`unshare ...`)."""
+    python = server[0] / "python" if forked else sys.executable
+    return subprocess.run(
+        [*prefix, str(python), *args],
+        cwd=cwd,
+        env=_server_env(server, env),
+        capture_output=True,
+        text=True,
     )
+
+
+def _both(server, *args, env=None, cwd=ROOT):
+    """(forked run, fresh run) of `python ARGS` in `env` (added to this process's)."""
+    return tuple(_run(server, forked, *args, env=env, cwd=cwd) for forked in (True, False))
 
 
 def test_a_script_sees_what_a_fresh_interpreter_sees(server, tmp_path):
@@ -153,15 +167,20 @@ def test_a_compilation_cache_of_its_own_is_forked_and_used(server, tmp_path):
         " print(os.getppid(), d, jax.config.jax_persistent_cache_min_entry_size_bytes,"
         " len(os.listdir(d)) > 0)"
     )
-    runs = []
-    for name in ("forked", "fresh"):
-        env = {
-            "JAX_COMPILATION_CACHE_DIR": str(tmp_path / name),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-        }
-        runs.append(_both(server, "-c", code, env=env)[0 if name == "forked" else 1])
-    (forked, fresh) = runs
+    forked, fresh = (
+        _run(
+            server,
+            name == "forked",
+            "-c",
+            code,
+            env={
+                "JAX_COMPILATION_CACHE_DIR": str(tmp_path / name),
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+            },
+        )
+        for name in ("forked", "fresh")
+    )
     parent, *got = forked.stdout.split()
     assert int(parent) == server_pid, forked.stderr
     assert got == [str(tmp_path / "forked"), "-1", "True"]
@@ -262,16 +281,9 @@ def test_a_client_in_another_network_namespace_runs_fresh(server):
     if subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode != 0:
         pytest.skip("no permission to make a network namespace here")
     code = "import os, socket; print(os.getppid(), len(socket.if_nameindex()))"
-    forked, fresh = _both(server, "-c", SPAWN, "-c", code)
+    forked = _run(server, True, "-c", SPAWN, "-c", code)
     assert forked.returncode == 0, forked.stderr
-    shims, _, sock = server
-    env = {**os.environ, prefork.SOCKET_ENV: str(sock)}
-    unshared = subprocess.run(
-        ["unshare", "--net", "--", str(shims / "python"), "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    unshared = _run(server, True, "-c", code, prefix=("unshare", "--net", "--"))
     parent, interfaces = map(int, unshared.stdout.split())
     assert parent != server_pid and interfaces == 1, unshared.stderr  # its own: loopback only
     assert int(forked.stdout.split()[1]) == server_pid  # the same code, in ours: forked
