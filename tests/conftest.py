@@ -236,6 +236,8 @@ def _costliest_files_first(items) -> None:
 # JAXDIST_TEST_CPU_LOG=FILE: one JSON line per test phase with the CPU seconds it cost (this
 # process and the subprocesses it waited for), a measure of the suite's cost that a busy machine
 # does not inflate as it does wall time. For planning where the suite's time goes; off by default.
+# Each record also names its xdist worker and the time it ended: with `wall_s`, each worker's
+# timeline (which files it ran when, and whether one worker idled while the other finished).
 _CPU_LOG = os.environ.get("JAXDIST_TEST_CPU_LOG")
 # With it, each record also counts what the phase asked of jax in this process (not in its
 # subprocesses): programs compiled (persistent-cache misses: the suite's cache is fresh, so each is
@@ -282,6 +284,8 @@ if _CPU_LOG:
                 "test": item.nodeid,
                 "cpu_s": round(_cpu_seconds() - cpu, 3),
                 "wall_s": round(time.perf_counter() - wall, 3),
+                "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                "end": round(time.time(), 1),
                 **{k: _jax_counts.get(k, 0) for k in (*_JAX_EVENTS.values(), "functions_traced")},
             }
             f.write(json.dumps(record) + "\n")

@@ -18,7 +18,7 @@ import pytest
 
 from jaxdist import workdir_lock
 from jaxdist.errors import ConfigError
-from tests.helpers import suite_xla_flags
+from tests.helpers import python, suite_xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 SINCE = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00"
@@ -102,10 +102,13 @@ def test_a_lock_left_by_the_launchers_earlier_attempt_is_taken_over_on_any_host(
         assert json.loads(path.read_text())["pid"] == os.getpid()
 
 
-def _train(workdir: Path, *extra: str) -> subprocess.Popen:
+def _train(workdir: Path, *extra: str, interpreter: str | None = None) -> subprocess.Popen:
+    """`scripts/train.py` on configs/mlp.py; forked from the suite's preloaded interpreter unless
+    `interpreter` is given (the holder, whose pid the lock must name, runs as itself)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     env["XLA_FLAGS"] = suite_xla_flags()
-    cmd = [sys.executable, "scripts/train.py", "--config=configs/mlp.py", f"--workdir={workdir}"]
+    cmd = [interpreter or python(), "scripts/train.py", "--config=configs/mlp.py"]
+    cmd.append(f"--workdir={workdir}")
     return subprocess.Popen(
         [*cmd, "--config.train.log_every=1", *extra],
         cwd=REPO,
@@ -120,7 +123,12 @@ def test_two_train_processes_on_one_workdir(tmp_path):
     pytest.importorskip("sklearn", reason="configs/mlp.py trains on scikit-learn's digits")
     workdir = tmp_path / "w"
     path = workdir / workdir_lock.LOCK_NAME
-    first = _train(workdir, "--config.train.steps=100000", "--config.checkpoint.every=0")
+    first = _train(
+        workdir,
+        "--config.train.steps=100000",
+        "--config.checkpoint.every=0",
+        interpreter=sys.executable,
+    )
     try:
         deadline = time.monotonic() + 300
         while not path.exists():
