@@ -107,10 +107,9 @@ def _train(workdir: Path, *extra: str, interpreter: str | None = None) -> subpro
     `interpreter` is given (the holder, whose pid the lock must name, runs as itself)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     env["XLA_FLAGS"] = suite_xla_flags()
-    cmd = [interpreter or python(), "scripts/train.py", "--config=configs/mlp.py"]
-    cmd.append(f"--workdir={workdir}")
+    script = ["scripts/train.py", "--config=configs/mlp.py", f"--workdir={workdir}"]
     return subprocess.Popen(
-        [*cmd, "--config.train.log_every=1", *extra],
+        [interpreter or python(), *script, "--config.train.log_every=1", *extra],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
