@@ -29,7 +29,7 @@ Studies:
             per file) at each of --seq_lens: the packing efficiency (fraction of row slots that
             hold a token, not padding), the fraction of slots with a loss target (`windows`:
             all), segments per row, the fraction of documents cut over rows, and the host time
-            of the packing plan (`jaxdist.data.pack_rows`) and of one batch of --batch_size rows.
+            of the packing plan (`jaxdist.packing.pack_rows`) and of one batch of --batch_size rows.
 
 Every figure is a median over --repeats runs (10th–90th percentile alongside), written to --out.
 """

@@ -160,6 +160,7 @@ PLAN_MODULES = (
 # above them all). Every jaxdist module is listed, so a new one has to pick its place.
 LAYERS = (
     {"jaxdist.loop"},
+    {"jaxdist.resume"},  # where a run starts: a checkpoint's tier, init_from's weights, or fresh
     # step / state; weights: what `train.init_from` and the HF tools read a model from
     {
         "jaxdist.train",
@@ -208,6 +209,7 @@ LAYERS = (
         "jaxdist.network.wire",
         "jaxdist.orbax_reads",
         "jaxdist.data",
+        "jaxdist.packing",  # data.packing=documents: rows of whole documents, numpy only
         "jaxdist.metrics",
         "jaxdist.hlo_cost",
         "jaxdist.flops",
