@@ -250,7 +250,14 @@ _JAX_EVENTS = {
     "/jax/compilation_cache/cache_misses": "programs_compiled",
     "/jax/compilation_cache/cache_hits": "programs_from_cache",
 }
-_jax_counts: dict[str, int] = {}
+# And the wall seconds jax spent tracing, lowering to MLIR and compiling (a cache hit's load counts
+# as compiling).
+_JAX_DURATIONS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+    "/jax/core/compile/backend_compile_duration": "compile_s",
+}
+_jax_counts: dict[str, float] = {}
 
 
 def _cpu_seconds() -> float:
@@ -267,9 +274,12 @@ if _CPU_LOG:
         if event in _JAX_EVENTS:
             _jax_counts[_JAX_EVENTS[event]] = _jax_counts.get(_JAX_EVENTS[event], 0) + 1
 
-    def _count_duration(event: str, _secs: float, **__) -> None:
+    def _count_duration(event: str, secs: float, **__) -> None:
         if event == "/jax/core/compile/jaxpr_trace_duration":
             _jax_counts["functions_traced"] = _jax_counts.get("functions_traced", 0) + 1
+        if event in _JAX_DURATIONS:
+            key = _JAX_DURATIONS[event]
+            _jax_counts[key] = _jax_counts.get(key, 0) + secs
 
     jax.monitoring.register_event_listener(_count_event)
     jax.monitoring.register_event_duration_secs_listener(_count_duration)
@@ -287,6 +297,7 @@ if _CPU_LOG:
                 "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
                 "end": round(time.time(), 1),
                 **{k: _jax_counts.get(k, 0) for k in (*_JAX_EVENTS.values(), "functions_traced")},
+                **{k: round(_jax_counts.get(k, 0), 3) for k in _JAX_DURATIONS.values()},
             }
             f.write(json.dumps(record) + "\n")
 
