@@ -199,7 +199,9 @@ def pytest_collection_finish(session):
 # before it reads its first flag, a forked one ~0.02. One server per test process, started once
 # the tests are collected; a script started before it is ready runs the plain interpreter.
 # JAXDIST_TEST_NO_PREFORK=1 turns it off. Forked children are the server's, not the test's:
-# JAXDIST_TEST_CPU_LOG does not count their CPU.
+# JAXDIST_TEST_CPU_LOG does not count their CPU; JAXDIST_TEST_PREFORK_LOG=FILE has each server
+# write a JSON line per child it forked (CPU seconds, arguments, the test that started it) and
+# per request it refused (why).
 def _start_prefork_server() -> None:
     from tests import prefork
 

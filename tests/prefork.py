@@ -83,6 +83,7 @@ ENV_APPLIED = {
 }
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 SOCKET_ENV = "JAXDIST_TEST_PREFORK"
+LOG_ENV = "JAXDIST_TEST_PREFORK_LOG"  # a file: a JSON line per child that ended, per refusal
 PYTHON_ENV = "JAXDIST_TEST_PYTHON"  # the shim `python` tests/helpers.python() hands out
 
 
@@ -333,8 +334,8 @@ class _Server:
         import importlib
 
         self.parent = os.getppid()
-        # a JSON line per child (its CPU) and per refusal (why, what)
-        self.log = os.environ.get("JAXDIST_TEST_PREFORK_LOG")
+        # a JSON line per child (its CPU, what it ran, for which test) and per refusal (why, what)
+        self.log = os.environ.get(LOG_ENV)
         before = dict(os.environ)
         self.key = env_key(before)
         self.applied = {k: before[k] for k in ENV_APPLIED if k in before}
@@ -359,6 +360,7 @@ class _Server:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.children: dict[int, socket.socket] = {}  # child pid -> its client's connection
         self.clients: dict[socket.socket, int] = {}
+        self.requests: dict[int, dict] = {}  # child pid -> what it runs, for the log
 
     def run(self) -> None:
         import select
@@ -391,7 +393,8 @@ class _Server:
             if self.log:
                 with open(self.log, "a") as f:
                     cpu = round(usage.ru_utime + usage.ru_stime, 3)
-                    f.write(json.dumps({"pid": pid, "status": status, "cpu": cpu}) + "\n")
+                    what = self.requests.pop(pid, {})
+                    f.write(json.dumps({"pid": pid, "status": status, "cpu": cpu, **what}) + "\n")
             conn = self.children.pop(pid, None)
             if conn is not None:
                 self.clients.pop(conn, None)
@@ -443,6 +446,9 @@ class _Server:
                 pass  # the child has ended already
             self.children[pid] = conn
             self.clients[conn] = pid
+            if self.log:  # what the child ran and for which test, for its record in `_reap`
+                test = request["env"].get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+                self.requests[pid] = {"args": request["args"][:8], "test": test}
             conn.sendall(b"pid %d\n" % pid)
         except OSError:
             conn.close()

@@ -36,8 +36,14 @@ sys.stderr.write("to stderr\\n")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """(shim folder, server pid, socket): a server of this test's own, ready."""
-    proc, sock, python = prefork.start(str(tmp_path_factory.mktemp("prefork")))
+    """(shim folder, server pid, socket): a server of this test's own, ready, writing its log
+    (`LOG_ENV`) to `prefork.log` in its folder."""
+    folder = tmp_path_factory.mktemp("prefork")
+    os.environ[prefork.LOG_ENV] = str(folder / "prefork.log")  # the server reads it as it starts
+    try:
+        proc, sock, python = prefork.start(str(folder))
+    finally:
+        del os.environ[prefork.LOG_ENV]
     deadline = time.monotonic() + 120
     while not os.path.exists(sock):
         assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
@@ -46,6 +52,11 @@ def server(tmp_path_factory):
     yield Path(shims), proc.pid, sock
     proc.terminate()
     proc.wait(timeout=30)
+
+
+def _log(server) -> list[dict]:
+    path = Path(server[2]).parent / "prefork.log"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _server_env(server, env=None) -> dict[str, str]:
@@ -91,6 +102,25 @@ def test_a_script_sees_what_a_fresh_interpreter_sees(server, tmp_path):
     assert got["argv"] == [str(script), "a", "--b=1"] and got["var"] == "x" and got["tf"] == "1"
     assert forked.stderr == fresh.stderr == "to stderr\n"
     assert forked.returncode == fresh.returncode == 0
+
+
+def test_the_log_names_each_childs_cpu_command_and_test_and_each_refusal(server):
+    """The server's log (`JAXDIST_TEST_PREFORK_LOG`): a line per forked child once it ends (its
+    CPU seconds, its arguments, the test that started it: what a forked child costs is not in
+    the test process's own rusage) and a line per refusal."""
+    spin = "import time; t = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    test = "tests/test_x.py::test_y"
+    forked = _run(server, True, "-c", spin, env={"PYTEST_CURRENT_TEST": f"{test} (call)"})
+    refused = _run(server, True, "-c", "pass", env={"JAX_ENABLE_X64": "1"})
+    assert forked.returncode == refused.returncode == 0, (forked.stderr, refused.stderr)
+    deadline = time.monotonic() + 30  # the server writes a child's line when it reaps it
+    while not [r for r in _log(server) if r.get("args") == ["-c", spin] and "cpu" in r]:
+        assert time.monotonic() < deadline, _log(server)
+        time.sleep(0.05)
+    (child,) = [r for r in _log(server) if r.get("args") == ["-c", spin] and "cpu" in r]
+    assert child["test"] == test and child["status"] == 0 and 0.3 <= child["cpu"] < 5, child
+    (refusal,) = [r for r in _log(server) if r.get("args") == ["-c", "pass"]]
+    assert refusal["refused"] == "environment:JAX_ENABLE_X64", refusal
 
 
 def test_dash_c_and_relative_script_paths(server, tmp_path):
