@@ -210,6 +210,7 @@ def test_sigkill_of_the_launcher_leaves_nothing(clean):
     while len(namespaces.leftovers(tag)) < 5 and time.monotonic() < deadline:
         time.sleep(0.1)  # switch + 2 hosts in /run/netns, 2 hosts in /etc/netns
     assert len(namespaces.leftovers(tag)) == 5, namespaces.leftovers(tag)
+    assert not set(namespaces.leftovers(tag)) & set(namespaces.stale())  # its launcher runs
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     deadline = time.monotonic() + 20
@@ -223,6 +224,7 @@ def test_sigkill_of_the_launcher_leaves_nothing(clean):
     subprocess.run(["ip", "netns", "add", stale.hosts[0].netns], check=True)
     os.makedirs(f"{namespaces.NETNS_ETC}/{stale.hosts[0].netns}")
     assert len(namespaces.leftovers(stale.tag)) == 2
+    assert set(namespaces.leftovers(stale.tag)) <= set(namespaces.stale())
     assert sorted(namespaces.remove_stale()) == [stale.hosts[0].netns] * 2
     assert namespaces.leftovers(stale.tag) == []
 

@@ -164,6 +164,13 @@ def _ours(root: str) -> list[str]:
         return []
 
 
+def stale() -> list[str]:
+    """Namespaces and /etc/netns folders (as `leftovers` names them) of clusters whose launcher is
+    gone: a leak once the launcher's `down()` and its reaper have had their turn. A running
+    launcher's cluster (another job's, beside this one) is never stale."""
+    return [n for n in leftovers() if not _alive(int(_TAG.match(os.path.basename(n)).group(2)))]
+
+
 def remove_stale() -> list[str]:
     """Deletes the namespaces and /etc/netns folders of clusters whose launcher is gone.
 
@@ -171,15 +178,13 @@ def remove_stale() -> list[str]:
       The names removed.
     """
     removed = []
-    for root in (NETNS_RUN, NETNS_ETC):
-        for name in _ours(root):
-            if _alive(int(_TAG.match(name).group(2))):
-                continue
-            if root == NETNS_RUN:
-                subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            else:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            removed.append(name)
+    for path in stale():
+        root, name = os.path.split(path)
+        if root == NETNS_RUN:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        removed.append(name)
     return removed
 
 
