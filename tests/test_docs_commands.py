@@ -343,6 +343,7 @@ NOT_RUN = {
     ),
     "python3 -m venv .venv": _SETUP,
     ". .venv/bin/activate": _SETUP,
+    "pip install -U pip": _SETUP,
     "pip install -e .": _SETUP,
     "pip install --no-compile -e '.[test,hf,eval]'": _SETUP,
     'pip install -e . "jax[cuda13]"': _SETUP + " and a GPU",
