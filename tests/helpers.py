@@ -193,6 +193,7 @@ SUITE_CODEGEN_FLAGS = (
     "--xla_backend_optimization_level",
     "--xla_cpu_parallel_codegen_split_count",
     "--xla_cpu_use_fusion_emitters",
+    "--xla_disable_hlo_passes",  # only the verifier's (tests/conftest.py)
 )
 
 
