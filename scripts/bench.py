@@ -18,7 +18,9 @@ Studies:
             usual choice): bytes on the wire per step (compiled HLO, steady state after any
             warm-up), ratio to `none`, median step time, and the loss after --max_steps steps vs
             uncompressed AdamW (error feedback on; each row's recipe in COMPRESSION_SETTINGS,
-            --methods=a,b runs only those rows and `none`).
+            --methods=a,b runs only those rows and their baselines; --table=small: each method
+            with its paper's optimizer on a 1-layer GPT; --max_loss_vs_baseline=F exits 1 when a
+            row ends more than F above its baseline).
             --max_steps=0 compiles only: bytes and ratios for models too big to train here.
   compile   lower+compile time of the train step for 4 and 48 layers (layers are scanned, so it
             should stay flat: target ≤ 1.5×).
@@ -762,6 +764,55 @@ COMPRESSION_SETTINGS = [
         "none",
     ),
 ]
+# --table=small: each method with the optimizer its paper pairs it with, on a 1-layer GPT for 150
+# steps (docs/COMPRESSION.md, "Each method with its own optimizer"), the momentum-SGD rows against
+# uncompressed momentum SGD at the same settings (--sgd_learning_rate=0.3 there), every other row
+# against uncompressed AdamW. topk is Deep Gradient Compression (momentum correction, momentum-free
+# SGD, density warm-up) and ef_sign 1-bit compressed momentum SGD; onebit_adam is AdamW with 15
+# full-precision steps, then frozen variance and 1-bit momentum; PowerSGD keeps AdamW and sends its
+# first 10 steps (the LR warm-up) uncompressed, as PowerSGD's start_iter does.
+SMALL_JOB_SETTINGS = [
+    ("none", {}, {}, "none"),
+    ("none+sgd", {}, _SGD, "none+sgd"),
+    ("bf16", {"compression": "bf16"}, {}, "none"),
+    ("int8", {"compression": "int8"}, {}, "none"),
+    ("powersgd", {"compression": "powersgd", "rank": 2, "warmup_steps": 10}, {}, "none"),
+    (
+        "topk(DGC)+sgd",
+        {
+            "compression": "topk",
+            "topk_ratio": 0.01,
+            "momentum_correction": True,
+            "warmup_steps": 20,
+        },
+        _SGD,
+        "none+sgd",
+    ),
+    (
+        "ef_sign+sgd",
+        {"compression": "ef_sign", "momentum_correction": True},
+        _SGD,
+        "none+sgd",
+    ),
+    ("onebit_adam", {"compression": "onebit_adam", "warmup_steps": 15}, {}, "none"),
+    # 1-bit Adam's scheme with a 2-bit code
+    ("twobit_adam", {"compression": "twobit_adam", "warmup_steps": 15}, {}, "none"),
+]
+TABLES = {"default": COMPRESSION_SETTINGS, "small": SMALL_JOB_SETTINGS}
+_TABLE = flags.DEFINE_enum(
+    "table",
+    "default",
+    list(TABLES),
+    "--study=compression: the rows: `default` (COMPRESSION_SETTINGS, the recipes tuned on the "
+    "default job) or `small` (SMALL_JOB_SETTINGS: each method with its paper's optimizer, the "
+    "momentum-SGD rows against uncompressed momentum SGD).",
+)
+_BOUND = flags.DEFINE_float(
+    "max_loss_vs_baseline",
+    None,
+    "--study=compression: fail (exit 1, after writing the JSON) when a row's final loss is more "
+    "than this fraction above its baseline's, e.g. 0.05; unset = report only.",
+)
 _METHODS = flags.DEFINE_list(
     "methods", [], "--study=compression: run only these rows (labels as printed); default all."
 )
@@ -785,18 +836,19 @@ _SGD_LR = flags.DEFINE_float(
 
 
 def _compression_rows() -> list:
-    """The COMPRESSION_SETTINGS rows --methods and --recipe choose, each (label, grad_sync
+    """The --table rows --methods and --recipe choose, each (label, grad_sync
     fields, train fields, baseline label)."""
+    table = TABLES[_TABLE.value]
     chosen = set(_METHODS.value)
-    unknown = chosen - {row[0] for row in COMPRESSION_SETTINGS}
+    unknown = chosen - {row[0] for row in table}
     if unknown:
         raise ConfigError(
-            f"--methods: unknown {', '.join(sorted(unknown))}; valid: "
-            + ", ".join(row[0] for row in COMPRESSION_SETTINGS)
+            f"--methods: unknown {', '.join(sorted(unknown))} in --table={_TABLE.value}; valid: "
+            + ", ".join(row[0] for row in table)
         )
     recipe = json.loads(_RECIPE.value) if _RECIPE.value else {}
     rows = []
-    for label, fields, train_fields, base_label in COMPRESSION_SETTINGS:
+    for label, fields, train_fields, base_label in table:
         if chosen and label not in chosen | {"none", base_label}:
             continue
         if recipe and label in chosen:
@@ -981,6 +1033,13 @@ def study_compression(config) -> dict:
             else f"{'-':>9}{'-':>9}{'-':>9}"
         )
         print(f"{label:<16}{wire / 2**20:>10.3f}Mi{run['ratio']:>8.1f}{timing}", flush=True)
+    if _BOUND.value is not None and steps > 0:
+        out["max_loss_vs_baseline"] = _BOUND.value
+        out["over_bound"] = [
+            r["method"]
+            for r in out["runs"]
+            if r["method"] != r["baseline"] and r["loss_vs_baseline"] > _BOUND.value
+        ]
     return out
 
 
@@ -1101,6 +1160,15 @@ def main(argv):
     with open(_OUT.value, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {_OUT.value}")
+    if result.get("over_bound"):
+        print(
+            f"check failed: {', '.join(result['over_bound'])} ended more than "
+            f"{result['max_loss_vs_baseline']:.1%} above their baseline's loss "
+            "(--max_loss_vs_baseline)",
+            file=sys.stderr,
+        )
+        return 1
+    return None
 
 
 if __name__ == "__main__":

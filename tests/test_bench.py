@@ -66,6 +66,61 @@ def test_compression_study_end_to_end(tmp_path):
     assert {r["baseline"] for r in runs.values()} == {"none"}
 
 
+def test_compression_small_table_fails_the_rows_over_the_bound(tmp_path):
+    """docs/COMPRESSION.md's study of each method with its own optimizer, as written, then 3 steps
+    of two methods and a bound every compressed row misses: exit 1, the rows named, the JSON
+    written first; the momentum-SGD row against uncompressed momentum SGD."""
+    out = tmp_path / "small.json"
+    proc = subprocess.run(
+        [
+            python(),
+            "scripts/bench.py",
+            "--study=compression",
+            "--table=small",
+            "--config.mesh.data=8",
+            "--config.mesh.fsdp=1",
+            "--config.mesh.tensor=1",
+            "--config.model.num_layers=1",
+            "--config.model.d_model=32",
+            "--config.model.seq_len=16",
+            "--config.train.batch_size=16",
+            "--config.train.warmup_steps=10",
+            "--config.data.max_bytes=400000",
+            "--max_steps=150",
+            "--sgd_learning_rate=0.3",
+            "--max_loss_vs_baseline=0.05",
+            "--out=docs/data/compression_small.json",
+            "--max_steps=3",
+            "--methods=bf16,topk(DGC)+sgd",
+            "--max_loss_vs_baseline=-0.5",
+            f"--out={out}",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("check failed: ")]
+    assert lines == [
+        "check failed: bf16, topk(DGC)+sgd ended more than -50.0% above their baseline's loss "
+        "(--max_loss_vs_baseline)"
+    ], proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    runs = {r["method"]: r for r in result["runs"]}
+    assert list(runs) == ["none", "none+sgd", "bf16", "topk(DGC)+sgd"]
+    assert runs["topk(DGC)+sgd"]["baseline"] == "none+sgd" and runs["bf16"]["baseline"] == "none"
+    assert runs["none+sgd"]["train"] == {"optimizer": "sgd", "momentum": 0.9, "learning_rate": 0.3}
+    assert runs["topk(DGC)+sgd"]["ratio"] > 10  # 1%: values and indices
+    for r in runs.values():
+        assert np.isfinite(r["final_loss"])
+        expected = r["final_loss"] / runs[r["baseline"]]["final_loss"] - 1
+        assert r["loss_vs_baseline"] == pytest.approx(expected)
+    assert result["max_loss_vs_baseline"] == -0.5
+    assert result["over_bound"] == ["bf16", "topk(DGC)+sgd"]
+
+
 def test_aggregation_study_end_to_end(tmp_path):
     out = tmp_path / "aggregation.json"
     proc = run_bench(  # docs/AGGREGATION.md's command as written, then more parts, shorter

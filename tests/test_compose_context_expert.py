@@ -60,7 +60,7 @@ def test_one_bit_compressors_with_context_or_expert(compression, axis):
     """The 1-bit methods on data=4 × `axis`=2 equal the same method on data=4 within 1e-5 (losses).
 
     Only the composition is checked here: how far 3 steps of 1-bit SGD / Adam drift from the
-    uncompressed run is the method's own matter (tests/test_grad_sync.py, docs/COMPRESSION.md).
+    uncompressed run is the method's own matter (the compression study, docs/COMPRESSION.md).
     """
     moe = axis == "expert"
 

@@ -390,6 +390,14 @@ NOT_RUN = {
         "run by tests/test_bench.py::test_compression_study_end_to_end (+ a one-layer model, "
         "--max_steps=4 and four compressors: every compressor for 200 steps takes many minutes)"
     ),
+    "python scripts/bench.py --study=compression --table=small --config.mesh.data=8 "
+    "--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.model.num_layers=1 "
+    "--config.model.d_model=32 --config.model.seq_len=16 --config.train.batch_size=16 "
+    "--config.train.warmup_steps=10 --config.data.max_bytes=400000 --max_steps=150 "
+    "--sgd_learning_rate=0.3 --max_loss_vs_baseline=0.05 --out=docs/data/compression_small.json": (
+        "run by tests/test_bench.py::test_compression_small_table_fails_the_rows_over_the_bound "
+        "(+ --max_steps=3, two methods and a bound they miss: nine runs of 150 steps are a study)"
+    ),
     "bash scripts/gpu_check.sh runs/gpu_check": (
         "run by tests/test_gpu_check.py (the same CPU dry run into a temporary folder, its JSON and "
         "table checked there)"
