@@ -97,9 +97,9 @@ SHORTENED = {
     "--config.train.remat=dots_no_batch --hand --profile=2": (
         "--config.model.attention=xla --config.model.num_layers=1 --config.model.d_model=64 "
         "--config.model.num_heads=2 --config.model.seq_len=32 --config.model.scan_unroll=1 "
-        "--steps=2 --warmup=1 --out_dir=runs/gpu_point",
+        "--config.model.vocab_size=256 --steps=2 --warmup=1 --out_dir=runs/gpu_point",
         "an H100 measurement (cuDNN is refused on a CPU): the same flags run a tiny model with "
-        "XLA attention",
+        "XLA attention (gpt_1b's 50,257-token head alone took 9 of its 12 CPU s here)",
     ),
     "python scripts/bench.py --study=batch --config.runtime.cpu_devices=1 --config.mesh.data=1 "
     "--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.model.d_model=64 "
@@ -174,8 +174,9 @@ SHORTENED = {
         "steps of a 1-layer, 32-wide GPT run the same study",
     ),
     "python scripts/bench.py --study=fp8 --out=docs/data/fp8_default.json": (
-        "--max_steps=2",
-        "300 steps at two precisions take minutes on CPU; 2 steps run the same study",
+        "--max_steps=2 --config.model.num_layers=1 --config.model.d_model=32",
+        "300 steps at two precisions take minutes on CPU; 2 steps of a 1-layer, 32-wide GPT "
+        "run the same study",
     ),
     "python scripts/bench.py --study=fp8 --config=configs/llama_tiny.py "
     "--out=docs/data/fp8_llama_tiny.json": (
@@ -196,8 +197,8 @@ SHORTENED = {
     "--config.mesh.fsdp=1 --config.mesh.tensor=2 --config.mesh.pipeline=2 "
     "--config.model.num_layers=4 --config.pipeline.schedule=1f1b --config.pipeline.microbatches=4 "
     "--workdir=runs/pipeline": (
-        "--config.train.steps=2",
-        "the default job's 300 steps",
+        "--config.train.steps=2 --config.model.d_model=32",
+        "the default job's 300 steps; 2 steps of the same 4 stages 32 wide",
     ),
     "python scripts/train.py --config=configs/llama_tiny.py --workdir=runs/llama_own "
     "--config.data.source=runs/tokens --config.model.vocab_size=512 --config.train.steps=60 "

@@ -31,10 +31,10 @@ def run_train(*args: str, workdir: str, timeout: int = 300) -> subprocess.Comple
 def test_default_job_lowers_loss_and_evaluates(tmp_path):
     # The default config, shortened: same model, mesh (data=2×fsdp=2×tensor=2) and data.
     proc = run_train(
-        "--config.train.steps=60",
-        "--config.train.log_every=20",
-        "--config.train.eval_every=60",
-        "--config.checkpoint.every=30",
+        "--config.train.steps=30",
+        "--config.train.log_every=10",
+        "--config.train.eval_every=30",
+        "--config.checkpoint.every=15",
         workdir=str(tmp_path),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -48,7 +48,7 @@ def test_default_job_lowers_loss_and_evaluates(tmp_path):
     predicted = layout["predicted_bytes_per_device"]
     assert predicted["params"] == pytest.approx(layout["bytes_per_device"]["params"], rel=0.05)
     steps = [r for r in records[1:] if "loss" in r]
-    assert [r["step"] for r in steps] == [20, 40, 60]
+    assert [r["step"] for r in steps] == [10, 20, 30]
     for r in steps:
         assert {"learning_rate", "grad_norm", "step_time_s", "tokens_per_s"} <= r.keys()
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.3
@@ -56,25 +56,25 @@ def test_default_job_lowers_loss_and_evaluates(tmp_path):
     evals = [r for r in records if "eval_loss" in r]
     assert evals and evals[-1]["eval_loss"] < 5.0
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["train"]["steps"] == 60
+    assert cfg["train"]["steps"] == 30
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
     # checkpoints under a relative --workdir (orbax wants absolute paths: the loop resolves it)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["30", "60"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["15", "30"]
     # The console with no terminal (a pipe): a plain line per log_every steps, `done:` on its own
     # line, then where the outputs are; nothing from absl or orbax on stderr.
     out = proc.stdout.splitlines()
     logged = [ln for ln in out if ln.startswith("step ")]
-    assert [ln.split(" │ ")[0] for ln in logged] == [f"step {s:6d}/60" for s in (20, 40, 60)]
+    assert [ln.split(" │ ")[0] for ln in logged] == [f"step {s:6d}/30" for s in (10, 20, 30)]
     for ln in logged:
         assert " │ loss " in ln and " ms/step │ " in ln and " tok/s" in ln, ln
     assert " │ ETA " in logged[0] and " │ eval loss " in logged[-1], logged
     assert sum(ln.startswith("planner │ predicted params ") for ln in out) == 1, out
-    done = [i for i, ln in enumerate(out) if ln.startswith("done: step 60, train loss ")]
+    done = [i for i, ln in enumerate(out) if ln.startswith("done: step 30, train loss ")]
     assert len(done) == 1 and ", eval loss " in out[done[0]], out
     tail = "\n".join(out[done[0] + 1 :])
     workdir = str(tmp_path.resolve())
     assert f"outputs │ {workdir}" in tail
-    assert f"checkpoints  {workdir}/checkpoints (steps 30, 60)" in tail
+    assert f"checkpoints  {workdir}/checkpoints (steps 15, 30)" in tail
     assert f"{workdir}/metrics.jsonl" in tail
     assert f"python scripts/plot.py {workdir}" in tail
     assert proc.stderr.strip() == "", proc.stderr[-2000:]
