@@ -91,7 +91,7 @@ def test_compression_small_table_fails_the_rows_over_the_bound(tmp_path):
             "--max_loss_vs_baseline=0.05",
             "--out=docs/data/compression_small.json",
             "--max_steps=3",
-            "--methods=bf16,topk(DGC)+sgd",
+            "--methods=bf16,ef_sign+sgd",
             "--max_loss_vs_baseline=-0.5",
             f"--out={out}",
         ],
@@ -104,21 +104,21 @@ def test_compression_small_table_fails_the_rows_over_the_bound(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("check failed: ")]
     assert lines == [
-        "check failed: bf16, topk(DGC)+sgd ended more than -50.0% above their baseline's loss "
+        "check failed: bf16, ef_sign+sgd ended more than -50.0% above their baseline's loss "
         "(--max_loss_vs_baseline)"
     ], proc.stderr[-3000:]
     result = json.loads(out.read_text())
     runs = {r["method"]: r for r in result["runs"]}
-    assert list(runs) == ["none", "none+sgd", "bf16", "topk(DGC)+sgd"]
-    assert runs["topk(DGC)+sgd"]["baseline"] == "none+sgd" and runs["bf16"]["baseline"] == "none"
+    assert list(runs) == ["none", "none+sgd", "bf16", "ef_sign+sgd"]
+    assert runs["ef_sign+sgd"]["baseline"] == "none+sgd" and runs["bf16"]["baseline"] == "none"
     assert runs["none+sgd"]["train"] == {"optimizer": "sgd", "momentum": 0.9, "learning_rate": 0.3}
-    assert runs["topk(DGC)+sgd"]["ratio"] > 10  # 1%: values and indices
+    assert runs["ef_sign+sgd"]["ratio"] > 15  # one bit a value and a scale per tensor
     for r in runs.values():
         assert np.isfinite(r["final_loss"])
         expected = r["final_loss"] / runs[r["baseline"]]["final_loss"] - 1
         assert r["loss_vs_baseline"] == pytest.approx(expected)
     assert result["max_loss_vs_baseline"] == -0.5
-    assert result["over_bound"] == ["bf16", "topk(DGC)+sgd"]
+    assert result["over_bound"] == ["bf16", "ef_sign+sgd"]
 
 
 def test_aggregation_study_end_to_end(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -181,6 +183,16 @@ def test_bad_streaming_config_is_one_line(fields, mesh_sizes, match):
     assert "\n" not in str(e.value)
 
 
+@functools.cache
+def _data_fsdp_tensor_run(quantization: str):
+    """(initial, trained) parameters of H steps with two fragments on data=2 × fsdp=2 × tensor=2
+    (the f32 run once for both quantizations)."""
+    c = _cfg(fragments=2, quantization=quantization)
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
+    eng, state = _run(c, H)
+    return jax.device_get(eng.init()["params"]), state["params"]
+
+
 @pytest.mark.parametrize("quantization,tol", [("int8", 0.02), ("int4", 0.3)])
 def test_quantized_outer_steps_on_data_fsdp_tensor(quantization, tol):
     """data=2 × fsdp=2 × tensor=2: after both fragments' first syncs, the anchor's move with
@@ -189,14 +201,8 @@ def test_quantized_outer_steps_on_data_fsdp_tensor(quantization, tol):
     maximum, which cancellation between replicas can make far larger than the mean's. Measured:
     0.007 (int8) and 0.14 (int4) of the largest move."""
 
-    def run(q):
-        c = _cfg(fragments=2, quantization=q)
-        c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
-        eng, state = _run(c, H)
-        return jax.device_get(eng.init()["params"]), state["params"]
-
-    init, exact = run("none")
-    _, got = run(quantization)
+    init, exact = _data_fsdp_tensor_run("none")
+    _, got = _data_fsdp_tensor_run(quantization)
     worst = max(
         np.abs(g - e).max() / np.abs(e - i).max()
         for i, e, g in zip(*map(jax.tree.leaves, (init, exact, got)), strict=True)
