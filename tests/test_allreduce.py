@@ -51,12 +51,18 @@ def _cfg(name: str, **mesh):
     return c
 
 
-def _first_gradient(c):
-    """The reduced gradient of step 0: with staleness 1 it is what step 1 leaves in flight."""
+def first_step(c):
+    """(loss, reduced gradient) of step 0: with staleness 1 the gradient is what step 1 leaves
+    in flight."""
     c.grad_sync.staleness = 1
     eng, batches = engine_for(c)
-    state, _ = eng.train_step(eng.init(), batches.get(0))
-    return jax.device_get(state["in_flight"])
+    state, metrics = eng.train_step(eng.init(), batches.get(0))
+    return float(metrics["loss"]), jax.device_get(state["in_flight"])
+
+
+def _first_gradient(c):
+    """The reduced gradient of step 0."""
+    return first_step(c)[1]
 
 
 def replica_abs_mean(c, n: int):
