@@ -683,6 +683,10 @@ def _plot_batch(out: dict) -> None:
 # compression; ef_sign and the momentum-SGD rows run momentum SGD (their methods' optimizer) at
 # --sgd_learning_rate. The rest keep the config's optimizer (AdamW by default).
 _SGD = {"optimizer": "sgd", "momentum": 0.9}
+# Deep Gradient Compression (1%, momentum correction, 20-step density warm-up) and 1-bit
+# compressed momentum SGD: both move the SGD momentum into the compressor.
+_DGC = {"compression": "topk", "topk_ratio": 0.01, "momentum_correction": True, "warmup_steps": 20}
+_EF_SIGN_SGD = {"compression": "ef_sign", "momentum_correction": True}
 COMPRESSION_SETTINGS = [
     ("none", {}, {}, "none"),
     ("bf16", {"compression": "bf16"}, {}, "none"),
@@ -714,18 +718,8 @@ COMPRESSION_SETTINGS = [
     ("post_local_sgd(H=4)", {"local_steps": 4, "warmup_steps": 80}, {}, "none"),
     # the best momentum SGD measured (lr 0.05-1.0, grad_clip 0 / 0.5 / 1, Nesterov; docs)
     ("none+sgd", {}, {**_SGD, "nesterov": True}, "none"),
-    (
-        "topk(DGC)+sgd",
-        {
-            "compression": "topk",
-            "topk_ratio": 0.01,
-            "momentum_correction": True,
-            "warmup_steps": 20,
-        },
-        _SGD,
-        "none",
-    ),
-    ("ef_sign+sgd", {"compression": "ef_sign", "momentum_correction": True}, _SGD, "none"),
+    ("topk(DGC)+sgd", _DGC, _SGD, "none"),
+    ("ef_sign+sgd", _EF_SIGN_SGD, _SGD, "none"),
     # DGC under AdamW: each replica's own Adam momentum, top-k with factor masking, frozen variance
     # (DGC's all-gather exchange, as topk(DGC)+sgd: the same bytes)
     (
@@ -777,23 +771,8 @@ SMALL_JOB_SETTINGS = [
     ("bf16", {"compression": "bf16"}, {}, "none"),
     ("int8", {"compression": "int8"}, {}, "none"),
     ("powersgd", {"compression": "powersgd", "rank": 2, "warmup_steps": 10}, {}, "none"),
-    (
-        "topk(DGC)+sgd",
-        {
-            "compression": "topk",
-            "topk_ratio": 0.01,
-            "momentum_correction": True,
-            "warmup_steps": 20,
-        },
-        _SGD,
-        "none+sgd",
-    ),
-    (
-        "ef_sign+sgd",
-        {"compression": "ef_sign", "momentum_correction": True},
-        _SGD,
-        "none+sgd",
-    ),
+    ("topk(DGC)+sgd", _DGC, _SGD, "none+sgd"),
+    ("ef_sign+sgd", _EF_SIGN_SGD, _SGD, "none+sgd"),
     ("onebit_adam", {"compression": "onebit_adam", "warmup_steps": 15}, {}, "none"),
     # 1-bit Adam's scheme with a 2-bit code
     ("twobit_adam", {"compression": "twobit_adam", "warmup_steps": 15}, {}, "none"),
