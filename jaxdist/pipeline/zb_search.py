@@ -9,6 +9,7 @@ takes the cheaper of a greedy table and a beam search under `ZB_TICK_COSTS`.
 from __future__ import annotations
 
 import functools
+import operator
 
 import numpy as np
 
@@ -85,20 +86,23 @@ def _zb_search(p: int, m: int, cap: int, costs: np.ndarray) -> list[tuple[int, .
     every stage runs the first action it can whose cost is within the ceiling (so a tick of W
     passes, or of B and F passes, is not made dearer by one stage's slower pass). States are the
     per-stage counts (the table runs each stage's microbatches in order); the `_ZB_BEAM` with the
-    least cost so far plus the largest work any stage has left are kept at every tick."""
+    least cost so far plus the largest work any stage has left are kept at every tick. The rows
+    tried depend only on what each stage can run, and a row's cost and what it adds to the counts
+    only on the row: both are worked out once per search (the same table, 4-5x faster: p = 4,
+    m = 32 in 1.1-1.4 CPU s instead of 4.9-5.9; p = 8, m = 8 in 1.2-1.4 instead of 3.9-4.6)."""
     levels = sorted(set(costs[1:].ravel()))
     orders = [(BWD, FWD, WGT), (FWD, BWD, WGT), (WGT, BWD, FWD), (BWD, WGT, FWD), (WGT, FWD, BWD)]
+    work_f, work_b, work_w = (costs[a].tolist() for a in (FWD, BWD, WGT))  # per stage, as floats
     left = lambda done: max(
-        sum((m - done[k][s]) * costs[k + 1, s] for k in range(3)) for s in range(p)
+        (m - f) * cf + (m - b) * cb + (m - w) * cw
+        for f, b, w, cf, cb, cw in zip(*done, work_f, work_b, work_w)
     )
-    beam = {((0,) * p,) * 3: (0.0, None)}  # state -> (cost, (previous node, row))
-    while any(min(done[2]) < m for done in beam):
-        grown: dict = {}
-        for done, node in beam.items():
-            if min(done[2]) == m:
-                grown.setdefault(done, node)
-                continue
-            can = _zb_runnable(p, m, cap, done)
+    idle = (IDLE,) * p
+    tried: dict = {}  # what each stage can run -> the rows tried
+
+    def rows_from(can: list[dict[int, bool]]) -> tuple[tuple[int, ...], ...]:
+        key = tuple((c[BWD], c[FWD], c[WGT]) for c in can)
+        if key not in tried:
             rows = {
                 tuple(
                     next((a for a in o if c[a] and costs[a, s] <= lvl), IDLE)
@@ -107,11 +111,28 @@ def _zb_search(p: int, m: int, cap: int, costs: np.ndarray) -> list[tuple[int, .
                 for lvl in levels
                 for o in orders
             }
-            for row in rows - {(IDLE,) * p}:
-                key, cost = (
-                    _zb_advance(done, row),
-                    node[0] + max(costs[a, s] for s, a in enumerate(row)),
-                )
+            tried[key] = tuple(rows - {idle})
+        return tried[key]
+
+    moves: dict = {}  # row -> (its cost, what it adds to each count)
+
+    def move(row: tuple[int, ...]) -> tuple[float, tuple]:
+        if row not in moves:
+            adds = tuple(tuple(int(a == act) for a in row) for act in (FWD, BWD, WGT))
+            moves[row] = (max(costs[a, s] for s, a in enumerate(row)), adds)
+        return moves[row]
+
+    beam = {((0,) * p,) * 3: (0.0, None)}  # state -> (cost, (previous node, row))
+    while any(min(done[2]) < m for done in beam):
+        grown: dict = {}
+        for done, node in beam.items():
+            if min(done[2]) == m:
+                grown.setdefault(done, node)
+                continue
+            for row in rows_from(_zb_runnable(p, m, cap, done)):
+                tick, adds = move(row)
+                key = tuple(tuple(map(operator.add, n, d)) for n, d in zip(done, adds))
+                cost = node[0] + tick
                 if key not in grown or cost < grown[key][0]:
                     grown[key] = (cost, (node, row))
         best = sorted(grown, key=lambda k: (grown[k][0] + left(k), k))[:_ZB_BEAM]
@@ -123,7 +144,7 @@ def _zb_search(p: int, m: int, cap: int, costs: np.ndarray) -> list[tuple[int, .
     return rows[::-1]
 
 
-@functools.lru_cache(maxsize=64)  # the search takes seconds at m = 32; tables are built often
+@functools.lru_cache(maxsize=64)  # the search takes a second at m = 32; tables are built often
 def _zb_rows(p: int, m: int, cap: int) -> tuple[tuple[int, ...], ...]:
     """Of the greedy and the searched zb rows, the cheaper under `ZB_TICK_COSTS` (greedy on a tie)."""
     costs = _zb_costs(p)
