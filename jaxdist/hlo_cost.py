@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -60,6 +60,7 @@ _CALL_ATTRS = (
     "false_computation",
     "called_computations",
 )
+_CALL_KEYS = tuple(f"{attr}=" for attr in _CALL_ATTRS)  # a cheap first look at the raw attributes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -381,14 +382,51 @@ _OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _BRACKETS = {"(": ")", "[": "]", "{": "}"}
 
 
-@dataclasses.dataclass
 class _Instruction:
-    name: str
-    shape: str
-    opcode: str
-    operands: list[str]
-    attrs: dict[str, str]
-    args: str  # the raw text inside the operand parentheses, e.g. `5` for `constant(5)`
+    """One instruction: name, shape and opcode read with the line; its operands and attributes
+    when first asked for (most of a compiled module's instructions are inside fusions, whose
+    attributes only the question of what they call reads, and `rest` answers that first)."""
+
+    __slots__ = ("name", "shape", "opcode", "args", "rest", "_operands", "_attrs", "_calls")
+
+    def __init__(self, name: str, shape: str, opcode: str, args: str, rest: str):
+        self.name, self.shape, self.opcode = name, shape, opcode
+        self.args = args  # the raw text inside the operand parentheses, e.g. `5` for `constant(5)`
+        self.rest = rest  # the raw text after them: the attributes
+        self._operands: list[str] | None = None
+        self._attrs: dict[str, str] | None = None
+        self._calls: tuple[str, ...] | None = None
+
+    @property
+    def operands(self) -> list[str]:
+        if self._operands is None:
+            self._operands = []
+            for part in _split_top_level(self.args):
+                token = part.split()[-1] if part.split() else ""
+                if token.startswith("%") or self.opcode not in ("constant", "parameter", "iota"):
+                    self._operands.append(token.lstrip("%"))
+        return self._operands
+
+    @property
+    def attrs(self) -> dict[str, str]:
+        if self._attrs is None:
+            self._attrs = _parse_attrs(self.rest)
+        return self._attrs
+
+    @property
+    def calls(self) -> tuple[str, ...]:
+        """The computations it runs (loop body and condition, branches, fused computation, ...)."""
+        if self._calls is None:
+            if not any(key in self.rest for key in _CALL_KEYS):  # its attributes stay unread
+                self._calls = ()
+            else:
+                self._calls = tuple(
+                    n.lstrip("%")
+                    for attr in _CALL_ATTRS
+                    if attr in self.attrs
+                    for n in re.findall(r"%?[\w.\-]+", self.attrs[attr])
+                )
+        return self._calls
 
 
 @dataclasses.dataclass
@@ -493,14 +531,8 @@ def _parse_instruction(text: str) -> _Instruction:
     if op is None:
         raise ValueError(f"cannot parse HLO instruction: {text[:120]!r}")
     args_end = _match_close(text, op.end() - 1)
-    args = text[op.end() : args_end - 1]
-    operands = []
-    for part in _split_top_level(args):
-        token = part.split()[-1] if part.split() else ""
-        if token.startswith("%") or op.group(1) not in ("constant", "parameter", "iota"):
-            operands.append(token.lstrip("%"))
     rest = text[args_end:].lstrip().lstrip(",")
-    return _Instruction(name, shape, op.group(1), operands, _parse_attrs(rest), args)
+    return _Instruction(name, shape, op.group(1), text[op.end() : args_end - 1], rest)
 
 
 @functools.lru_cache(maxsize=2)
@@ -890,10 +922,8 @@ class _Analysis:
         return None
 
 
-def _callees(inst: _Instruction) -> Iterator[str]:
-    for attr in _CALL_ATTRS:
-        if attr in inst.attrs:
-            yield from (n.lstrip("%") for n in re.findall(r"%?[\w.\-]+", inst.attrs[attr]))
+def _callees(inst: _Instruction) -> tuple[str, ...]:
+    return inst.calls
 
 
 def _scaled(ops: list[tuple[str, CollectiveOp]], factor: int) -> list[tuple[str, CollectiveOp]]:
