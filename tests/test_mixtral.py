@@ -306,7 +306,7 @@ def test_planner_prices_the_forward_pass_the_router_loss_adds():
     differentiates the pooled loss directly and runs no extra pass, unless it sits inside
     grad_sync's shard_map over `data` (here `grad_sync.algorithm=ring`), where it runs the pass
     as 1f1b does: +33% compiled, and the planner's share within 1% too."""
-    from jaxdist import loop
+    from jaxdist import pipeline
 
     def lockstep(schedule, router_loss, **grad_sync):
         import configs.mixtral_tiny
@@ -316,8 +316,9 @@ def test_planner_prices_the_forward_pass_the_router_loss_adds():
         c.pipeline.schedule, c.pipeline.microbatches = schedule, 4
         c.grad_sync.update(grad_sync)
         eng, compiled = compile_step(c)
-        record = loop.layout_record(eng, compiled, c)["pipeline"]["lockstep_flops"]
-        return record, plan.predict(c, hw="cpu_here", num_devices=8).lockstep_flops
+        # the layout record's `pipeline.lockstep_flops`, without the rest of the record
+        compiled_flops = pipeline.lockstep_flops(compiled.as_text(), eng.schedule)["lockstep_flops"]
+        return compiled_flops, plan.predict(c, hw="cpu_here", num_devices=8).lockstep_flops
 
     for schedule, grad_sync in (("1f1b", {}), ("gpipe", {"algorithm": "ring"})):
         (with_loss, pred_with) = lockstep(schedule, True, **grad_sync)
