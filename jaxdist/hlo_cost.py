@@ -797,7 +797,7 @@ class _Analysis:
             elif inst.opcode == "conditional":
                 found.extend(self._conditional(inst))
             else:
-                for callee in _callees(inst):
+                for callee in inst.calls:
                     found.extend(self._collect(callee))
         self._memo[comp_name] = found
         return found
@@ -831,7 +831,7 @@ class _Analysis:
     def _conditional(self, inst: _Instruction) -> list[tuple[str, CollectiveOp]]:
         # One branch runs per execution; which one is data-dependent, so charge the most expensive
         # (or, asked for, the cheapest).
-        branches = [self._collect(callee) for callee in _callees(inst)]
+        branches = [self._collect(callee) for callee in inst.calls]
         ops = self.pick(branches, key=lambda ops: sum(op.wire_bytes for _, op in ops), default=[])
         return [(key, dataclasses.replace(op, conditional=True)) for key, op in ops]
 
@@ -922,10 +922,6 @@ class _Analysis:
         return None
 
 
-def _callees(inst: _Instruction) -> tuple[str, ...]:
-    return inst.calls
-
-
 def _scaled(ops: list[tuple[str, CollectiveOp]], factor: int) -> list[tuple[str, CollectiveOp]]:
     return [
         (key, dataclasses.replace(op, count=op.count * factor, wire_bytes=op.wire_bytes * factor))
@@ -981,7 +977,7 @@ def parse_module(hlo_text: str) -> _Module:
 
 def callees(inst: _Instruction) -> list[str]:
     """Names of the computations an instruction runs (loop body and condition, branches, ...)."""
-    return list(_callees(inst))
+    return list(inst.calls)
 
 
 def trip_count(module: _Module, inst: _Instruction, parent: _Computation) -> int:
