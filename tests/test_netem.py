@@ -379,7 +379,9 @@ def test_user_space_wire_delays_jitters_and_drops(monkeypatch, clean):
     clock; measured 10), and 300 UDP echoes, one sent every 5 ms, take 40 ms (the round trip)
     plus the hosts' and the wire's cost, under 1.5 ms (measured 0.25-0.56); about 1 - 0.95² of
     them are lost (4 standard deviations either way), as are 5% of the frames each host sent (the
-    wire's counters, 4 standard deviations). The echo processes run at the wire's priority (nice
+    wire's counters, 4 standard deviations). The wire's draws are seeded per port
+    (`wire.Draws`): 25 runs of this exchange lost 26 echoes, 15 of host0's 301 frames and 11 of
+    host1's 286, every time. The echo processes run at the wire's priority (nice
     -10, as root)."""
     monkeypatch.setenv(namespaces.ENV_NETEM, "user")
     link = profiles.link("rate=50mbit,delay=20ms,jitter=2ms,loss=5%")
@@ -478,6 +480,35 @@ def test_wire_lateness_quantiles_are_bin_edges():
         "user-space wire: 3 frames in, 2 out, lost host0 1 of 3; 0 refused by a full port queue; "
         "released late by 10 us (median), 40 us (99th percentile); 0.2 s of CPU"
     )
+
+
+def test_wire_draws_per_port_do_not_depend_on_the_other_ports():
+    """Each port's losses and each path's jitter come from their own generator: the n-th frame a
+    host sends meets the same fate however the other ports' frames interleave with it (with one
+    generator for all, the per-port counts of tests/test_netem.py's echo run moved between runs,
+    with the order the two hosts' frames reached the wire). Over 20,000 frames a port loses 5%
+    within 4 standard deviations, and a path's delay has mean delay_A/2 + delay_B/2 and standard
+    deviation sqrt(jitter_A² + jitter_B²)/2, within 3%."""
+    link = {"delay_s": 0.02, "jitter_s": 0.002, "loss": 0.05}
+    n = 20_000
+    apart = wire.Draws([link, link], seed=7)
+    losses = [[apart.lost(0) for _ in range(n)], [apart.lost(1) for _ in range(n)]]
+    delays = [[apart.delay(0, 1) for _ in range(n)], [apart.delay(1, 0) for _ in range(n)]]
+    mixed = wire.Draws([link, link], seed=7)
+    got = [[], []], [[], []]
+    for i in range(n):  # port 1 first on odd frames, jitter draws in between
+        for src in (0, 1) if i % 2 else (1, 0):
+            got[0][src].append(mixed.lost(src))
+            got[1][src].append(mixed.delay(src, 1 - src))
+    assert got == (losses, delays)
+    assert wire.Draws([link, link], seed=8).loss_rng[0].random() != apart.loss_rng[0].random()
+    sd = (n * 0.05 * 0.95) ** 0.5
+    for port in losses:
+        assert abs(sum(port) - 0.05 * n) <= 4 * sd, sum(port)
+    for path in delays:
+        assert statistics.fmean(path) == pytest.approx(0.02, rel=1e-3)
+        assert statistics.stdev(path) == pytest.approx((2 * 0.002**2) ** 0.5 / 2, rel=0.03)
+    assert not wire.Draws([{**link, "loss": 0.0}], seed=7).lost(0)
 
 
 def test_counters_parse_a_switch_port_table(tmp_path):

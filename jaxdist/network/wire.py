@@ -93,17 +93,58 @@ def percentile_us(hist: list[int], q: float) -> float:
     return float(len(hist) * LATE_BIN_US)
 
 
+class Draws:
+    """A wire's random fates: which frames are lost, how much jitter a frame gets.
+
+    Each port draws its frames' losses from its own generator and each path (A to B) its jitter
+    from its own, all seeded from `seed`: whether the n-th frame a host sends is lost depends on
+    the seed, the port and n alone, not on how the other ports' frames and their draws interleave
+    with it (with one generator for every draw, the counts of a run depended on that timing).
+
+    Args:
+      links: per port (host index order), a dict with `delay_s`, `jitter_s`, `loss`.
+      seed: the generators' seed.
+    """
+
+    def __init__(self, links: list[dict[str, float]], seed: int = 0):
+        self.links = links
+        n = len(links)
+        # A str seed is hashed with SHA-512 (random.seed, version 2): the same in every process.
+        self.loss_rng = [random.Random(f"{seed}:loss:{i}") for i in range(n)]
+        self.jitter_rng = {
+            (a, b): random.Random(f"{seed}:jitter:{a}:{b}")
+            for a in range(n)
+            for b in range(n)
+            if a != b
+        }
+
+    def lost(self, src: int) -> bool:
+        """Whether the next frame `src` sends is dropped (probability `loss` of its link)."""
+        loss = self.links[src]["loss"]
+        return bool(loss) and self.loss_rng[src].random() < loss
+
+    def delay(self, src: int, dst: int) -> float:
+        """The next frame from `src` to `dst`: seconds on the wire (its drawn jitter included)."""
+        a, b = self.links[src], self.links[dst]
+        d = a["delay_s"] / 2 + b["delay_s"] / 2
+        rng = self.jitter_rng[(src, dst)]
+        for j in (a["jitter_s"], b["jitter_s"]):
+            if j:
+                d += rng.gauss(0.0, j / 2)
+        return max(d, 0.0)
+
+
 class Wire:
     """The switch: one raw socket per port, a heap of frames in flight, a MAC table.
 
     Args:
       links: per port (host index order), a dict with `delay_s`, `jitter_s`, `loss`.
-      seed: the random generator's seed (loss and jitter draws).
+      seed: the seed of its loss and jitter draws (`Draws`).
     """
 
     def __init__(self, links: list[dict[str, float]], seed: int = 0):
         self.links = links
-        self.rng = random.Random(seed)
+        self.draws = Draws(links, seed)
         self.socks = []
         for i in range(len(links)):
             s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
@@ -121,14 +162,6 @@ class Wire:
         self.late_max_s = 0.0
         self.stats_per_port = [{"in": 0, "lost": 0} for _ in links]
 
-    def _delay(self, src: int, dst: int) -> float:
-        a, b = self.links[src], self.links[dst]
-        d = a["delay_s"] / 2 + b["delay_s"] / 2
-        for j in (a["jitter_s"], b["jitter_s"]):
-            if j:
-                d += self.rng.gauss(0.0, j / 2)
-        return max(d, 0.0)
-
     def _receive(self, src: int, now: float) -> None:
         sock = self.socks[src]
         while True:
@@ -141,7 +174,7 @@ class Wire:
             self.stats["frames_in"] += 1
             self.stats_per_port[src]["in"] += 1
             self.macs[frame[6:12]] = src
-            if self.links[src]["loss"] and self.rng.random() < self.links[src]["loss"]:
+            if self.draws.lost(src):
                 self.stats["lost"] += 1
                 self.stats_per_port[src]["lost"] += 1
                 continue
@@ -149,7 +182,7 @@ class Wire:
             for d in [dst] if dst is not None else range(len(self.socks)):
                 if d == src:
                     continue
-                t = max(now + self._delay(src, d), self.last.get((src, d), 0.0))
+                t = max(now + self.draws.delay(src, d), self.last.get((src, d), 0.0))
                 self.last[(src, d)] = t
                 self.seq += 1
                 heapq.heappush(self.heap, (t, self.seq, d, frame))
