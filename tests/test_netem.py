@@ -496,7 +496,7 @@ def test_wire_draws_per_port_do_not_depend_on_the_other_ports():
     delays = [[apart.delay(0, 1) for _ in range(n)], [apart.delay(1, 0) for _ in range(n)]]
     mixed = wire.Draws([link, link], seed=7)
     got = [[], []], [[], []]
-    for i in range(n):  # port 1 first on odd frames, jitter draws in between
+    for i in range(n):  # port 1 first on even frames, jitter draws in between
         for src in (0, 1) if i % 2 else (1, 0):
             got[0][src].append(mixed.lost(src))
             got[1][src].append(mixed.delay(src, 1 - src))
